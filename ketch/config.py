@@ -1,0 +1,154 @@
+"""Frozen configuration dataclasses. Derived values are properties, never stored twice."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
+SchedulePolicy = Literal["fcfs", "lpm"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (rope_type "llama3"); None in ModelConfig means plain RoPE."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str  # registry key, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x layout)."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        model_type = d.get("model_type", "llama")
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                rope_type="llama3",
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+        elif rope_type not in ("default", None):
+            raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=archs[0],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start; the step loop reads, never branches on, these."""
+
+    model: str | None = None  # GGUF file, HF directory, or config.json (dummy); None: bundled SmolLM2
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    load_format: LoadFormat = "auto"
+    seed: int = 0  # dummy weights and unseeded sampling start from here
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of the device memory
+    kv_cache_fraction: float = 0.05
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256  # running requests at once
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    chunked_prefill_size: int | None = None  # None: no chunking beyond the token budget
+    enable_prefix_cache: bool = True
+    schedule_policy: SchedulePolicy = "fcfs"
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "gguf", "hf", "dummy"):
+            raise ValueError(f"load_format must be auto|gguf|hf|dummy, got {self.load_format!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}") from None
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Most new tokens one request may take in a step."""
+        chunk = self.chunked_prefill_size or self.max_num_batched_tokens
+        return min(chunk, self.max_num_batched_tokens)
