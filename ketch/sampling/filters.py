@@ -1,0 +1,91 @@
+"""Truncation filters (top-k, top-p, min-p) and the seeded draw, batched over sampled rows.
+
+Per-row parameters arrive as [S, 1] tensors with neutral values for rows that do not use a
+filter (top_k = V, top_p = TOP_P_OFF, min_p = 0), so one kernel serves the whole sub-batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ketch.sampling.generators import shared_generator
+
+# Above any cumulative probability: fp rounding in cumsum (which can reach 1.0 before the last
+# token) must never trim a row that asked for top_p = 1.
+TOP_P_OFF = 2.0
+
+
+def top_k_only_(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value kept too).
+
+    topk(max_k) is much cheaper than a full sort of a large vocabulary; max_k is known on the
+    host when the batch is built, so there is no sync here.
+    """
+    top_values = logits.topk(max_k, dim=-1).values  # [S, max_k], descending
+    kth = top_values.gather(1, (top_k - 1).clamp_(max=max_k - 1))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def top_k_top_p_(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, max_k: int
+) -> torch.Tensor:
+    """Top-k then nucleus (top-p) over one descending ordering of the candidates.
+
+    When every row has a top-k (max_k < V) only the max_k best tokens are candidates, and
+    topk(max_k) replaces a full sort of the vocabulary (the expensive part on a GPU).
+    Nucleus keeps the smallest prefix whose mass reaches top_p: token i (in sorted order)
+    stays while the mass strictly before it is < top_p, so the first token always stays.
+    """
+    vocab = logits.shape[-1]
+    if max_k < vocab:
+        sorted_logits, order = logits.topk(max_k, dim=-1)  # sorted descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove: torch.Tensor | None = None
+    if top_k is not None:
+        ranks = torch.arange(sorted_logits.shape[-1], device=logits.device)
+        remove = ranks >= top_k  # [S, candidates]
+        sorted_logits.masked_fill_(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    remove_p = mass_before >= top_p
+    remove = remove_p if remove is None else remove_p.logical_or_(remove)
+    # Back to vocabulary order: position order[i, j] gets the verdict of candidate j; tokens
+    # that were never candidates stay removed.
+    if max_k < vocab:
+        mask = torch.ones_like(logits, dtype=torch.bool)
+    else:
+        mask = torch.empty_like(logits, dtype=torch.bool)
+    mask.scatter_(1, order, remove)
+    return logits.masked_fill_(mask, float("-inf"))
+
+
+def min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability.
+
+    No renormalisation: the draw below is invariant to the scale of each row.
+    """
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def draw_(
+    probs: torch.Tensor, seeded: Sequence[tuple[int, torch.Generator]], any_shared: bool
+) -> torch.Tensor:
+    """Sample one token per row from (unnormalised) probs.
+
+    Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is distributed as
+    p_i / sum(p). A seeded row (row index, its own generator) draws its own [V] noise, so it
+    gets the same numbers wherever it sits and whoever shares the batch; that costs one small
+    kernel per seeded row. The other rows share one draw from a per-device generator seeded
+    from OS randomness.
+    """
+    noise = torch.empty_like(probs)
+    if any_shared:
+        noise.exponential_(generator=shared_generator(probs.device))
+    for i, generator in seeded:
+        noise[i].exponential_(generator=generator)
+    # Exp(1) can return 0 on some backends; a zero would make 0/0 = NaN for banned tokens.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)

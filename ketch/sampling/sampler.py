@@ -1,0 +1,127 @@
+"""The per-step sampler: logits [B, V] -> one token per row (+ logprobs), batched.
+
+    logits ──► raw logprobs (log_softmax; only when a row wants logprobs)
+      │
+      ├─► edits: logit_bias, min_tokens bans (one sparse add), penalties   [skipped if none]
+      │
+      ├─► greedy rows: argmax                  (bit-exact argmax of the input when unedited)
+      └─► sampled rows: / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► draw
+
+Returned logprobs describe the RAW model distribution (before bias, penalties, temperature
+and truncation), as vLLM does by default: they say what the model thought, not how the
+token was picked. Nothing here syncs with the device until `DeviceSample.to_host`, which is
+the step's single device->host copy, so an overlapped loop can defer it one step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ketch.sampling.batch import SampledRows, SamplingBatch, SamplingRow
+from ketch.sampling.filters import draw_, min_p_, top_k_only_, top_k_top_p_
+from ketch.sampling.generators import make_generator
+
+__all__ = [
+    "DeviceSample",
+    "edit_logits",
+    "SampleResult",
+    "SamplingBatch",
+    "SamplingRow",
+    "make_generator",
+    "sample",
+    "sample_on_device",
+]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # chosen token's raw logprob, every row, when any row asked
+    top_ids: list[list[int]] | None  # [B][k], k = max top_logprobs in the batch; None if 0
+    top_logprobs: list[list[float]] | None  # descending, aligned with top_ids
+
+
+@dataclass
+class DeviceSample:
+    """The step's results still on the device; `token_ids` can feed the next step directly."""
+
+    token_ids: torch.Tensor  # [B] int64
+    packed: torch.Tensor | None  # [B, 2 + 2k] float64: id, logprob, top ids, top logprobs
+    num_top: int
+
+    def to_host(self) -> SampleResult:
+        """The one device->host transfer of the step."""
+        if self.packed is None:
+            return SampleResult(self.token_ids.tolist(), None, None, None)
+        rows = self.packed.tolist()
+        k = self.num_top
+        return SampleResult(
+            token_ids=[int(r[0]) for r in rows],
+            logprobs=[r[1] for r in rows],
+            top_ids=[[int(t) for t in r[2 : 2 + k]] for r in rows] if k else None,
+            top_logprobs=[r[2 + k :] for r in rows] if k else None,
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    return sample_on_device(logits, batch).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+    """Sample without syncing. `logits` ([B, V], fp32) is not modified."""
+    assert logits.shape == (batch.size, batch.vocab_size), (logits.shape, batch.size)
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs >= 0 else None
+
+    logits = edit_logits(logits, batch)
+
+    sampled = batch.sampled
+    if sampled is None:
+        token_ids = logits.argmax(dim=-1)
+    elif not batch.any_greedy:
+        token_ids = _draw(logits, sampled)
+    else:
+        token_ids = logits.argmax(dim=-1)
+        assert sampled.index is not None
+        picked = _draw(logits.index_select(0, sampled.index), sampled)
+        token_ids.index_copy_(0, sampled.index, picked)
+
+    if raw_logprobs is None:
+        return DeviceSample(token_ids, None, 0)
+    packed = _pack_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
+    return DeviceSample(token_ids, packed, batch.num_logprobs)
+
+
+def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logit_bias, min_tokens bans and penalties applied to a copy; the input itself if none."""
+    if not batch.needs_edits:
+        return logits
+    logits = logits.clone(memory_format=torch.contiguous_format)  # view(-1) below
+    if batch.edit_index is not None:
+        logits.view(-1).index_put_((batch.edit_index,), batch.edit_value, accumulate=True)
+    if batch.penalties is not None:
+        batch.penalties.apply_(logits)
+    return logits
+
+
+def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
+    scaled = logits / rows.temperature  # a new tensor: the filters below work in place
+    if rows.top_p is not None:
+        top_k_top_p_(scaled, rows.top_k, rows.top_p, rows.max_top_k)
+    elif rows.top_k is not None:
+        top_k_only_(scaled, rows.top_k, rows.max_top_k)
+    probs = scaled.softmax(dim=-1)
+    if rows.min_p is not None:
+        min_p_(probs, rows.min_p)
+    return draw_(probs, rows.seeded, rows.any_shared)
+
+
+def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, 2 + 2k] float64 so ids and logprobs cross to the host in one copy (ids < 2**53)."""
+    chosen = raw.gather(1, token_ids.unsqueeze(1))
+    parts = [token_ids.unsqueeze(1).double(), chosen.double()]
+    if k > 0:
+        top = raw.topk(k, dim=-1)  # sorted descending
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
