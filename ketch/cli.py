@@ -1,0 +1,93 @@
+"""`ketch generate | chat | bench offline`: parse arguments, call down, print."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from ketch.llm import LLM
+
+    llm = LLM(**engine_kwargs(a))
+    for delta in llm.stream(a.prompt, sampling_params(a)):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _chat(a: argparse.Namespace) -> int:
+    from ketch.llm import LLM
+
+    llm = LLM(**engine_kwargs(a))
+    params = sampling_params(a)
+    messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
+    print("ketch chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for delta in llm.stream(llm.encode_chat(messages), params):
+            reply += delta
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from ketch.bench.offline import run_offline
+
+    run_offline(a)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ketch", description="ketch: fast LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    g.add_argument("prompt")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=_generate)
+
+    c = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=_chat)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    off = bsub.add_parser("offline", help="throughput of the in-process engine on random prompts")
+    off.add_argument("--num-prompts", type=int, default=32)
+    off.add_argument("--input-len", type=int, default=128)
+    off.add_argument("--output-len", type=int, default=128)
+    off.add_argument("--batch-sizes", default="1,32", help="comma-separated concurrency levels to measure")
+    off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--output-file", default=None, help="write results as JSON")
+    add_engine_args(off)
+    off.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

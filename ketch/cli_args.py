@@ -1,0 +1,54 @@
+"""Engine and sampling flags shared by every `ketch` subcommand."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ketch.sampling.params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, HF directory or config.json (dummy); default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="KV pool as a fraction of device memory")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--chunked-prefill-size", type=int, default=None)
+    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
+        kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction, max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,
+        schedule_policy=a.schedule_policy, num_threads=a.num_threads,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+
+
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, seed=a.seed, stop=a.stop,
+    )

@@ -1,0 +1,165 @@
+"""The in-process engine: validate and queue requests, run steps, report token deltas.
+
+`ketch.LLM` drives it directly; the engine process (server) drives the same object from its
+ZMQ loop. A step is: schedule → forward → account computed tokens → sample → append tokens,
+check stop conditions, finish requests (which releases their pages exactly once).
+"""
+from __future__ import annotations
+
+import itertools
+
+from ketch.cache.allocator import PageAllocator
+from ketch.cache.radix import RadixCache
+from ketch.config import EngineConfig
+from ketch.engine.outputs import EngineOutput, TokenLogprob
+from ketch.runner.model_runner import ModelRunner
+from ketch.sampling.params import SamplingParams
+from ketch.sampling.sampler import SamplingBatch, SamplingRow, make_generator, sample
+from ketch.scheduler.request import FinishReason, Request, RequestState
+from ketch.scheduler.scheduler import Scheduler
+from ketch.weights import load_model_config
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model, config.load_format)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tuple(eos_token_ids)))
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.allocator = PageAllocator(self.runner.pool.num_pages)
+        self.cache = RadixCache(config.page_size, self.allocator, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(config, self.allocator, self.cache)
+        self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
+        self._arrivals = itertools.count()
+        self._aborted: list[EngineOutput] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError naming the field for bad input (the engine is unchanged)."""
+        self._validate(request_id, prompt_ids, params)
+        samples: list[Request] = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            req = Request(
+                rid=request_id if params.n == 1 else f"{request_id}#{i}",
+                group_id=request_id,
+                index=i,
+                prompt_ids=list(prompt_ids),
+                params=params,
+                generator=None if seed is None or params.is_greedy else make_generator(seed, self.runner.device),
+                eos_ids=self.eos_ids,
+                max_len=self.max_model_len,
+                arrival=next(self._arrivals),
+                wait_for=samples[0] if samples and self.config.enable_prefix_cache else None,
+            )
+            samples.append(req)
+        self.requests[request_id] = samples
+        for req in samples:
+            self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length ({self.max_model_len})"
+            )
+        capacity = self.runner.pool.num_pages * self.config.page_size
+        if total > capacity:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({capacity} tokens)"
+            )
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request (or one of its samples) in any state; a no-op once it has ended."""
+        for req in self.requests.get(request_id, ()):
+            if (index is None or req.index == index) and self.scheduler.finish(req, FinishReason.ABORT):
+                self._aborted.append(self._output(req, [], None))
+                self._forget(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[EngineOutput]:
+        outputs, self._aborted = self._aborted, []
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        sampling = [c.req for c in chunks if c.samples]
+        logits = self.runner.forward(chunks)
+        self.scheduler.after_forward(chunks)
+        rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids) for r in sampling]
+        result = sample(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
+        for i, req in enumerate(sampling):
+            token = result.token_ids[i]
+            req.output_ids.append(token)
+            logprobs = None
+            if req.params.logprobs:
+                top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
+                logprobs = [TokenLogprob(token, result.logprobs[i], top)]
+            self._check_stop(req, token)
+            outputs.append(self._output(req, [token], logprobs))
+            if req.is_finished:
+                self._forget(req)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        if len(req.output_ids) >= p.min_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
+                self.scheduler.finish(req, FinishReason.STOP, token)
+                return
+            if not p.ignore_eos and token in req.eos_ids:
+                self.scheduler.finish(req, FinishReason.STOP, token)
+                return
+        if len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
+            self.scheduler.finish(req, FinishReason.LENGTH)
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> EngineOutput:
+        return EngineOutput(
+            request_id=req.group_id,
+            index=req.index,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            matched_stop=req.matched_stop,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_cached_tokens=req.num_cached_prompt,
+        )
+
+    def _forget(self, req: Request) -> None:
+        samples = self.requests.get(req.group_id)
+        if samples is not None and all(r.is_finished for r in samples):
+            del self.requests[req.group_id]
+
+    # ---------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """free + evictable + in_use == total; no page table names a free page; idle ⇒ in_use == 0."""
+        held: set[int] = set()
+        for req in self.scheduler.running:
+            assert req.state is RequestState.RUNNING
+            for page in req.page_table:
+                assert self.allocator.refcount(page) >= 1, f"request {req.rid} holds free page {page}"
+            held.update(req.page_table)
+        for req in self.scheduler.waiting:
+            assert not req.page_table and req.cache_node is None, f"waiting request {req.rid} holds pages"
+        # no leak: every allocated page is named by a request or by the tree
+        allocated = self.allocator.num_pages - self.allocator.num_free
+        assert allocated == len(held | self.cache.cached_page_set()), "a page is allocated but nobody holds it"
+        self.cache.check_invariants()
+        if not self.scheduler.running:  # idle: in_use == 0, i.e. free + evictable == total
+            assert self.allocator.num_free + self.cache.evictable_pages == self.allocator.num_pages

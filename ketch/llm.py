@@ -1,0 +1,209 @@
+"""The offline API: `LLM(...).generate / chat / stream`, driving the engine in-process.
+
+Text concerns live here, above the engine: tokenizing, chat templates, incremental
+detokenization and stop strings. A sample that hits a stop string is aborted in the engine
+(its pages return at once) and reported with finish_reason "stop".
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from tqdm import tqdm
+
+from ketch.config import EngineConfig
+from ketch.engine.engine import Engine
+from ketch.engine.outputs import EngineOutput, TokenLogprob
+from ketch.sampling.params import SamplingParams
+from ketch.text.chat_template import render_chat
+from ketch.text.detokenizer import IncrementalDetokenizer
+from ketch.text.stop import StopChecker
+from ketch.text.tokenizer import Tokenizer
+from ketch.weights.source import default_model_path, detect_format
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result; `text`, `token_ids`, `finish_reason`, `logprobs` are those of sample 0."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class _SampleText:
+    """Detokenizer + stop-string watcher for one sample."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
+        self.stop = StopChecker(params.stop) if (tokenizer and params.stop) else None
+
+    def push(self, ids: list[int]) -> tuple[str, str | None]:
+        if self.detok is None:
+            return "", None
+        text = self.detok.push(ids)
+        return self.stop.feed(text) if self.stop else (text, None)
+
+    def flush(self) -> str:
+        if self.detok is None:
+            return ""
+        text = self.detok.flush()
+        if self.stop is None:
+            return text
+        emitted, _ = self.stop.feed(text)
+        return emitted + self.stop.flush()
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, **engine_args)
+        path = model or default_model_path()
+        self.tokenizer = None if detect_format(path, self.config.load_format) == "dummy" else Tokenizer.load(path)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.engine = Engine(self.config, eos_token_ids=eos)
+        self._ids = itertools.count()
+        self._prompts: dict[str, list[int]] = {}  # live stream/generate requests
+
+    # ---------------------------------------------------------------- public API
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run([self._encode(p) for p in prompts], params or SamplingParams(), use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.encode_chat(c, chat_template) for c in conversations]
+        return self._run(prompts, params or SamplingParams(), use_tqdm)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one prompt's first sample as they are decoded."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("n: stream() takes n == 1")
+        rid = self._add(self._encode(prompt), params)
+        text = _SampleText(self.tokenizer, self._prompts[rid], params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    delta, stopped = text.push(out.new_token_ids)
+                    if stopped is not None:
+                        self.engine.abort(rid)
+                        yield delta
+                        return
+                    if out.finished:
+                        yield delta + text.flush()
+                        return
+                    if delta:
+                        yield delta
+        finally:
+            self.engine.abort(rid)
+            self._prompts.pop(rid, None)
+
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
+        tok = self._require_tokenizer()
+        template = chat_template or tok.chat_template
+        if not template:
+            raise ValueError("chat_template: the model has none; pass chat_template=")
+        text = render_chat(template, messages, add_generation_prompt=True, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        return tok.encode(text, add_special_tokens=False)
+
+    # ---------------------------------------------------------------- internals
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self._require_tokenizer().encode(prompt)
+        return list(prompt)
+
+    def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        rid = f"llm-{next(self._ids)}"
+        self.engine.add_request(rid, prompt_ids, params)
+        self._prompts[rid] = prompt_ids
+        return rid
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
+        params.validate(self.engine.vocab_size)
+        results: dict[str, RequestOutput] = {}
+        texts: dict[tuple[str, int], _SampleText] = {}
+        try:
+            for ids in prompts:
+                rid = self._add(ids, params)
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(params.n)])
+                for i in range(params.n):
+                    texts[rid, i] = _SampleText(self.tokenizer, ids, params)
+            bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
+            pending = len(results)
+            while pending:
+                for out in self.engine.step():
+                    res = results.get(out.request_id)
+                    if res is None or res.outputs[out.index].finish_reason is not None:
+                        continue
+                    before = res.finished
+                    res.num_cached_tokens = out.num_cached_tokens
+                    self._apply(res.outputs[out.index], texts[out.request_id, out.index], out)
+                    if res.finished and not before:
+                        pending -= 1
+                        bar.update(1)
+            bar.close()
+        finally:
+            for rid in results:
+                self.engine.abort(rid)
+                self._prompts.pop(rid, None)
+        return list(results.values())
+
+    def _apply(self, sample: CompletionOutput, text: _SampleText, out: EngineOutput) -> None:
+        sample.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + out.new_logprobs
+        delta, stopped = text.push(out.new_token_ids)
+        sample.text += delta
+        if stopped is not None:
+            self.engine.abort(out.request_id, out.index)
+            sample.finish_reason, sample.matched_stop = "stop", stopped
+        elif out.finished:
+            sample.text += text.flush()
+            sample.finish_reason, sample.matched_stop = out.finish_reason, out.matched_stop

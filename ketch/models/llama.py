@@ -1,0 +1,135 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens of all requests in a step are flattened into one [tokens, hidden] stream; only
+attention needs to know where one request ends, and it learns that from the backend metadata.
+Projections are fused (q|k|v and gate|up) so a layer runs two big matmuls instead of five.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ketch.attention.base import AttentionBackend
+from ketch.config import ModelConfig
+from ketch.layers.activation import silu_and_mul
+from ketch.layers.norm import RMSNorm
+from ketch.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = attn.forward(q, k, v, self.layer, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, attn, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take HF-named tensors, fusing q/k/v and gate/up; fail loudly on missing or unknown names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            target, offset = name, None
+            for part, fused, off in (
+                ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", cfg.q_size),
+                ("v_proj", "qkv_proj", cfg.q_size + cfg.kv_size),
+                ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", cfg.intermediate_size),
+            ):
+                if f".{part}." in name:
+                    target, offset = name.replace(part, fused), off
+                    break
+            if target == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes still carry a copy
+            if target not in params:
+                raise ValueError(f"model: unexpected weight {name!r}")
+            param = params[target]
+            dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}@{offset}")
+        expected = {f"{n}@{o}" for n, o in self._expected_slots()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"model: missing weights {sorted(missing)[:5]}...")
+
+    def _expected_slots(self) -> Iterable[tuple[str, int | None]]:
+        cfg = self.config
+        fused = {
+            "qkv_proj.weight": (0, cfg.q_size, cfg.q_size + cfg.kv_size),
+            "qkv_proj.bias": (0, cfg.q_size, cfg.q_size + cfg.kv_size),
+            "gate_up_proj.weight": (0, cfg.intermediate_size),
+        }
+        for name, _ in self.named_parameters():
+            suffix = ".".join(name.split(".")[-2:])
+            if suffix in fused:
+                yield from ((name, o) for o in fused[suffix])
+            else:
+                yield name, None

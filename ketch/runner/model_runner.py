@@ -1,0 +1,76 @@
+"""Owns the model, the KV pool and the attention backend; runs one step's forward pass.
+
+The scheduler hands over `ScheduledChunk`s; the runner flattens them into one token stream
+(decode-like chunks first), builds attention metadata once, runs the model and returns the
+fp32 logits of the rows that sample.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ketch.attention.base import SeqChunk
+from ketch.attention.torch_backend import TorchAttentionBackend
+from ketch.cache.kv_pool import KVPool
+from ketch.config import EngineConfig, ModelConfig
+from ketch.models.registry import model_class
+from ketch.scheduler.scheduler import ScheduledChunk
+from ketch.weights import iter_weights
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = self._load_model(max_model_len)
+        self.pool = self._allocate_pool()
+        self.attn = TorchAttentionBackend(self.pool, model_config.head_dim, self.device)
+
+    def _load_model(self, max_model_len: int) -> torch.nn.Module:
+        cfg = self.model_config
+        with torch.device(self.device):
+            model = model_class(cfg)(cfg, max_positions=max_model_len)
+        model.to(dtype=self.dtype)
+        model.rotary.to(dtype=torch.float32)  # cos/sin tables stay fp32 whatever the weights are
+        weights = iter_weights(self.config.model, cfg, self.dtype, self.config.load_format, seed=self.config.seed)
+        model.load_weights(weights)
+        return model.eval()
+
+    def _allocate_pool(self) -> KVPool:
+        cfg, ec = self.model_config, self.config
+        per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        budget = ec.kv_cache_memory or int(device_memory_bytes(self.device) * ec.kv_cache_fraction)
+        return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run the step; returns logits [rows that sample, vocab] in fp32, in `chunks` order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqChunk] = []
+        sample_rows: list[int] = []
+        for c in chunks:
+            req, start = c.req, c.req.num_computed
+            ids.extend(req.tokens(start, start + c.num_new))
+            positions.extend(range(start, start + c.num_new))
+            seqs.append(SeqChunk(start, c.num_new, req.page_table))
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = self.attn.init_metadata(seqs)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, self.attn, meta)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))

@@ -1,0 +1,81 @@
+"""A request as the scheduler sees it, with an explicit state machine.
+
+    WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED
+       ▲                  │
+       └────preempt───────┘       (abort: from any state to FINISHED)
+
+Only `Scheduler` moves `state`; every transition goes through one of its methods, so a
+request ends exactly once and releases its pages exactly once.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ketch.sampling.params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str  # engine-wide unique id (one per sample: "<id>" or "<id>#<index>" when n > 1)
+    group_id: str  # the id the caller used; shared by the n samples of one prompt
+    index: int  # which of the n samples
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_ids: tuple[int, ...]
+    max_len: int  # prompt + output may not exceed this (context length)
+    arrival: int  # admission order for FCFS and preemption priority
+    output_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed: int = 0  # tokens whose K/V is in the pool
+    page_table: list[int] = field(default_factory=list)  # pages this request holds a reference on
+    cache_node: Any = None  # radix node locked by this request (covers its cached prefix)
+    num_inserted_pages: int = 0  # full pages already published to the prefix cache
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_preemptions: int = 0
+    wait_for: "Request | None" = None  # n > 1: later samples wait for sample 0's prefill, then hit its pages
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    admitted_once: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """all_ids[lo:hi] without building all_ids."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        if lo >= n:
+            return self.output_ids[lo - n : hi - n]
+        return self.prompt_ids[lo:] + self.output_ids[: hi - n]
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED

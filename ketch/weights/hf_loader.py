@@ -1,0 +1,98 @@
+"""Hugging Face model directories: config.json (+ generation_config.json) and *.safetensors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ketch.config import ModelConfig
+
+_INDEX = "model.safetensors.index.json"
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model: cannot read {path!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model: {path!r} does not hold a JSON object")
+    return data
+
+
+def config_from_hf(config_path: str) -> ModelConfig:
+    """`config_path` is a directory holding config.json, or a config.json file itself."""
+    if os.path.isdir(config_path):
+        config_path = os.path.join(config_path, "config.json")
+    d = _read_json(config_path)
+    try:
+        config = ModelConfig.from_hf_dict(d)
+    except KeyError as e:
+        raise ValueError(f"model: {config_path!r} lacks {e.args[0]!r}") from None
+    # Chat models often list their end-of-turn token only in generation_config.json (Llama 3).
+    gen_path = os.path.join(os.path.dirname(config_path), "generation_config.json")
+    if os.path.isfile(gen_path):
+        eos = _read_json(gen_path).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
+        config = dataclasses.replace(config, eos_token_ids=merged)
+    return config
+
+
+def safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, _INDEX)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model: {index!r} has no weight_map")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {directory!r}")
+    paths = [os.path.join(directory, f) for f in files]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"model: shard(s) listed in {_INDEX} are missing: {missing}")
+    return paths
+
+
+def _skip(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints store the rotary inv_freq buffer; tied ones sometimes store lm_head anyway.
+    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+class SafetensorsWeights:
+    """Iterates (name, tensor) over every shard, one tensor in memory at a time."""
+
+    def __init__(self, directory: str, config: ModelConfig, dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.entries: list[tuple[str, str]] = []  # (file, tensor name), in file order
+        for path in safetensors_files(directory):
+            try:
+                with safe_open(path, framework="pt") as f:
+                    names = list(f.keys())
+            except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
+                raise ValueError(f"model: {path!r} is not a readable safetensors file: {e}") from None
+            self.entries += [(path, n) for n in names if not _skip(n, config)]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        handle, handle_path = None, None
+        for path, name in self.entries:
+            if path != handle_path:
+                handle, handle_path = safe_open(path, framework="pt"), path
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise ValueError(f"model: cannot read tensor {name!r} from {path!r}: {e}") from None
+            yield name, tensor.to(self.dtype)

@@ -1,0 +1,79 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF and tiny random models for fast engine tests."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ketch.config import EngineConfig
+from ketch.engine.engine import Engine
+from ketch.weights.source import default_model_path
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+    "bos_token_id": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("tiny")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d / "config.json")
+
+
+def make_tiny_engine(config_path: str, **kw) -> Engine:
+    """A 2-layer random Llama; deterministic weights (seed 0), fp32, a small KV pool by default."""
+    kw.setdefault("kv_cache_memory", 2 * 1024 * 1024)
+    kw.setdefault("page_size", 4)
+    return Engine(EngineConfig(model=config_path, load_format="dummy", dtype="float32", **kw))
+
+
+def drain(engine: Engine, max_steps: int = 10_000) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        outs.extend(engine.step())
+        engine.check_invariants()
+    assert not engine.has_unfinished(), "engine did not drain"
+    return outs
+
+
+def collect(outs: list) -> dict[tuple[str, int], dict]:
+    """Fold step outputs into {(request_id, index): {"ids": [...], "reason": ..., "logprobs": [...]}}."""
+    res: dict[tuple[str, int], dict] = {}
+    for o in outs:
+        r = res.setdefault((o.request_id, o.index), {"ids": [], "reason": None, "logprobs": [], "ends": 0})
+        r["ids"].extend(o.new_token_ids)
+        if o.new_logprobs:
+            r["logprobs"].extend(o.new_logprobs)
+        if o.finished:
+            r["reason"] = o.finish_reason
+            r["ends"] += 1
+    return res
+
+
+def assert_drained(engine: Engine) -> None:
+    engine.check_invariants()
+    total = engine.allocator.num_pages
+    assert engine.allocator.num_free + engine.cache.evictable_pages == total
+    assert not engine.scheduler.running and not engine.scheduler.waiting

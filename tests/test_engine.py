@@ -1,0 +1,197 @@
+"""Engine behaviour on a tiny random model: aborts in every state, preemption, n > 1,
+bad input, and the page invariant after every scenario."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import assert_drained, collect, drain, make_tiny_engine
+from ketch.sampling.params import SamplingParams
+from ketch.scheduler.request import RequestState
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def test_runs_to_length_and_drains(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path)
+    for i in range(5):
+        eng.add_request(f"r{i}", prompt(10 + i, i), GREEDY)
+    res = collect(drain(eng))
+    assert len(res) == 5
+    for r in res.values():
+        assert len(r["ids"]) == 8 and r["reason"] == "length" and r["ends"] == 1
+    assert_drained(eng)
+
+
+def _state_of(eng, rid):
+    return eng.requests[rid][0].state
+
+
+def test_abort_waiting(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, max_num_seqs=1)
+    eng.add_request("a", prompt(8), GREEDY)
+    eng.add_request("b", prompt(8, 1), GREEDY)
+    eng.step()
+    assert _state_of(eng, "b") is RequestState.WAITING
+    eng.abort("b")
+    res = collect(drain(eng))
+    assert res[("b", 0)] == {"ids": [], "reason": "abort", "logprobs": [], "ends": 1}
+    assert res[("a", 0)]["reason"] == "length"
+    assert_drained(eng)
+
+
+def test_abort_prefilling(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, chunked_prefill_size=4)
+    eng.add_request("a", prompt(30), GREEDY)
+    eng.step()
+    req = eng.requests["a"][0]
+    assert req.state is RequestState.RUNNING and 0 < req.num_computed < len(req.prompt_ids)
+    eng.abort("a")
+    res = collect(drain(eng))
+    assert res[("a", 0)]["reason"] == "abort" and res[("a", 0)]["ends"] == 1
+    assert_drained(eng)
+
+
+def test_abort_decoding_and_after_finish(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path)
+    eng.add_request("a", prompt(8), GREEDY)
+    outs = eng.step() + eng.step() + eng.step()
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    eng.abort("a")
+    eng.abort("a")  # twice: still one end
+    eng.abort("never-existed")
+    res = collect(outs + drain(eng))
+    assert res[("a", 0)]["reason"] == "abort" and res[("a", 0)]["ends"] == 1 and len(res[("a", 0)]["ids"]) == 3
+    assert_drained(eng)
+
+
+def test_preemption_recomputes_and_aborting_preempted(tiny_config_path):
+    # 12 pages of 4 tokens; each request needs up to 10 pages, so 6 at once must preempt
+    eng = make_tiny_engine(tiny_config_path, kv_cache_memory=12 * 2048)
+    assert eng.allocator.num_pages == 12
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for i in range(6):
+        eng.add_request(f"r{i}", prompt(16, i), params)
+    outs, preempted = [], None
+    for _ in range(1000):
+        if not eng.has_unfinished():
+            break
+        outs += eng.step()
+        eng.check_invariants()
+        waiting = [r for r in eng.scheduler.waiting if r.num_preemptions and r.rid != "r0"]
+        if preempted is None and waiting:
+            preempted = waiting[0].group_id
+            eng.abort(preempted)
+    assert eng.scheduler.stats.preemptions > 0 and preempted is not None
+    res = collect(outs)
+    for (rid, _), r in res.items():
+        assert r["ends"] == 1
+        if rid == preempted:
+            assert r["reason"] == "abort"
+        else:
+            assert r["reason"] == "length" and len(r["ids"]) == 24
+    assert_drained(eng)
+
+
+def test_n_samples_share_prompt_pages(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    eng.add_request("g", prompt(21), params)
+    outs = drain(eng)
+    res = collect(outs)
+    assert sorted(res) == [("g", 0), ("g", 1), ("g", 2)]
+    cached = {o.index: o.num_cached_tokens for o in outs if o.finished}
+    assert cached[0] == 0 and cached[1] == 20 and cached[2] == 20  # every full page of the prompt
+    assert_drained(eng)
+
+
+def test_seeded_n_samples_reproduce(tiny_config_path):
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    runs = []
+    for mates in (0, 3):
+        eng = make_tiny_engine(tiny_config_path)
+        for i in range(mates):
+            eng.add_request(f"mate{i}", prompt(9, 100 + i), SamplingParams(temperature=1.0, max_tokens=10))
+        eng.add_request("s", prompt(12), params)
+        res = collect(drain(eng))
+        runs.append((res[("s", 0)]["ids"], res[("s", 1)]["ids"]))
+        assert_drained(eng)
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # the n samples use different streams
+
+
+def test_stop_token_ids_min_tokens_and_eos(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path)
+    eng.add_request("free", prompt(8), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    first = collect(drain(eng))[("free", 0)]["ids"]
+    stop_tok = first[2]
+    eng.add_request("stop", prompt(8), SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[stop_tok]))
+    res = collect(drain(eng))[("stop", 0)]
+    assert res["reason"] == "stop" and res["ids"][-1] == stop_tok and len(res["ids"]) == first.index(stop_tok) + 1
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(n=0), "n"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(params, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**params).validate(512)
+
+
+def test_bad_requests_leave_the_engine_serving(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, max_model_len=64)
+    with pytest.raises(ValueError, match="^prompt"):
+        eng.add_request("e", [], GREEDY)
+    with pytest.raises(ValueError, match="^prompt"):
+        eng.add_request("e", [1, 99999], GREEDY)
+    with pytest.raises(ValueError, match="^max_tokens.*60.*10.*64"):
+        eng.add_request("e", prompt(60), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="^logit_bias"):
+        eng.add_request("e", prompt(8), SamplingParams(logit_bias={100000: 1.0}))
+    eng.add_request("ok", prompt(8), GREEDY)
+    with pytest.raises(ValueError, match="^request_id"):
+        eng.add_request("ok", prompt(8), GREEDY)
+    res = collect(drain(eng))
+    assert list(res) == [("ok", 0)] and len(res[("ok", 0)]["ids"]) == 8
+    assert_drained(eng)
+
+
+def test_prefix_cache_hit_rate_on_shared_system_prompt(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, kv_cache_memory=8 * 1024 * 1024)
+    system = prompt(200, 42)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("first", system + prompt(10, 0), params)
+    drain(eng)
+    for i in range(1, 9):
+        eng.add_request(f"u{i}", system + prompt(10, i), params)
+    drain(eng)
+    stats = eng.scheduler.stats
+    saved = stats.cached_prompt_tokens
+    print(f"prefix cache: hit rate {stats.cache_hit_rate:.1%}, prefill tokens saved {saved} of {stats.prompt_tokens}")
+    assert saved == 8 * 200  # every full page of the shared 200-token system prompt (page size 4)
+    assert stats.cache_hit_rate == pytest.approx(1600 / (9 * 210))
+    assert_drained(eng)
+
+
+def test_disabled_prefix_cache_keeps_nothing(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, enable_prefix_cache=False)
+    eng.add_request("a", prompt(40), GREEDY)
+    eng.add_request("b", prompt(40), GREEDY)
+    drain(eng)
+    assert eng.scheduler.stats.cached_prompt_tokens == 0
+    assert eng.allocator.num_free == eng.allocator.num_pages
