@@ -23,7 +23,7 @@ class PrefillMeta:
     lo: int
     hi: int
     page_table: torch.Tensor | None  # [1, pages]; None when nothing was cached before the chunk
-    mask: torch.Tensor | None  # [1, 1, new, pages * page_size] bool
+    mask: torch.Tensor | None  # [1, 1, new, pages * page_size] additive (0 / -inf)
 
 
 @dataclass
@@ -31,7 +31,7 @@ class TorchAttentionMetadata:
     slots: torch.Tensor  # [tokens] slot of each new token
     num_decode: int
     decode_pages: torch.Tensor | None  # [B, max_pages]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_pages * page_size] bool
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_pages * page_size] additive (0 / -inf)
     prefills: list[PrefillMeta]
 
 
@@ -57,7 +57,8 @@ class TorchAttentionBackend(AttentionBackend):
             table = [s.page_table[: -(-s.kv_len // ps)] + [0] * (max_pages - -(-s.kv_len // ps)) for s in decodes]
             decode_pages = torch.tensor(table, dtype=torch.long, device=self.device)
             lens = torch.tensor([s.kv_len for s in decodes], device=self.device)
-            decode_mask = (torch.arange(max_pages * ps, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            visible = torch.arange(max_pages * ps, device=self.device)[None, :] < lens[:, None]
+            decode_mask = self._additive(visible)[:, None, None, :]
         prefills: list[PrefillMeta] = []
         lo = num_decode
         for s in seqs[num_decode:]:
@@ -69,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
                 pages = torch.tensor([s.page_table[:n_pages]], dtype=torch.long, device=self.device)
                 q_pos = torch.arange(s.start, s.kv_len, device=self.device)
                 mask = torch.arange(n_pages * ps, device=self.device)[None, :] <= q_pos[:, None]
-                prefills.append(PrefillMeta(lo, hi, pages, mask[None, None]))
+                prefills.append(PrefillMeta(lo, hi, pages, self._additive(mask)[None, None]))
             lo = hi
         return TorchAttentionMetadata(
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -78,6 +79,11 @@ class TorchAttentionBackend(AttentionBackend):
             decode_mask=decode_mask,
             prefills=prefills,
         )
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """Bool mask → additive float mask, built once per step instead of once per layer."""
+        zeros = torch.zeros(visible.shape, dtype=self.pool.k[0].dtype, device=self.device)
+        return zeros.masked_fill_(~visible, float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
         self.pool.store(layer, meta.slots, k, v)
