@@ -10,8 +10,9 @@ from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sa
 def _generate(a: argparse.Namespace) -> int:
     from ketch.llm import LLM
 
+    params = sampling_params(a)  # bad flags fail before the model loads
     llm = LLM(**engine_kwargs(a))
-    for delta in llm.stream(a.prompt, sampling_params(a)):
+    for delta in llm.stream(a.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -21,8 +22,8 @@ def _generate(a: argparse.Namespace) -> int:
 def _chat(a: argparse.Namespace) -> int:
     from ketch.llm import LLM
 
-    llm = LLM(**engine_kwargs(a))
     params = sampling_params(a)
+    llm = LLM(**engine_kwargs(a))
     messages: list[dict] = [{"role": "system", "content": a.system}] if a.system else []
     print("ketch chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

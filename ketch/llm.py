@@ -66,26 +66,37 @@ class RequestOutput:
 
 
 class _SampleText:
-    """Detokenizer + stop-string watcher for one sample."""
+    """Detokenizer + stop-string watcher for one sample.
+
+    Stop strings count only once `min_tokens` tokens exist (like stop token ids); the text of
+    a stop token (EOS or stop_token_ids) is not part of the output.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
         self.stop = StopChecker(params.stop) if (tokenizer and params.stop) else None
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
 
-    def push(self, ids: list[int]) -> tuple[str, str | None]:
+    def push(self, out: EngineOutput) -> tuple[str, str | None]:
+        """Text delta for this output, and the stop string it completed (if any)."""
         if self.detok is None:
             return "", None
+        ids = out.new_token_ids
+        self.num_tokens += len(ids)
+        if out.finished and isinstance(out.matched_stop, int) and ids:
+            ids = ids[:-1]  # the stop token itself
         text = self.detok.push(ids)
-        return self.stop.feed(text) if self.stop else (text, None)
-
-    def flush(self) -> str:
-        if self.detok is None:
-            return ""
-        text = self.detok.flush()
+        if out.finished:
+            text += self.detok.flush()
         if self.stop is None:
-            return text
-        emitted, _ = self.stop.feed(text)
-        return emitted + self.stop.flush()
+            return text, None
+        if self.num_tokens < self.min_tokens:
+            return self.stop.flush() + text, None
+        emitted, matched = self.stop.feed(text)
+        if matched is None and out.finished:
+            emitted += self.stop.flush()
+        return emitted, matched
 
 
 class LLM:
@@ -113,27 +124,25 @@ class LLM:
         return self._run(prompts, params or SamplingParams(), use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one prompt's first sample as they are decoded."""
+        """Text deltas of one prompt's first sample as they are decoded. Bad input raises here,
+        not at the first `next()`."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n == 1")
         rid = self._add(self._encode(prompt), params)
-        text = _SampleText(self.tokenizer, self._prompts[rid], params)
+        return self._stream(rid, _SampleText(self.tokenizer, self._prompts[rid], params))
+
+    def _stream(self, rid: str, text: _SampleText) -> Iterator[str]:
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id != rid:
                         continue
-                    delta, stopped = text.push(out.new_token_ids)
-                    if stopped is not None:
-                        self.engine.abort(rid)
-                        yield delta
-                        return
-                    if out.finished:
-                        yield delta + text.flush()
-                        return
+                    delta, stopped = text.push(out)
                     if delta:
                         yield delta
+                    if stopped is not None or out.finished:
+                        return
         finally:
             self.engine.abort(rid)
             self._prompts.pop(rid, None)
@@ -199,11 +208,10 @@ class LLM:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + out.new_logprobs
-        delta, stopped = text.push(out.new_token_ids)
+        delta, stopped = text.push(out)
         sample.text += delta
         if stopped is not None:
             self.engine.abort(out.request_id, out.index)
             sample.finish_reason, sample.matched_stop = "stop", stopped
         elif out.finished:
-            sample.text += text.flush()
             sample.finish_reason, sample.matched_stop = out.finish_reason, out.matched_stop

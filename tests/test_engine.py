@@ -195,3 +195,19 @@ def test_disabled_prefix_cache_keeps_nothing(tiny_config_path):
     drain(eng)
     assert eng.scheduler.stats.cached_prompt_tokens == 0
     assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+@pytest.mark.parametrize("policy, expected_order", [("fcfs", ["cold", "warm"]), ("lpm", ["warm", "cold"])])
+def test_schedule_policy_order(tiny_config_path, policy, expected_order):
+    eng = make_tiny_engine(tiny_config_path, max_num_seqs=1, schedule_policy=policy)
+    shared = prompt(40, 9)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.add_request("seed", shared + [7], params)
+    drain(eng)  # the shared prefix is now cached
+    eng.add_request("blocker", prompt(8, 3), params)
+    eng.step()  # blocker runs; the next two wait behind it
+    eng.add_request("cold", prompt(41, 4), params)
+    eng.add_request("warm", shared + [8], params)
+    finished = [o.request_id for o in drain(eng) if o.finished]
+    assert finished[1:] == expected_order
+    assert_drained(eng)

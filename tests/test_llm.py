@@ -140,7 +140,7 @@ def test_stop_string_across_a_token_boundary(llm, tok):
     for k in range(2, len(ids) - 4):  # stop = end of token k + start of token k+1
         a, b = pieces[k], pieces[k + 1]
         stop, start = a[-2:] + b[:2], len("".join(pieces[: k + 1])) - 2
-        if len(a) >= 2 and len(b) >= 2 and text.find(stop) == start:
+        if len(a) >= 2 and len(b) >= 3 and text.find(stop) == start and text.find(b[1:]) == start + 3:
             break
     else:
         pytest.fail(f"no stop string spans two tokens of {pieces}")
@@ -154,16 +154,19 @@ def test_stop_string_across_a_token_boundary(llm, tok):
     assert "".join(llm.stream(P_STORY, greedy(max_tokens=16, stop=[stop]))) == text[:start]
     assert_drained(llm.engine)
 
-    # Several stop strings: the one that completes first wins, whatever the list order.
+    # Several stop strings: the one that completes first wins, whatever the list order — also
+    # against `inside`, which arrives in the same token as the end of `stop` but completes later.
     later = pieces[k + 3].strip()
     later_at = text.find(later)
     assert len(later) >= 2 and later_at > start + len(stop)
-    [alone] = llm.generate(P_STORY, greedy(max_tokens=16, stop=[later]))  # it does match by itself
-    assert alone.outputs[0].matched_stop == later and alone.text == text[:later_at]
-    for stops in ([later, stop], [stop, later]):
-        [out] = llm.generate(P_STORY, greedy(max_tokens=16, stop=stops))
-        assert out.outputs[0].matched_stop == stop and out.text == text[:start]
-        assert out.finish_reason == "stop"
+    inside = pieces[k + 1][1:]
+    for other, at in ((later, later_at), (inside, start + 3)):
+        [alone] = llm.generate(P_STORY, greedy(max_tokens=16, stop=[other]))  # it does match by itself
+        assert alone.outputs[0].matched_stop == other and alone.text == text[:at]
+        for stops in ([other, stop], [stop, other]):
+            [out] = llm.generate(P_STORY, greedy(max_tokens=16, stop=stops))
+            assert out.outputs[0].matched_stop == stop and out.text == text[:start]
+            assert out.finish_reason == "stop"
     assert_drained(llm.engine)
 
     # A stop string that starts at the text's end but never completes: the held-back tail comes out.
@@ -180,7 +183,8 @@ def test_stop_token_ids(llm, tok):
     k = next(i for i in range(2, len(base)) if base[i] not in base[:i])
     [out] = llm.generate(P_STORY, greedy(max_tokens=16, stop_token_ids=[base[k]]))
     assert out.finish_reason == "stop" and out.outputs[0].matched_stop == base[k]
-    assert out.token_ids == base[: k + 1] and out.text == tok.decode(base[: k + 1])
+    # the stop token ends the output; like a stop string, its text is not part of it
+    assert out.token_ids == base[: k + 1] and out.text == tok.decode(base[:k])
     assert_drained(llm.engine)
 
 
@@ -371,3 +375,19 @@ def test_stream_never_splits_a_character(llm, tok):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == out.text == tok.decode(out.token_ids)
     assert_drained(llm.engine)
+
+
+def test_stop_strings_wait_for_min_tokens(llm, tok):
+    base = llm.generate(P_STORY, greedy(max_tokens=12))[0]
+    early = tok.decode(base.token_ids[:2])[-3:]  # completes within the first two tokens
+    [cut] = llm.generate(P_STORY, greedy(max_tokens=12, stop=[early]))
+    assert cut.finish_reason == "stop" and len(cut.token_ids) <= 2
+    [out] = llm.generate(P_STORY, greedy(max_tokens=12, min_tokens=6, stop=[early]))
+    assert len(out.token_ids) >= 6
+    assert_drained(llm.engine)
+
+
+def test_top_logprobs_alone_returns_logprobs(llm):
+    [out] = llm.generate(P_FRANCE, greedy(max_tokens=3, top_logprobs=2))
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    assert all(len(lp.top) == 2 and lp.top[0][0] == t for lp, t in zip(out.logprobs, out.token_ids))

@@ -107,7 +107,7 @@ class Engine:
             token = result.token_ids[i]
             req.output_ids.append(token)
             logprobs = None
-            if req.params.logprobs:
+            if req.params.wants_logprobs:
                 top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
                 logprobs = [TokenLogprob(token, result.logprobs[i], top)]
             self._check_stop(req, token)

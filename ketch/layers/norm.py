@@ -1,7 +1,8 @@
-"""RMSNorm, computed in fp32 like the reference implementations so fp32 parity is exact."""
+"""RMSNorm through torch's fused kernel (bit-identical to the fp32 reference formula)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -10,9 +11,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return F.rms_norm(x, self.shape, self.weight, self.eps)

@@ -1,0 +1,67 @@
+"""`ketch generate | chat | bench offline` as real subprocesses on the bundled SmolLM2.
+
+Every run passes `--num-threads 1`: on a small shared CPU box two OpenMP threads that fight other
+processes for the cores make each decode step far slower (the flag is part of what is tested).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ketch(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ketch.cli", *args, "--num-threads", "1"],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+def test_generate_prints_the_completion():
+    r = ketch("generate", "The capital of France is", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() and "Paris" in r.stdout  # greedy by default; Paris has a wide margin
+    assert r.stdout.endswith("\n")
+
+
+def test_chat_answers_each_line_until_eof():
+    r = ketch("chat", "--max-tokens", "12", stdin="Hi\nWhat is 2+2?\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Ctrl-D" in r.stderr  # the banner goes to stderr, not into the transcript
+    # stdout: "> reply 1\n> reply 2\n> " (input() writes the prompt; the last one meets EOF)
+    assert r.stdout.count("> ") == 3 and r.stdout.endswith("> ")
+    replies = [line.removeprefix("> ") for line in r.stdout.split("\n")[:-1]]
+    assert len(replies) == 2 and all(reply.strip() for reply in replies), r.stdout
+    assert "4" in replies[1]
+
+
+def test_bad_flag_value_exits_2_naming_the_field():
+    r = ketch("generate", "Hello", "--max-tokens", "0")
+    assert r.returncode == 2
+    assert "max_tokens" in r.stderr and "error" in r.stderr
+    assert r.stdout == ""
+
+
+def test_bench_offline_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = ketch("bench", "offline", "--input-len", "16", "--output-len", "8", "--batch-sizes", "1,2",
+              "--output-file", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert [res["batch"] for res in results] == [1, 2]
+    for res in results:
+        assert res["input_len"] == 16 and res["output_len"] == 8
+        for key in ("total_s", "mean_ttft_ms", "output_tok_s", "total_tok_s", "decode_tok_s", "decode_tok_s_per_request"):
+            assert isinstance(res[key], (int, float)) and res[key] > 0, (key, res)
+        # every request ran to length (ignore_eos): output throughput accounts for batch * 8 tokens
+        assert abs(res["output_tok_s"] * res["total_s"] - res["batch"] * 8) <= 0.1 * res["batch"] * 8
+    assert data["meta"]["threads"] == 1
+    assert "batch    1 | in 16 out 8" in r.stdout and "batch    2 | in 16 out 8" in r.stdout
