@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -31,7 +33,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,
-        schedule_policy=a.schedule_policy, num_threads=a.num_threads,
+        schedule_policy=a.schedule_policy, num_threads=a.num_threads, quantization=a.quantization,
     )
 
 

@@ -1,12 +1,14 @@
 """Frozen configuration dataclasses. Derived values are properties, never stored twice."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
+Quantization = Literal["auto", "none"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 
 
@@ -113,6 +115,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     schedule_policy: SchedulePolicy = "fcfs"
     num_threads: int | None = None  # torch CPU threads; None: torch's default
+    # "auto": on the CPU in bf16, a GGUF's 4-bit (Q4_0/Q4_1) matrices also stay 4-bit for
+    # small-batch decode (~4x fewer bytes per token); "none": dense weights only.
+    quantization: Quantization = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -129,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto|gguf|hf|dummy, got {self.load_format!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 
@@ -141,7 +148,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            native_bf16 = self.torch_device.type == "cuda" or cpu_has_native_bf16()
+            return torch.bfloat16 if native_bf16 else torch.float32
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
         except KeyError:
@@ -152,3 +160,14 @@ class EngineConfig:
         """Most new tokens one request may take in a step."""
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
         return min(chunk, self.max_num_batched_tokens)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively, so bf16 is the fast CPU default."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

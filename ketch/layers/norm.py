@@ -1,4 +1,6 @@
-"""RMSNorm through torch's fused kernel (bit-identical to the fp32 reference formula)."""
+"""RMSNorm: statistics in fp32 whatever the activation dtype (SmolLM2's residual stream reaches
+~25,000, where a bf16 mean of squares is far off), then the weight in the activation dtype —
+the reference formula, bit for bit in fp32."""
 from __future__ import annotations
 
 import torch
@@ -14,4 +16,4 @@ class RMSNorm(nn.Module):
         self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight

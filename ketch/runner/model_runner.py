@@ -16,7 +16,9 @@ from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
 from ketch.models.registry import model_class
 from ketch.scheduler.scheduler import ScheduledChunk
-from ketch.weights import iter_weights
+from ketch.weights import detect_format, iter_weights
+from ketch.weights.gguf_q4 import iter_q4_weights
+from ketch.weights.source import resolve_model_path
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -46,11 +48,21 @@ class ModelRunner:
         cfg = self.model_config
         with torch.device(self.device):
             model = model_class(cfg)(cfg, max_positions=max_model_len)
-        model.to(dtype=self.dtype)
-        model.rotary.to(dtype=torch.float32)  # cos/sin tables stay fp32 whatever the weights are
+        for param in model.parameters():  # parameters only: the rotary cos/sin tables stay fp32
+            param.data = param.data.to(self.dtype)
         weights = iter_weights(self.config.model, cfg, self.dtype, self.config.load_format, seed=self.config.seed)
         model.load_weights(weights)
+        if self._keeps_4bit():
+            model.load_int4(iter_q4_weights(resolve_model_path(self.config.model), cfg))
         return model.eval()
+
+    def _keeps_4bit(self) -> bool:
+        """The int4 kernel is a CPU kernel with bf16 activations; only GGUF files carry 4-bit blocks."""
+        ec = self.config
+        return (
+            ec.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16
+            and detect_format(resolve_model_path(ec.model), ec.load_format) == "gguf"
+        )
 
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config

@@ -1,0 +1,39 @@
+"""Linear layer that can also hold its weight as 4-bit blocks for small batches on the CPU.
+
+Decoding a few tokens is a matrix-vector product bound by how many weight bytes stream from
+memory: torch's int4 kernel over the GGUF's own 4-bit blocks reads ~4x fewer bytes than bf16
+and wins up to ~8 tokens; beyond that the dense bf16 GEMM (AMX) wins. The choice is by the
+step's token count; both forms hold the same quantized values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ketch.weights.gguf_q4 import BLOCK, Q4Weight
+
+INT4_MAX_TOKENS = 8  # crossover measured on a 2-core Sapphire Rapids (docs/performance.md)
+
+
+class Linear(nn.Linear):
+    int4: torch.Tensor | None = None  # packed weight for torch's int4 CPU kernel
+    int4_scale_zero: torch.Tensor | None = None  # [in / 32, out, 2]
+
+    def attach_int4(self, w: Q4Weight) -> None:
+        if tuple(w.q.shape) != tuple(self.weight.shape):
+            raise ValueError(f"model: 4-bit weight shape {tuple(w.q.shape)} != {tuple(self.weight.shape)}")
+        self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2)
+        sz = torch.stack((w.scale.t(), w.zero.t()), dim=-1)
+        self.int4_scale_zero = sz.to(self.weight.dtype).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def concat_q4(parts: list[Q4Weight]) -> Q4Weight:
+    """Stack projections along the output dim (q|k|v, gate|up), as the fused dense weight is."""
+    return Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
