@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--input-len", type=int, default=128)
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--batch-sizes", default="1,32", help="comma-separated concurrency levels to measure")
+    off.add_argument("--shared-prefix-len", type=int, default=0,
+                     help="tokens every prompt shares (a system prompt); reports the prefix cache hit rate")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--output-file", default=None, help="write results as JSON")
     add_engine_args(off)

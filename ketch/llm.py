@@ -107,7 +107,6 @@ class LLM:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.engine = Engine(self.config, eos_token_ids=eos)
         self._ids = itertools.count()
-        self._prompts: dict[str, list[int]] = {}  # live stream/generate requests
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
@@ -129,8 +128,9 @@ class LLM:
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n == 1")
-        rid = self._add(self._encode(prompt), params)
-        return self._stream(rid, _SampleText(self.tokenizer, self._prompts[rid], params))
+        ids = self._encode(prompt)
+        rid = self._add(ids, params)
+        return self._stream(rid, _SampleText(self.tokenizer, ids, params))
 
     def _stream(self, rid: str, text: _SampleText) -> Iterator[str]:
         try:
@@ -145,7 +145,6 @@ class LLM:
                         return
         finally:
             self.engine.abort(rid)
-            self._prompts.pop(rid, None)
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         tok = self._require_tokenizer()
@@ -171,7 +170,6 @@ class LLM:
     def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         rid = f"llm-{next(self._ids)}"
         self.engine.add_request(rid, prompt_ids, params)
-        self._prompts[rid] = prompt_ids
         return rid
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
@@ -192,7 +190,8 @@ class LLM:
                     if res is None or res.outputs[out.index].finish_reason is not None:
                         continue
                     before = res.finished
-                    res.num_cached_tokens = out.num_cached_tokens
+                    if out.index == 0:
+                        res.num_cached_tokens = out.num_cached_tokens
                     self._apply(res.outputs[out.index], texts[out.request_id, out.index], out)
                     if res.finished and not before:
                         pending -= 1
@@ -201,13 +200,14 @@ class LLM:
         finally:
             for rid in results:
                 self.engine.abort(rid)
-                self._prompts.pop(rid, None)
         return list(results.values())
 
     def _apply(self, sample: CompletionOutput, text: _SampleText, out: EngineOutput) -> None:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + out.new_logprobs
+            if sample.logprobs is None:
+                sample.logprobs = []
+            sample.logprobs.extend(out.new_logprobs)
         delta, stopped = text.push(out)
         sample.text += delta
         if stopped is not None:

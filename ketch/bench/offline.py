@@ -21,13 +21,17 @@ from ketch.engine.engine import Engine
 from ketch.sampling.params import SamplingParams
 
 
-def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str) -> dict:
+def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
+            shared_prefix: list[int] | None = None) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     vocab = engine.vocab_size
+    prefix = shared_prefix or []
+    stats = engine.scheduler.stats
+    prompt0, cached0 = stats.prompt_tokens, stats.cached_prompt_tokens
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(input_len)], params)
+        engine.add_request(f"{tag}-{i}", prefix + [rng.randrange(vocab) for _ in range(input_len - len(prefix))], params)
     generated = 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -46,6 +50,8 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
         "total_tok_s": round((generated + batch * input_len) / total, 1),
         "decode_tok_s": round(batch * (output_len - 1) / decode_time, 1) if decode_time > 0 else None,
         "decode_tok_s_per_request": round((output_len - 1) / decode_time, 1) if decode_time > 0 else None,
+        "prefix_cache_hit_rate": round((stats.cached_prompt_tokens - cached0) / max(1, stats.prompt_tokens - prompt0), 3),
+        "prefill_tokens_saved": stats.cached_prompt_tokens - cached0,
     }
 
 
@@ -55,16 +61,22 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
     kw["max_num_seqs"] = max(sizes + [kw["max_num_seqs"]])
     engine = Engine(EngineConfig(**kw))
     rng = random.Random(a.seed)
+    if not 0 <= a.shared_prefix_len < a.input_len:
+        raise ValueError(f"shared_prefix_len must be in [0, input_len), got {a.shared_prefix_len}")
+    shared = [rng.randrange(engine.vocab_size) for _ in range(a.shared_prefix_len)]
     measure(engine, 1, 16, 8, rng, "warmup")  # first-call allocations and kernel selection
     results = []
     for b in sizes:
-        r = measure(engine, b, a.input_len, a.output_len, rng, f"b{b}")
+        r = measure(engine, b, a.input_len, a.output_len, rng, f"b{b}", shared)
         results.append(r)
         print(
             f"batch {b:4d} | in {a.input_len} out {a.output_len} | TTFT {r['mean_ttft_ms']:8.1f} ms | "
             f"decode {r['decode_tok_s']} tok/s ({r['decode_tok_s_per_request']} per request) | "
             f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s"
         )
+        if shared:
+            print(f"           prefix cache: hit rate {r['prefix_cache_hit_rate']:.1%}, "
+                  f"prefill tokens saved {r['prefill_tokens_saved']}")
     engine.check_invariants()
     if a.output_file:
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
