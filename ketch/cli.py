@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--batch-sizes", default="1,32", help="comma-separated concurrency levels to measure")
     off.add_argument("--shared-prefix-len", type=int, default=0,
                      help="tokens every prompt shares (a system prompt); reports the prefix cache hit rate")
+    off.add_argument("--repeat", type=int, default=1, help="runs per batch size; the median (by decode tok/s) is reported")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--output-file", default=None, help="write results as JSON")
     add_engine_args(off)

@@ -87,19 +87,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
         self.pool.store(layer, meta.slots, k, v)
-        out = torch.empty_like(q)
         nd = meta.num_decode
+        if not meta.prefills:  # the common decode-only step: no output assembly
+            return self._decode(q, layer, meta)
+        out = torch.empty_like(q)
         if nd:
-            kc, vc = self.pool.gather(layer, meta.decode_pages)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [B, heads, 1, dim]
-                kc.transpose(1, 2),
-                vc.transpose(1, 2),
-                attn_mask=meta.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self._decode(q[:nd], layer, meta)
         for p in meta.prefills:
             qs = q[p.lo : p.hi].transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
             if p.page_table is None:
@@ -112,3 +105,16 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             out[p.lo : p.hi] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
+        """One query token per sequence, [B, heads, dim], over its gathered, masked pages."""
+        kc, vc = self.pool.gather(layer, meta.decode_pages)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, heads, 1, dim]
+            kc.transpose(1, 2),
+            vc.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
