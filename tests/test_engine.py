@@ -211,3 +211,32 @@ def test_schedule_policy_order(tiny_config_path, policy, expected_order):
     finished = [o.request_id for o in drain(eng) if o.finished]
     assert finished[1:] == expected_order
     assert_drained(eng)
+
+
+def test_burst_with_one_system_prompt_prefills_it_once(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, kv_cache_memory=8 * 1024 * 1024, max_num_batched_tokens=1024)
+    system = prompt(120, 5)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for i in range(6):  # all arrive together; the budget could admit them in one step
+        eng.add_request(f"u{i}", system + prompt(9, 50 + i), params)
+    outs = drain(eng)
+    cached = sorted(o.num_cached_tokens for o in outs if o.finished)
+    assert cached == [0] + [120] * 5  # the first computes the system prompt, the rest wait and hit it
+    assert eng.scheduler.stats.computed_tokens == 129 + 5 * 9 + 6 * 2  # prompts once, then decode
+    assert_drained(eng)
+
+
+def test_requests_differing_before_the_page_do_not_wait(tiny_config_path):
+    eng = make_tiny_engine(tiny_config_path, chunked_prefill_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    x, y, p = prompt(8, 1), prompt(8, 2), prompt(4, 3)  # two pages of 4, then one more page
+    eng.add_request("seed", x + [9], params)
+    drain(eng)  # x is cached
+    eng.add_request("other", y + p + prompt(30, 4), params)  # prefills for several steps
+    eng.step()
+    eng.add_request("req", x + p + prompt(6, 5), params)  # page p sits at the same offset, after x
+    eng.step()
+    assert eng.requests["other"][0].num_computed < len(eng.requests["other"][0].prompt_ids)
+    assert eng.requests["req"][0].state is RequestState.RUNNING  # other's p-page is not our prefix
+    drain(eng)
+    assert_drained(eng)

@@ -55,7 +55,6 @@ class Engine:
                 eos_ids=self.eos_ids,
                 max_len=self.max_model_len,
                 arrival=next(self._arrivals),
-                wait_for=samples[0] if samples and self.config.enable_prefix_cache else None,
             )
             samples.append(req)
         self.requests[request_id] = samples

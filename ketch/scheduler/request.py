@@ -49,7 +49,6 @@ class Request:
     num_inserted_pages: int = 0  # full pages already published to the prefix cache
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache on first admission
     num_preemptions: int = 0
-    wait_for: "Request | None" = None  # n > 1: later samples wait for sample 0's prefill, then hit its pages
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     admitted_once: bool = False

@@ -13,6 +13,7 @@ Page ownership (see cache/README.md):
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -87,11 +88,12 @@ class Scheduler:
         return [c for c in out if c.num_new == 1] + [c for c in out if c.num_new > 1]
 
     def _admit(self, out: list[ScheduledChunk], budget: int, chunk: int) -> int:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self._pick_waiting()
-            if req is None:
+        for req in self._candidates():
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             match = self.cache.match(req.all_ids[:-1])  # never covers the last token: its logits are needed
+            if self._prefix_in_flight(req, match.length):
+                continue  # another request is computing our next page: wait and hit it in the cache
             self.cache.lock(match.node)
             self.allocator.incref(match.pages)
             n = min(req.seq_len - match.length, chunk, budget)
@@ -116,23 +118,27 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _pick_waiting(self) -> Request | None:
-        ready = []
-        for req in self.waiting:
-            if req.wait_for is not None:
-                leader = req.wait_for
-                if leader.is_finished or leader.num_computed >= len(leader.prompt_ids):
-                    req.wait_for = None  # leader's prompt pages are in the cache now (or never will be)
-                else:
-                    continue
-            if self.config.schedule_policy == "fcfs":
-                return req
-            ready.append(req)
-            if len(ready) == LPM_WINDOW:
-                break
-        if not ready:
-            return None
-        return max(ready, key=lambda r: self.cache.peek(r.all_ids[:-1]))
+    def _candidates(self) -> list[Request]:
+        """Waiting requests in policy order (a snapshot: admission edits the queue)."""
+        if self.config.schedule_policy == "fcfs":
+            return list(self.waiting)
+        window = list(itertools.islice(self.waiting, LPM_WINDOW))
+        return sorted(window, key=lambda r: -self.cache.peek(r.all_ids[:-1]))
+
+    def _prefix_in_flight(self, req: Request, cached: int) -> bool:
+        """Is a running request that is still prefilling computing the page right after `req`'s
+        cache hit? Then that page reaches the cache within a few steps, and computing it twice is
+        waste (the n samples of one prompt, a burst of requests with one system prompt)."""
+        if not self.cache.enabled:
+            return False
+        ps = self.page_size
+        if cached + ps > len(req.prompt_ids) - 1:
+            return False  # no full page left that the cache could serve
+        prefix = req.prompt_ids[: cached + ps]
+        return any(
+            other.num_computed < len(other.prompt_ids) and other.prompt_ids[: cached + ps] == prefix
+            for other in self.running
+        )
 
     # ---------------------------------------------------------------- pages
     def _pages_for(self, tokens: int) -> int:
