@@ -100,7 +100,6 @@ class LlamaForCausalLM(nn.Module):
         """Take HF-named tensors, fusing q/k/v and gate/up; fail loudly on missing or unknown names."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        cfg = self.config
         for name, tensor in weights:
             name = name.removeprefix("model.")
             target, offset = self._fused_slot(name)
