@@ -1,4 +1,4 @@
-"""`ketch generate | chat | bench offline`: parse arguments, call down, print."""
+"""`ketch serve | generate | chat | bench offline`: parse arguments, call down, print."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +44,13 @@ def _chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from ketch.config import EngineConfig
+    from ketch.server.serve import run
+
+    return run(EngineConfig(**engine_kwargs(a)), a.host, a.port, a.served_model_name, a.chat_template)
+
+
 def _bench(a: argparse.Namespace) -> int:
     from ketch.bench.offline import run_offline
 
@@ -66,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=_chat)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (API process + engine process)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--served-model-name", default=None, help="the model id clients send; default: the model file's name")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file that replaces the model's")
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

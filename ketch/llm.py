@@ -17,8 +17,7 @@ from ketch.engine.engine import Engine
 from ketch.engine.outputs import EngineOutput, TokenLogprob
 from ketch.sampling.params import SamplingParams
 from ketch.text.chat_template import render_chat
-from ketch.text.detokenizer import IncrementalDetokenizer
-from ketch.text.stop import StopChecker
+from ketch.text.sample_text import SampleText as _SampleText
 from ketch.text.tokenizer import Tokenizer
 from ketch.weights.source import default_model_path, detect_format
 
@@ -63,40 +62,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
-
-
-class _SampleText:
-    """Detokenizer + stop-string watcher for one sample.
-
-    Stop strings count only once `min_tokens` tokens exist (like stop token ids); the text of
-    a stop token (EOS or stop_token_ids) is not part of the output.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
-        self.stop = StopChecker(params.stop) if (tokenizer and params.stop) else None
-        self.min_tokens = params.min_tokens
-        self.num_tokens = 0
-
-    def push(self, out: EngineOutput) -> tuple[str, str | None]:
-        """Text delta for this output, and the stop string it completed (if any)."""
-        if self.detok is None:
-            return "", None
-        ids = out.new_token_ids
-        self.num_tokens += len(ids)
-        if out.finished and isinstance(out.matched_stop, int) and ids:
-            ids = ids[:-1]  # the stop token itself
-        text = self.detok.push(ids)
-        if out.finished:
-            text += self.detok.flush()
-        if self.stop is None:
-            return text, None
-        if self.num_tokens < self.min_tokens:
-            return self.stop.flush() + text, None
-        emitted, matched = self.stop.feed(text)
-        if matched is None and out.finished:
-            emitted += self.stop.flush()
-        return emitted, matched
 
 
 class LLM:

@@ -1,0 +1,99 @@
+"""The engine process: an `Engine` driven by a ZMQ loop.
+
+    API ──PUSH──▶ [input PULL]  drain → add/abort/ping → engine.step() → [output PUSH] ──▶ API
+
+When requests are running the loop drains its input without blocking and steps; when idle it
+blocks on the input socket (with a timeout, to notice a parent that died without a word). Aborts
+and new requests are applied between steps only. A bad request (ValueError from add_request) is
+answered with a RequestError for its id; anything else that escapes is fatal: EngineError, exit 1.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import traceback
+
+import zmq
+
+from ketch.config import EngineConfig
+from ketch.engine import messages as m
+from ketch.sampling.params import SamplingParams
+
+_IDLE_POLL_MS = 1000  # idle: wake this often to check that the parent is still alive
+
+
+def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr: str,
+                         output_addr: str) -> multiprocessing.Process:
+    """Spawn (never fork: torch and ZMQ state do not survive it) the engine process."""
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=run_engine, args=(config, eos_token_ids, input_addr, output_addr, os.getpid()),
+                       name="ketch-engine", daemon=True)
+    proc.start()
+    return proc
+
+
+def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr: str, output_addr: str,
+               parent_pid: int) -> None:
+    zctx = zmq.Context()
+    inbox = zctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = zctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (e.g. EngineError) leave before exit
+    outbox.connect(output_addr)
+    try:
+        from ketch.engine.engine import Engine
+
+        engine = Engine(config, eos_token_ids=eos_token_ids)
+        capacity = engine.runner.pool.num_pages * config.page_size
+        outbox.send(m.encode(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity)))
+        _loop(engine, inbox, outbox, parent_pid)
+    except Exception as e:
+        traceback.print_exc()
+        outbox.send(m.encode(m.EngineError(f"{type(e).__name__}: {e}")))
+        outbox.close()
+        zctx.term()
+        sys.exit(1)
+    outbox.close()
+    inbox.close()
+    zctx.term()
+
+
+def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    while True:
+        busy = engine.has_unfinished()
+        if not busy and not inbox.poll(_IDLE_POLL_MS):
+            if os.getppid() != parent_pid:  # orphaned: the API process is gone
+                return
+            continue
+        replies: list[m.FromEngine] = []
+        while True:  # drain whatever has arrived, without blocking
+            try:
+                data = inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = m.decode_to_engine(data)
+            if isinstance(msg, m.Shutdown):
+                return
+            reply = _handle(engine, msg)
+            if reply is not None:
+                replies.append(reply)
+        for reply in replies:
+            outbox.send(m.encode(reply))
+        if engine.has_unfinished():
+            outputs = engine.step()
+            if outputs:
+                outbox.send(m.encode(m.TokenOutputs([m.TokenDelta.from_output(o) for o in outputs])))
+
+
+def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:
+    if isinstance(msg, m.GenerateRequest):
+        try:
+            engine.add_request(msg.request_id, msg.prompt_ids, SamplingParams(**msg.params))
+        except ValueError as e:
+            return m.RequestError(msg.request_id, str(e))
+    elif isinstance(msg, m.AbortRequest):
+        engine.abort(msg.request_id, msg.index)
+    elif isinstance(msg, m.Ping):
+        return m.Pong(msg.nonce)
+    return None

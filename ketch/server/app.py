@@ -1,0 +1,70 @@
+"""The FastAPI app: routes, and every error as an OpenAI error body."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from ketch.server.chat import chat_completions
+from ketch.server.completions import completions
+from ketch.server.errors import APIError, engine_unavailable
+from ketch.server.state import ServerState
+
+_HEALTH_TIMEOUT_S = 10.0
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ketch", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail), type="invalid_request_error").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return APIError(400, str(e)).response()
+
+    def _require_engine() -> None:
+        if not state.client.alive:
+            raise engine_unavailable()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await state.client.ping(_HEALTH_TIMEOUT_S):
+            return Response(status_code=200)
+        return engine_unavailable().response()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        ready = state.client.ready
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "ketch",
+            "max_model_len": ready.max_model_len if ready else None,
+        }]}
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Response:
+        _require_engine()
+        return await completions(state, await _json_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat_completions(request: Request) -> Response:
+        _require_engine()
+        return await chat_completions(state, await _json_body(request))
+
+    return app

@@ -1,0 +1,80 @@
+"""POST /v1/chat/completions: messages → chat template → tokens → engine → OpenAI chat shapes."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ketch.server.client import new_request_id
+from ketch.server.errors import APIError, bad_value
+from ketch.server.generation import Generation, check_context
+from ketch.server.logprobs import chat_logprobs
+from ketch.server.protocol import CHAT_FIELDS, check_fields, sampling_params
+from ketch.server.sse import sse_stream
+from ketch.server.state import ServerState
+
+
+def _encode(state: ServerState, messages: Any) -> list[int]:
+    tok = state.require_tokenizer("messages")
+    if state.chat_template is None:
+        raise APIError(400, "messages: the model has no chat template; start the server with --chat-template",
+                       param="messages")
+    try:
+        text = state.chat_template.render(messages, add_generation_prompt=True,
+                                          bos_token=tok.bos_token, eos_token=tok.eos_token)
+    except ValueError as e:
+        raise bad_value(e) from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def chat_completions(state: ServerState, body: Any):
+    fields = check_fields(body, CHAT_FIELDS)
+    state.check_model(fields.get("model"))
+    if "messages" not in fields:
+        raise APIError(400, "messages: required", param="messages")
+    prompt_ids = _encode(state, fields["messages"])
+    ready = state.client.ready
+    params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids))
+    check_context(prompt_ids, params, state.client, "messages")
+    rid = new_request_id("chatcmpl")
+    gen = Generation(state.client, state.tokenizer, rid, [prompt_ids], params)
+    gen.start()
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    if fields.get("stream"):
+        usage = bool((fields.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage)),
+                                 media_type="text/event-stream")
+    choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None, "matched_stop": None} for i in range(params.n)]
+    async for ev in gen.events():
+        c = choices[ev.index]
+        c["message"]["content"] += ev.text
+        if params.wants_logprobs:
+            c["logprobs"] = c["logprobs"] or {"content": []}
+            c["logprobs"]["content"] += chat_logprobs(state.tokenizer, ev.logprobs)["content"]
+        if ev.finish_reason is not None:
+            c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": gen.usage.as_dict()})
+
+
+async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+    def chunk(choices: list[dict]) -> dict:
+        out = {**head, "object": "chat.completion.chunk", "choices": choices}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    for i in range(gen.params.n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+    async for ev in gen.events():
+        logprobs = chat_logprobs(state.tokenizer, ev.logprobs) if gen.params.wants_logprobs else None
+        if ev.text or logprobs:
+            yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": logprobs,
+                          "finish_reason": None}])
+        if ev.finish_reason is not None:
+            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason,
+                          "matched_stop": ev.matched_stop}])
+    if include_usage:
+        yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage.as_dict()}

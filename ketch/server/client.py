@@ -1,0 +1,170 @@
+"""The API process's side of the ZMQ link: start the engine process, send requests, route outputs.
+
+One background task reads the engine's output socket and puts each message on the asyncio queue
+of the HTTP request that owns its request id. Sends go through a plain (synchronous) PUSH socket
+so they can happen anywhere, including a `finally` of a cancelled stream (the abort on disconnect).
+Engine death is noticed through the process sentinel (a pipe fd the event loop watches): every
+queue gets an EngineGone and `on_death` runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from ketch.config import EngineConfig
+from ketch.engine import messages as m
+from ketch.engine.process import start_engine_process
+from ketch.sampling.params import SamplingParams
+
+
+class EngineGone(Exception):
+    """The engine process exited; requests in flight cannot finish."""
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+Item = m.TokenDelta | m.RequestError | EngineGone
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.ready: m.EngineReady | None = None
+        self.alive = False
+        self.on_death: Callable[[], None] | None = None
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._nonces = itertools.count()
+        self._dir = tempfile.mkdtemp(prefix="ketch-")
+        self._sync = zmq.Context()
+        self._async = zmq.asyncio.Context()
+        self._push = self._sync.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the engine drains every step
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._pull = self._async.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._proc = None
+        self._router: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, timeout: float = 600.0) -> m.EngineReady:
+        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._push.bind(input_addr)
+        self._pull.bind(output_addr)
+        self._proc = start_engine_process(self.config, self.eos_token_ids, input_addr, output_addr)
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))
+        first = asyncio.ensure_future(self._pull.recv())
+        done, _ = await asyncio.wait([first, exited], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if first not in done:
+            first.cancel()
+            self.close()
+            raise EngineStartError("the engine process exited during startup" if exited.done()
+                                   else f"the engine was not ready after {timeout:.0f} s")
+        msg = m.decode_from_engine(first.result())
+        if not isinstance(msg, m.EngineReady):
+            self.close()
+            raise EngineStartError(getattr(msg, "message", f"unexpected first message {type(msg).__name__}"))
+        loop.remove_reader(self._proc.sentinel)
+        loop.add_reader(self._proc.sentinel, self._on_exit)
+        self.ready, self.alive = msg, True
+        self._router = asyncio.create_task(self._route())
+        return msg
+
+    def close(self) -> None:
+        """Ask the engine to stop, then end it; idempotent."""
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._push.send(m.encode(m.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._proc.join(timeout=5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(timeout=5)
+        if self._router is not None:
+            self._router.cancel()
+        self.alive = False
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        if not self.alive:
+            return
+        self.alive = False
+        for queue in self._queues.values():
+            queue.put_nowait(EngineGone(f"the engine process exited (code {self._proc.exitcode})"))
+        for fut in self._pongs.values():
+            if not fut.done():
+                fut.set_exception(EngineGone("the engine process exited"))
+        if self.on_death is not None:
+            self.on_death()
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._proc is None else self._proc.exitcode
+
+    # ---------------------------------------------------------------- requests
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue[Item]) -> None:
+        if not self.alive:
+            raise EngineGone("the engine is not running")
+        self._queues[request_id] = queue
+        self._send(m.GenerateRequest(request_id, prompt_ids, params))
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        if self.alive:
+            self._send(m.AbortRequest(request_id, index))
+
+    def release(self, request_id: str) -> None:
+        """The HTTP side is done with this id: later outputs for it are dropped."""
+        self._queues.pop(request_id, None)
+
+    async def ping(self, timeout: float) -> bool:
+        """True when the engine answers within `timeout` seconds (it answers between steps)."""
+        if not self.alive:
+            return False
+        nonce = next(self._nonces)
+        fut = self._pongs[nonce] = asyncio.get_running_loop().create_future()
+        self._send(m.Ping(nonce))
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except (asyncio.TimeoutError, EngineGone):
+            return False
+        finally:
+            self._pongs.pop(nonce, None)
+
+    def _send(self, msg: m.ToEngine) -> None:
+        self._push.send(m.encode(msg), zmq.NOBLOCK)
+
+    async def _route(self) -> None:
+        while True:
+            msg = m.decode_from_engine(await self._pull.recv())
+            if isinstance(msg, m.TokenOutputs):
+                for delta in msg.outputs:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            elif isinstance(msg, m.RequestError):
+                queue = self._queues.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, m.Pong):
+                fut = self._pongs.get(msg.nonce)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif isinstance(msg, m.EngineError):
+                print(f"engine error: {msg.message}", flush=True)  # the sentinel reports the exit itself
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{os.urandom(12).hex()}"

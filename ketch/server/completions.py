@@ -1,0 +1,73 @@
+"""POST /v1/completions: prompt(s) as text or token ids → engine → OpenAI text_completion shapes."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ketch.server.client import new_request_id
+from ketch.server.errors import APIError
+from ketch.server.generation import Generation, check_context
+from ketch.server.logprobs import completion_logprobs
+from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, sampling_params
+from ketch.server.sse import sse_stream
+from ketch.server.state import ServerState
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    return state.require_tokenizer("prompt").encode(prompt)
+
+
+async def completions(state: ServerState, body: Any):
+    fields = check_fields(body, COMPLETION_FIELDS)
+    state.check_model(fields.get("model"))
+    prompts = [_encode(state, p) for p in completion_prompts(fields.get("prompt"))]
+    params = sampling_params(fields, DEFAULT_MAX_TOKENS)
+    for ids in prompts:
+        check_context(ids, params, state.client, "prompt")
+    rid = new_request_id("cmpl")
+    gen = Generation(state.client, state.tokenizer, rid, prompts, params)
+    gen.start()
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    if fields.get("stream"):
+        usage = bool((fields.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage)),
+                                 media_type="text/event-stream")
+    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "matched_stop": None}
+               for i in range(len(prompts) * params.n)]
+    for_logprobs: dict[int, list] = {i: [] for i in range(len(choices))}
+    async for ev in gen.events():
+        c = choices[ev.index]
+        c["text"] += ev.text
+        for_logprobs[ev.index] += ev.logprobs
+        if ev.finish_reason is not None:
+            c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
+    if params.wants_logprobs:
+        for i, c in enumerate(choices):
+            c["logprobs"] = completion_logprobs(state.tokenizer, for_logprobs[i], 0)
+    return JSONResponse({**head, "choices": choices, "usage": gen.usage.as_dict()})
+
+
+async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+    offsets: dict[int, int] = {}
+    async for ev in gen.events():
+        logprobs = None
+        if gen.params.wants_logprobs:
+            logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets.get(ev.index, 0))
+            offsets[ev.index] = offsets.get(ev.index, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+        if ev.finish_reason is not None:
+            choice["matched_stop"] = ev.matched_stop
+        out = {**head, "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        yield out
+    if include_usage:
+        yield {**head, "choices": [], "usage": gen.usage.as_dict()}

@@ -1,0 +1,135 @@
+"""One HTTP request's generation: its prompts as engine requests, and their outputs as choice events.
+
+    prompts[i] ──▶ engine request "<id>-<i>" ──▶ samples 0..n-1 ──▶ choice i*n + sample
+
+Text (detokenization, stop strings) is made here with ketch.text.SampleText. A sample that hits a
+stop string is aborted in the engine at once and reported as finish_reason "stop". Leaving early
+(client gone, error, cancellation) aborts every unfinished sample, so the engine frees its pages.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ketch.engine.messages import RequestError, TokenDelta, WireLogprob
+from ketch.sampling.params import SamplingParams
+from ketch.server.client import EngineClient, EngineGone
+from ketch.server.errors import APIError, bad_value, engine_unavailable
+from ketch.text.sample_text import SampleText
+from ketch.text.tokenizer import Tokenizer
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[WireLogprob]
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+@dataclass
+class _Sample:
+    text: SampleText
+    finished: bool = False
+    num_tokens: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    _seen_prompts: set[str] = field(default_factory=set)
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str) -> None:
+    """The engine's length checks, made before sending so that a stream can still answer 400."""
+    ready = client.ready
+    assert ready is not None
+    limit = min(ready.max_model_len, ready.kv_capacity_tokens)
+    if len(prompt_ids) >= limit:
+        raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens; the context length is {limit}",
+                       param=param, code="context_length_exceeded")
+    if len(prompt_ids) + params.max_tokens > limit:
+        raise APIError(400, f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                       f"{len(prompt_ids) + params.max_tokens} exceeds the context length ({limit})",
+                       param="max_tokens", code="context_length_exceeded")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= ready.vocab_size:
+        raise APIError(400, f"{param}: token ids must be in [0, {ready.vocab_size})", param=param)
+    try:
+        params.validate(ready.vocab_size)
+    except ValueError as e:
+        raise bad_value(e) from None
+
+
+class Generation:
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer | None, request_id: str,
+                 prompts: list[list[int]], params: SamplingParams) -> None:
+        self.client, self.params = client, params
+        self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.prompts = dict(zip(self.rids, prompts))
+        self.samples = {(rid, j): _Sample(SampleText(tokenizer, ids, params))
+                        for rid, ids in self.prompts.items() for j in range(params.n)}
+        self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._started = False
+
+    def start(self) -> None:
+        try:
+            for rid, ids in self.prompts.items():
+                self.client.add(rid, ids, self.params, self._queue)
+        except EngineGone:
+            self.close()
+            raise engine_unavailable() from None
+        self._started = True
+
+    def close(self) -> None:
+        """Abort what is unfinished and stop listening; safe to call more than once."""
+        for (rid, j), sample in self.samples.items():
+            if self._started and not sample.finished:
+                self.client.abort(rid, j)
+                sample.finished = True
+        for rid in self.rids:
+            self.client.release(rid)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        try:
+            while not all(s.finished for s in self.samples.values()):
+                item = await self._queue.get()
+                if isinstance(item, EngineGone):
+                    raise engine_unavailable(str(item))
+                if isinstance(item, RequestError):
+                    raise bad_value(item.message)
+                event = self._apply(item)
+                if event is not None:
+                    yield event
+        finally:
+            self.close()
+
+    def _apply(self, d: TokenDelta) -> ChoiceEvent | None:
+        sample = self.samples.get((d.request_id, d.index))
+        if sample is None or sample.finished:
+            return None  # e.g. the abort report after a stop string
+        if d.index == 0 and d.request_id not in self.usage._seen_prompts:
+            self.usage._seen_prompts.add(d.request_id)
+            self.usage.cached_tokens += d.num_cached_tokens
+        sample.num_tokens += len(d.new_token_ids)
+        self.usage.completion_tokens += len(d.new_token_ids)
+        text, stopped = sample.text.push(d)
+        choice = self.rids.index(d.request_id) * self.params.n + d.index
+        event = ChoiceEvent(choice, text, list(d.new_token_ids), list(d.new_logprobs or []))
+        if stopped is not None:
+            self.client.abort(d.request_id, d.index)
+            event.finish_reason, event.matched_stop = "stop", stopped
+        elif d.finished:
+            event.finish_reason, event.matched_stop = d.finish_reason, d.matched_stop
+        sample.finished = event.finish_reason is not None
+        return event

@@ -1,0 +1,105 @@
+"""Request bodies → (prompt, SamplingParams), with OpenAI-style 400s that name the field.
+
+Bodies are checked by hand rather than by pydantic models: the first bad field becomes one
+`param`, unknown fields are refused by name instead of being ignored, and SamplingParams stays
+the single place where value ranges are checked.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.sampling.params import SamplingParams
+from ketch.server.errors import APIError, bad_value
+
+_NUM = (int, float)
+# field → (accepted types, SamplingParams field it feeds or None)
+_SAMPLING: dict[str, tuple[tuple[type, ...], str | None]] = {
+    "n": ((int,), "n"),
+    "temperature": (_NUM, "temperature"),
+    "top_p": (_NUM, "top_p"),
+    "top_k": ((int,), "top_k"),
+    "min_p": (_NUM, "min_p"),
+    "repetition_penalty": (_NUM, "repetition_penalty"),
+    "frequency_penalty": (_NUM, "frequency_penalty"),
+    "presence_penalty": (_NUM, "presence_penalty"),
+    "seed": ((int,), "seed"),
+    "logit_bias": ((dict,), "logit_bias"),
+    "stop": ((str, list), "stop"),
+    "stop_token_ids": ((list,), "stop_token_ids"),
+    "ignore_eos": ((bool,), "ignore_eos"),
+    "max_tokens": ((int,), "max_tokens"),
+    "min_tokens": ((int,), "min_tokens"),
+    "skip_special_tokens": ((bool,), "skip_special_tokens"),
+}
+_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,)}
+CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, "messages": (list,),
+               "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
+COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON,
+                     "prompt": (str, list), "logprobs": (int,)}
+
+
+def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, Any]:
+    """The body as a dict of known fields with the right JSON types; null means 'not given'."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    out = {}
+    for key, value in body.items():
+        if key not in schema:
+            raise APIError(400, f"{key}: unsupported field", param=key, code="unsupported_field")
+        if value is None:
+            continue
+        types = schema[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join(t.__name__ for t in types)
+            raise APIError(400, f"{key}: expected {names}, got {type(value).__name__}", param=key, code="invalid_type")
+        out[key] = value
+    opts = out.get("stream_options")
+    if opts is not None:
+        if not out.get("stream"):
+            raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
+        unknown = set(opts) - {"include_usage"}
+        if unknown or not isinstance(opts.get("include_usage", False), bool):
+            raise APIError(400, "stream_options: only include_usage (a bool) is supported", param="stream_options")
+    return out
+
+
+def sampling_params(fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+    """SamplingParams from checked fields (the prompt is tokenized first: chat's default depends on it)."""
+    kwargs: dict[str, Any] = {}
+    for key, (_, target) in _SAMPLING.items():
+        if key in fields and target is not None:
+            kwargs[target] = fields[key]
+    if "max_completion_tokens" in fields:
+        kwargs["max_tokens"] = fields["max_completion_tokens"]
+    logprobs = fields.get("logprobs")
+    if isinstance(logprobs, bool):  # chat: a flag plus top_logprobs
+        kwargs["logprobs"] = logprobs
+        kwargs["top_logprobs"] = fields.get("top_logprobs", 0)
+        if kwargs["top_logprobs"] and not logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+    elif isinstance(logprobs, int):  # completions: how many alternatives per token
+        kwargs["logprobs"] = True
+        kwargs["top_logprobs"] = logprobs
+    kwargs.setdefault("max_tokens", max(default_max_tokens, 1))
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_value(e) from None
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """string | [string] | [int] | [[int]] → a list of prompts."""
+    if prompt is None:
+        raise APIError(400, "prompt: required", param="prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt: expected a string, a list of strings, token ids or a list of token id lists",
+                   param="prompt")

@@ -1,0 +1,196 @@
+"""`ketch serve` end to end: a real server process on loopback, driven by the official openai SDK.
+
+One server (bundled SmolLM2, fp32, one thread) serves the whole module; greedy wherever the
+assertion is about text, seeded where sampling itself is under test. The last test kills the
+engine process and expects the server to exit non-zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from urllib.parse import urlsplit
+
+import http.client
+import json
+import openai
+import pytest
+
+MATH = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+STORY = [{"role": "user", "content": "Tell me a very short story about a cat."}]
+STARTUP_DEADLINE_S = 120
+
+
+def _health(base: str) -> int | None:
+    url = urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--dtype", "float32", "--num-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while True:
+        assert proc.poll() is None, f"server exited during startup:\n{proc.stdout.read()}"
+        if _health(base) == 200:
+            break
+        assert time.monotonic() < deadline, "server not healthy before the deadline"
+        time.sleep(0.2)  # polling interval of the health check, not a synchronisation
+    yield proc, base
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model] and models[0].object == "model"
+
+
+def test_chat_stream_matches_non_stream(client, model):
+    full = client.chat.completions.create(model=model, messages=STORY, max_tokens=40, temperature=0)
+    choice = full.choices[0]
+    assert full.id.startswith("chatcmpl-") and full.model == model and full.created > 0
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=model, messages=STORY, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [choice.finish_reason]
+    assert all(c.usage is None for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: a prefix-cache hit
+
+
+def test_completions_text_and_token_ids(client, model):
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert "Paris" in out.choices[0].text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8
+    by_ids = client.completions.create(model=model, prompt=[504, 3575, 282, 4649, 314], max_tokens=4, temperature=0)
+    assert by_ids.usage.prompt_tokens == 5 and by_ids.usage.completion_tokens == 4
+
+
+def test_completions_stream_and_stop(client, model):
+    full = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == full.choices[0].text
+    stopped = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                        temperature=0, stop=["."])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == full.choices[0].text.split(".")[0]
+    assert stopped.choices[0].model_extra["matched_stop"] == "."
+
+
+def test_n_and_seed(client, model):
+    kw = dict(model=model, messages=STORY, max_tokens=12, temperature=0.8, seed=1234)
+    a = client.chat.completions.create(n=2, **kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    b = client.chat.completions.create(n=2, **kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("kw, param", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature")])
+def test_bad_values_are_400_and_server_keeps_serving(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=MATH, **{"max_tokens": 4, **kw})
+    error = info.value.response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert client.chat.completions.create(model=model, messages=MATH, max_tokens=2, temperature=0).choices
+
+
+def test_prompt_over_context_is_400(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=10**6)
+    assert info.value.response.json()["error"]["param"] == "max_tokens"
+
+
+def test_async_client_concurrent_streams(server, client, model):
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> str:
+        stream = await aclient.completions.create(model=model, prompt=f"Count: {i}, {i + 1},", max_tokens=6,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(4)))
+
+    texts = asyncio.run(main())
+    for i, text in enumerate(texts):  # batched greedy == alone
+        alone = client.completions.create(model=model, prompt=f"Count: {i}, {i + 1},", max_tokens=6, temperature=0)
+        assert text == alone.choices[0].text
+
+
+def test_disconnect_mid_stream_keeps_serving(server, client, model):
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    url = urlsplit(server[1])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")
+    conn.close()  # mid-stream: the server aborts the request in the engine
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0).choices
+
+
+def test_greedy_chat_matches_llm(client, model):
+    from ketch import LLM, SamplingParams
+
+    served = client.chat.completions.create(model=model, messages=STORY, max_tokens=32, temperature=0)
+    llm = LLM(dtype="float32", num_threads=1)
+    offline = llm.chat(STORY, SamplingParams(temperature=0, max_tokens=32))[0]
+    assert served.choices[0].message.content == offline.text
+    assert served.choices[0].finish_reason == offline.finish_reason
+
+
+def test_engine_death_exits_nonzero(server):
+    proc, base = server
+    children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+    engine = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(engine) == 1
+    os.kill(engine[0], 9)
+    assert proc.wait(timeout=30) != 0
