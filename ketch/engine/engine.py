@@ -12,6 +12,7 @@ from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
 from ketch.engine.outputs import EngineOutput, TokenLogprob
+from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import SamplingBatch, SamplingRow, make_generator, sample
@@ -64,22 +65,8 @@ class Engine:
     def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length ({self.max_model_len})"
-            )
-        capacity = self.runner.pool.num_pages * self.config.page_size
-        if total > capacity:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({capacity} tokens)"
-            )
+        validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                         kv_capacity=self.runner.pool.num_pages * self.config.page_size)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request (or one of its samples) in any state; a no-op once it has ended."""

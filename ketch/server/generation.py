@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ketch.engine.messages import RequestError, TokenDelta, WireLogprob
+from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
-from ketch.server.errors import APIError, bad_value, engine_unavailable
+from ketch.server.errors import bad_value, engine_unavailable
 from ketch.text.sample_text import SampleText
 from ketch.text.tokenizer import Tokenizer
 
@@ -51,23 +52,17 @@ class Usage:
 
 
 def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str) -> None:
-    """The engine's length checks, made before sending so that a stream can still answer 400."""
+    """The engine's own request checks, made before sending so that a stream can still answer 400."""
     ready = client.ready
     assert ready is not None
-    limit = min(ready.max_model_len, ready.kv_capacity_tokens)
-    if len(prompt_ids) >= limit:
-        raise APIError(400, f"{param}: the prompt has {len(prompt_ids)} tokens; the context length is {limit}",
-                       param=param, code="context_length_exceeded")
-    if len(prompt_ids) + params.max_tokens > limit:
-        raise APIError(400, f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                       f"{len(prompt_ids) + params.max_tokens} exceeds the context length ({limit})",
-                       param="max_tokens", code="context_length_exceeded")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= ready.vocab_size:
-        raise APIError(400, f"{param}: token ids must be in [0, {ready.vocab_size})", param=param)
     try:
-        params.validate(ready.vocab_size)
+        validate_request(prompt_ids, params, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+                         kv_capacity=ready.kv_capacity_tokens, prompt_field=param)
     except ValueError as e:
-        raise bad_value(e) from None
+        error = bad_value(e)
+        if "exceeds the" in error.message:
+            error.code = "context_length_exceeded"
+        raise error from None
 
 
 class Generation:
