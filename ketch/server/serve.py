@@ -62,8 +62,11 @@ def run(config: EngineConfig, host: str, port: int, served_model_name: str | Non
         chat_template_file: str | None = None) -> int:
     template = None
     if chat_template_file:
-        with open(chat_template_file) as f:
-            template = f.read()
+        try:
+            with open(chat_template_file) as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"chat_template: cannot read {chat_template_file!r} ({e.strerror})") from None
     try:
         import uvloop
     except ImportError:
