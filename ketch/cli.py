@@ -48,7 +48,7 @@ def _serve(a: argparse.Namespace) -> int:
     from ketch.config import EngineConfig
     from ketch.server.serve import run
 
-    return run(EngineConfig(**engine_kwargs(a)), a.host, a.port, a.served_model_name, a.chat_template)
+    return run(EngineConfig(**engine_kwargs(a)), a.host, a.port, a.served_model_name, a.chat_template, a.api_key)
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--served-model-name", default=None, help="the model id clients send; default: the model file's name")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file that replaces the model's")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

@@ -7,6 +7,7 @@ engine process and expects the server to exit non-zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -42,11 +43,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def _running_server(*extra: str):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--dtype", "float32", "--num-threads", "1"],
+        [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -57,14 +59,22 @@ def server():
             break
         assert time.monotonic() < deadline, "server not healthy before the deadline"
         time.sleep(0.2)  # polling interval of the health check, not a synchronisation
-    yield proc, base
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with _running_server() as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +195,51 @@ def test_greedy_chat_matches_llm(client, model):
     offline = llm.chat(STORY, SamplingParams(temperature=0, max_tokens=32))[0]
     assert served.choices[0].message.content == offline.text
     assert served.choices[0].finish_reason == offline.finish_reason
+
+
+def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    url = urlsplit(base)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_tokenize_and_detokenize(server, client, model):
+    base = server[1]
+    status, out = _post(base, "/tokenize", {"messages": MATH})
+    assert status == 200 and out["count"] == len(out["tokens"]) > 0
+    chat = client.chat.completions.create(model=model, messages=MATH, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == out["count"]  # /tokenize sees exactly the prompt the chat route builds
+    status, text = _post(base, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    assert status == 200 and text["count"] >= 2
+    status, back = _post(base, "/detokenize", {"tokens": text["tokens"]})
+    assert status == 200 and back["prompt"] == "Hello world"
+    status, err = _post(base, "/detokenize", {"tokens": ["x"]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+    status, err = _post(base, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and err["error"]["param"] == "tokens"
+
+
+def test_api_key():
+    with _running_server("--api-key", "s3cret") as (_, base):
+        assert _health(base) == 200  # health needs no key
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        model = good.models.list().data[0].id
+        out = good.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0)
+        assert out.choices[0].text
+        for key in ("wrong", ""):
+            bad = openai.OpenAI(base_url=f"{base}/v1", api_key=key or "x", max_retries=0, timeout=60,
+                                default_headers={} if key else {"Authorization": ""})
+            with pytest.raises(openai.AuthenticationError) as e:
+                bad.models.list()
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        status, err = _post(base, "/tokenize", {"prompt": "hi"})  # no Authorization header at all
+        assert status == 401 and set(err["error"]) == {"message", "type", "param", "code"}
+        assert good.completions.create(model=model, prompt="Hi", max_tokens=2).choices  # still serving
 
 
 def test_engine_death_exits_nonzero(server):

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from ketch.server.chat import chat_completions
+from ketch.server.chat import chat_completions, encode_messages
 from ketch.server.completions import completions
 from ketch.server.errors import APIError, engine_unavailable
 from ketch.server.state import ServerState
@@ -39,6 +39,15 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return APIError(400, str(e)).response()
 
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # every route but /health
+        if request.url.path != "/health":
+            try:
+                state.check_api_key(request.headers.get("authorization"))
+            except APIError as e:
+                return e.response()
+        return await call_next(request)
+
     def _require_engine() -> None:
         if not state.client.alive:
             raise engine_unavailable()
@@ -66,5 +75,29 @@ def build_app(state: ServerState) -> FastAPI:
     async def v1_chat_completions(request: Request) -> Response:
         _require_engine()
         return await chat_completions(state, await _json_body(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _json_body(request)
+        tok = state.require_tokenizer("prompt")
+        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        elif isinstance(body, dict) and "messages" in body:
+            ids = encode_messages(state, body["messages"])
+        else:
+            raise APIError(400, "prompt: send {'prompt': str} or {'messages': [...]}", param="prompt")
+        ready = state.client.ready
+        return {"tokens": ids, "count": len(ids), "max_model_len": ready.max_model_len if ready else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await _json_body(request)
+        tok = state.require_tokenizer("tokens")
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "tokens: must be a list of token ids", param="tokens")
+        if ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):
+            raise APIError(400, f"tokens: token ids must be in [0, {tok.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
 
     return app

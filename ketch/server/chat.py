@@ -15,7 +15,8 @@ from ketch.server.sse import sse_stream
 from ketch.server.state import ServerState
 
 
-def _encode(state: ServerState, messages: Any) -> list[int]:
+def encode_messages(state: ServerState, messages: Any) -> list[int]:
+    """Chat template + tokenizer: the prompt ids of a conversation (also used by /tokenize)."""
     tok = state.require_tokenizer("messages")
     if state.chat_template is None:
         raise APIError(400, "messages: the model has no chat template; start the server with --chat-template",
@@ -33,7 +34,7 @@ async def chat_completions(state: ServerState, body: Any):
     state.check_model(fields.get("model"))
     if "messages" not in fields:
         raise APIError(400, "messages: required", param="messages")
-    prompt_ids = _encode(state, fields["messages"])
+    prompt_ids = encode_messages(state, fields["messages"])
     ready = state.client.ready
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids))
     check_context(prompt_ids, params, state.client, "messages")

@@ -31,7 +31,7 @@ def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
 
 
 async def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-                chat_template: str | None = None) -> int:
+                chat_template: str | None = None, api_key: str | None = None) -> int:
     tokenizer = _load_tokenizer(config)
     template_src = chat_template or (tokenizer.chat_template if tokenizer else None)
     template = ChatTemplate(template_src) if template_src else None
@@ -42,7 +42,7 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
         print(f"error: {e}", file=sys.stderr)
         return 1
     name = served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
-    state = ServerState(client, tokenizer, template, name)
+    state = ServerState(client, tokenizer, template, name, api_key)
     server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=10))
     client.on_death = lambda: setattr(server, "should_exit", True)
@@ -59,7 +59,7 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
 
 
 def run(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-        chat_template_file: str | None = None) -> int:
+        chat_template_file: str | None = None, api_key: str | None = None) -> int:
     template = None
     if chat_template_file:
         try:
@@ -70,5 +70,5 @@ def run(config: EngineConfig, host: str, port: int, served_model_name: str | Non
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(config, host, port, served_model_name, template))
-    return uvloop.run(serve(config, host, port, served_model_name, template))
+        return asyncio.run(serve(config, host, port, served_model_name, template, api_key))
+    return uvloop.run(serve(config, host, port, served_model_name, template, api_key))

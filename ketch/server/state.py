@@ -1,6 +1,7 @@
 """What every route needs: the engine client, the tokenizer, the chat template, the model's name."""
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,16 @@ class ServerState:
     tokenizer: Tokenizer | None
     chat_template: ChatTemplate | None
     model_name: str
+    api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_api_key(self, authorization: str | None) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
