@@ -16,7 +16,7 @@ from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
 from ketch.engine.outputs import EngineOutput, TokenLogprob
 from ketch.sampling.params import SamplingParams
-from ketch.text.chat_template import render_chat
+from ketch.text.chat_template import ChatTemplate
 from ketch.text.sample_text import SampleText as _SampleText
 from ketch.text.tokenizer import Tokenizer
 from ketch.weights.source import default_model_path, detect_format
@@ -72,6 +72,7 @@ class LLM:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.engine = Engine(self.config, eos_token_ids=eos)
         self._ids = itertools.count()
+        self._template: ChatTemplate | None = None
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
@@ -113,10 +114,15 @@ class LLM:
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         tok = self._require_tokenizer()
-        template = chat_template or tok.chat_template
-        if not template:
+        if chat_template:
+            template = ChatTemplate(chat_template)
+        elif tok.chat_template:
+            if self._template is None:
+                self._template = ChatTemplate(tok.chat_template)  # compile the model's template once
+            template = self._template
+        else:
             raise ValueError("chat_template: the model has none; pass chat_template=")
-        text = render_chat(template, messages, add_generation_prompt=True, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        text = template.render(messages, add_generation_prompt=True, bos_token=tok.bos_token, eos_token=tok.eos_token)
         return tok.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- internals

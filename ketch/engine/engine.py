@@ -104,14 +104,10 @@ class Engine:
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
-        if len(req.output_ids) >= p.min_tokens:
-            if p.stop_token_ids and token in p.stop_token_ids:
-                self.scheduler.finish(req, FinishReason.STOP, token)
-                return
-            if not p.ignore_eos and token in req.eos_ids:
-                self.scheduler.finish(req, FinishReason.STOP, token)
-                return
-        if len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
+        is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_ids)
+        if is_stop_token and len(req.output_ids) >= p.min_tokens:
+            self.scheduler.finish(req, FinishReason.STOP, token)
+        elif len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
             self.scheduler.finish(req, FinishReason.LENGTH)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> EngineOutput:
