@@ -46,9 +46,16 @@ def _chat(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from ketch.config import EngineConfig
-    from ketch.server.serve import run
+    from ketch.server.config import ServerConfig
+    from ketch.server.serve import read_chat_template, run
 
-    return run(EngineConfig(**engine_kwargs(a)), a.host, a.port, a.served_model_name, a.chat_template, a.api_key)
+    server = ServerConfig(
+        host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
+        chat_template=read_chat_template(a.chat_template) if a.chat_template else None,
+        max_queued_requests=a.max_queued_requests, max_request_bytes=a.max_request_bytes,
+        shutdown_timeout=a.shutdown_timeout,
+    )
+    return run(EngineConfig(**engine_kwargs(a)), server)
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -80,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model id clients send; default: the model file's name")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file that replaces the model's")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="sequences that may wait beyond --max-running-requests; more get a 429 (default: no limit)")
+    s.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get a 413")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="KV pool as a fraction of device memory")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256,
+                   help="sequences the engine runs at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--chunked-prefill-size", type=int, default=None)
     g.add_argument("--disable-prefix-cache", action="store_true")

@@ -7,73 +7,19 @@ engine process and expects the server to exit non-zero.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import socket
-import subprocess
-import sys
-import time
-from urllib.parse import urlsplit
 
-import http.client
-import json
 import openai
 import pytest
+from server_util import health, open_stream, post, running_server
 
 MATH = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
 STORY = [{"role": "user", "content": "Tell me a very short story about a cat."}]
-STARTUP_DEADLINE_S = 120
-
-
-def _health(base: str) -> int | None:
-    url = urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status
-    except OSError:
-        return None
-    finally:
-        conn.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _running_server(*extra: str):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--dtype", "float32", "--num-threads", "1",
-         *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while True:
-        assert proc.poll() is None, f"server exited during startup:\n{proc.stdout.read()}"
-        if _health(base) == 200:
-            break
-        assert time.monotonic() < deadline, "server not healthy before the deadline"
-        time.sleep(0.2)  # polling interval of the health check, not a synchronisation
-    try:
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server():
-    with _running_server() as running:
+    with running_server() as running:
         yield running
 
 
@@ -121,6 +67,20 @@ def test_completions_text_and_token_ids(client, model):
     assert out.usage.completion_tokens == 8
     by_ids = client.completions.create(model=model, prompt=[504, 3575, 282, 4649, 314], max_tokens=4, temperature=0)
     assert by_ids.usage.prompt_tokens == 5 and by_ids.usage.completion_tokens == 4
+
+
+def test_completions_echo(client, model):
+    plain = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    by_ids = client.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
+    assert streamed.endswith(by_ids.choices[0].text) and len(streamed) > len(by_ids.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
+    assert info.value.response.json()["error"]["param"] == "echo"
 
 
 def test_completions_stream_and_stop(client, model):
@@ -176,17 +136,6 @@ def test_async_client_concurrent_streams(server, client, model):
         assert text == alone.choices[0].text
 
 
-def test_disconnect_mid_stream_keeps_serving(server, client, model):
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    url = urlsplit(server[1])
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data:")
-    conn.close()  # mid-stream: the server aborts the request in the engine
-    assert client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0).choices
-
-
 def test_greedy_chat_matches_llm(client, model):
     from ketch import LLM, SamplingParams
 
@@ -197,36 +146,25 @@ def test_greedy_chat_matches_llm(client, model):
     assert served.choices[0].finish_reason == offline.finish_reason
 
 
-def _post(base: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
-    url = urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
-
-
 def test_tokenize_and_detokenize(server, client, model):
     base = server[1]
-    status, out = _post(base, "/tokenize", {"messages": MATH})
+    status, out = post(base, "/tokenize", {"messages": MATH})
     assert status == 200 and out["count"] == len(out["tokens"]) > 0
     chat = client.chat.completions.create(model=model, messages=MATH, max_tokens=2, temperature=0)
     assert chat.usage.prompt_tokens == out["count"]  # /tokenize sees exactly the prompt the chat route builds
-    status, text = _post(base, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
+    status, text = post(base, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False})
     assert status == 200 and text["count"] >= 2
-    status, back = _post(base, "/detokenize", {"tokens": text["tokens"]})
+    status, back = post(base, "/detokenize", {"tokens": text["tokens"]})
     assert status == 200 and back["prompt"] == "Hello world"
-    status, err = _post(base, "/detokenize", {"tokens": ["x"]})
+    status, err = post(base, "/detokenize", {"tokens": ["x"]})
     assert status == 400 and err["error"]["param"] == "tokens"
-    status, err = _post(base, "/detokenize", {"tokens": [10**9]})
+    status, err = post(base, "/detokenize", {"tokens": [10**9]})
     assert status == 400 and err["error"]["param"] == "tokens"
 
 
 def test_api_key():
-    with _running_server("--api-key", "s3cret") as (_, base):
-        assert _health(base) == 200  # health needs no key
+    with running_server("--api-key", "s3cret") as (_, base):
+        assert health(base) == 200  # health needs no key
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0, timeout=60)
         model = good.models.list().data[0].id
         out = good.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=0)
@@ -237,15 +175,19 @@ def test_api_key():
             with pytest.raises(openai.AuthenticationError) as e:
                 bad.models.list()
             assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
-        status, err = _post(base, "/tokenize", {"prompt": "hi"})  # no Authorization header at all
+        status, err = post(base, "/tokenize", {"prompt": "hi"})  # no Authorization header at all
         assert status == 401 and set(err["error"]) == {"message", "type", "param", "code"}
         assert good.completions.create(model=model, prompt="Hi", max_tokens=2).choices  # still serving
 
 
-def test_engine_death_exits_nonzero(server):
+def test_engine_death_fails_in_flight_requests_and_exits_nonzero(server, model):
     proc, base = server
+    _, stream = open_stream(base, "/v1/completions", {"model": model, "prompt": "Once upon a time",
+                                                      "max_tokens": 4000, "ignore_eos": True})
     children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
     engine = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert len(engine) == 1
     os.kill(engine[0], 9)
+    rest = stream.read().decode()  # the stream ends with an error event, not a hang
+    assert '"code": "engine_unavailable"' in rest and rest.rstrip().endswith("data: [DONE]")
     assert proc.wait(timeout=30) != 0

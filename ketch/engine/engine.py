@@ -11,7 +11,7 @@ import itertools
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
-from ketch.engine.outputs import EngineOutput, TokenLogprob
+from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
@@ -34,6 +34,7 @@ class Engine:
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
+        self._generated_tokens = 0
 
     @property
     def vocab_size(self) -> int:
@@ -78,6 +79,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 
+    def stats(self) -> EngineStats:
+        """A snapshot for /metrics: queue sizes, page accounting and token counters."""
+        s, alloc, cache = self.scheduler.stats, self.allocator, self.cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_pages_total=alloc.num_pages,
+            kv_pages_free=alloc.num_free,
+            kv_pages_cached=cache.cached_pages,
+            kv_pages_evictable=cache.evictable_pages,
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            computed_tokens=s.computed_tokens,
+            generated_tokens=self._generated_tokens,
+            preemptions=s.preemptions,
+        )
+
     # ---------------------------------------------------------------- step
     def step(self) -> list[EngineOutput]:
         outputs, self._aborted = self._aborted, []
@@ -92,6 +110,7 @@ class Engine:
         for i, req in enumerate(sampling):
             token = result.token_ids[i]
             req.output_ids.append(token)
+            self._generated_tokens += 1
             logprobs = None
             if req.params.wants_logprobs:
                 top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []

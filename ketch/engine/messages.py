@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from ketch.engine.outputs import EngineOutput
+from ketch.engine.outputs import EngineOutput, EngineStats
 
 
 # ---------------------------------------------------------------- API → engine
@@ -88,6 +88,7 @@ class RequestError(msgspec.Struct, tag=True, frozen=True):
 
 class Pong(msgspec.Struct, tag=True, frozen=True):
     nonce: int
+    stats: EngineStats  # a ping doubles as the stats query behind /metrics
 
 
 ToEngine = GenerateRequest | AbortRequest | Ping | Shutdown

@@ -1,7 +1,9 @@
-"""What the engine reports after a step: token deltas per sample, with logprobs when asked."""
+"""What the engine reports: token deltas per sample after a step (logprobs when asked), and stats."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass
@@ -22,3 +24,27 @@ class EngineOutput:
     matched_stop: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """Engine state for /metrics (a msgspec struct: it travels inside the Pong message as is).
+
+    Pages: free + evictable + in_use == total, where in_use are pages a running request holds
+    (cached pages that a request has locked count as in use).
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int  # in the prefix cache (locked by a request or not)
+    kv_pages_evictable: int  # cached and held by no request
+    prompt_tokens: int  # prompt tokens of admitted requests
+    cached_prompt_tokens: int  # of which the prefix cache served
+    computed_tokens: int  # tokens run through the model, recomputation included
+    generated_tokens: int
+    preemptions: int
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        return self.kv_pages_total - self.kv_pages_free - self.kv_pages_evictable

@@ -95,5 +95,5 @@ def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:
     elif isinstance(msg, m.AbortRequest):
         engine.abort(msg.request_id, msg.index)
     elif isinstance(msg, m.Ping):
-        return m.Pong(msg.nonce)
+        return m.Pong(msg.nonce, engine.stats())
     return None

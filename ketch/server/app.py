@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ketch.server.chat import chat_completions, encode_messages
@@ -17,15 +18,32 @@ from ketch.server.state import ServerState
 _HEALTH_TIMEOUT_S = 10.0
 
 
-async def _json_body(request: Request) -> Any:
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    """The parsed body; 413 beyond `limit` bytes, whether announced by Content-Length or not."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body())
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     app = FastAPI(title="ketch", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def read_body(request: Request) -> Any:
+        return await _json_body(request, max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -58,6 +76,11 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=200)
         return engine_unavailable().response()
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await state.client.stats(_HEALTH_TIMEOUT_S)
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models() -> dict:
         ready = state.client.ready
@@ -69,16 +92,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
         _require_engine()
-        return await completions(state, await _json_body(request))
+        return await completions(state, await read_body(request))
 
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request) -> Response:
         _require_engine()
-        return await chat_completions(state, await _json_body(request))
+        return await chat_completions(state, await read_body(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = await _json_body(request)
+        body = await read_body(request)
         tok = state.require_tokenizer("prompt")
         if isinstance(body, dict) and isinstance(body.get("prompt"), str):
             ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
@@ -91,7 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = await _json_body(request)
+        body = await read_body(request)
         tok = state.require_tokenizer("tokens")
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -39,7 +39,7 @@ async def chat_completions(state: ServerState, body: Any):
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids))
     check_context(prompt_ids, params, state.client, "messages")
     rid = new_request_id("chatcmpl")
-    gen = Generation(state.client, state.tokenizer, rid, [prompt_ids], params)
+    gen = Generation(state, rid, [prompt_ids], params)
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if fields.get("stream"):

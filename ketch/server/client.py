@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from ketch.config import EngineConfig
 from ketch.engine import messages as m
+from ketch.engine.outputs import EngineStats
 from ketch.engine.process import start_engine_process
 from ketch.sampling.params import SamplingParams
 
@@ -42,7 +43,7 @@ class EngineClient:
         self.alive = False
         self.on_death: Callable[[], None] | None = None
         self._queues: dict[str, asyncio.Queue[Item]] = {}
-        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._pongs: dict[int, asyncio.Future[EngineStats]] = {}
         self._nonces = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="ketch-")
         self._sync = zmq.Context()
@@ -130,16 +131,19 @@ class EngineClient:
 
     async def ping(self, timeout: float) -> bool:
         """True when the engine answers within `timeout` seconds (it answers between steps)."""
+        return await self.stats(timeout) is not None
+
+    async def stats(self, timeout: float) -> EngineStats | None:
+        """The engine's stats, or None when it does not answer within `timeout` seconds."""
         if not self.alive:
-            return False
+            return None
         nonce = next(self._nonces)
         fut = self._pongs[nonce] = asyncio.get_running_loop().create_future()
         self._send(m.Ping(nonce))
         try:
-            await asyncio.wait_for(fut, timeout)
-            return True
+            return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, EngineGone):
-            return False
+            return None
         finally:
             self._pongs.pop(nonce, None)
 
@@ -161,7 +165,7 @@ class EngineClient:
             elif isinstance(msg, m.Pong):
                 fut = self._pongs.get(msg.nonce)
                 if fut is not None and not fut.done():
-                    fut.set_result(None)
+                    fut.set_result(msg.stats)
             elif isinstance(msg, m.EngineError):
                 print(f"engine error: {msg.message}", flush=True)  # the sentinel reports the exit itself
 

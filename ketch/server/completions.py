@@ -25,22 +25,35 @@ def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
     return state.require_tokenizer("prompt").encode(prompt)
 
 
+def _echoes(state: ServerState, fields: dict, raw: list[str | list[int]]) -> list[str]:
+    """The text `echo` puts before each choice's completion ('' without echo)."""
+    if not fields.get("echo"):
+        return [""] * len(raw)
+    if fields.get("logprobs") is not None:
+        raise APIError(400, "echo: not supported together with logprobs (prompt logprobs are not computed)",
+                       param="echo", code="unsupported_field")
+    return [p if isinstance(p, str) else state.require_tokenizer("prompt").decode(p, skip_special_tokens=False)
+            for p in raw]
+
+
 async def completions(state: ServerState, body: Any):
     fields = check_fields(body, COMPLETION_FIELDS)
     state.check_model(fields.get("model"))
-    prompts = [_encode(state, p) for p in completion_prompts(fields.get("prompt"))]
+    raw = completion_prompts(fields.get("prompt"))
+    prompts = [_encode(state, p) for p in raw]
     params = sampling_params(fields, DEFAULT_MAX_TOKENS)
+    echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     for ids in prompts:
         check_context(ids, params, state.client, "prompt")
     rid = new_request_id("cmpl")
-    gen = Generation(state.client, state.tokenizer, rid, prompts, params)
+    gen = Generation(state, rid, prompts, params)
     gen.start()
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage)),
+        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage, echoes)),
                                  media_type="text/event-stream")
-    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "matched_stop": None}
+    choices = [{"index": i, "text": echoes[i], "logprobs": None, "finish_reason": None, "matched_stop": None}
                for i in range(len(prompts) * params.n)]
     for_logprobs: dict[int, list] = {i: [] for i in range(len(choices))}
     async for ev in gen.events():
@@ -55,8 +68,13 @@ async def completions(state: ServerState, body: Any):
     return JSONResponse({**head, "choices": choices, "usage": gen.usage.as_dict()})
 
 
-async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
+                  echoes: list[str]) -> AsyncIterator[dict]:
     offsets: dict[int, int] = {}
+    for i, text in enumerate(echoes):
+        if text:
+            yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
+                   **({"usage": None} if include_usage else {})}
     async for ev in gen.events():
         logprobs = None
         if gen.params.wants_logprobs:

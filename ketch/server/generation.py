@@ -5,10 +5,12 @@
 Text (detokenization, stop strings) is made here with ketch.text.SampleText. A sample that hits a
 stop string is aborted in the engine at once and reported as finish_reason "stop". Leaving early
 (client gone, error, cancellation) aborts every unfinished sample, so the engine frees its pages.
+Each sample holds one admission slot until it ends, and its timing feeds the metrics.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -17,8 +19,8 @@ from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
 from ketch.server.errors import bad_value, engine_unavailable
+from ketch.server.state import ServerState
 from ketch.text.sample_text import SampleText
-from ketch.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -36,6 +38,7 @@ class _Sample:
     text: SampleText
     finished: bool = False
     num_tokens: int = 0
+    last_token_at: float | None = None
 
 
 @dataclass
@@ -66,34 +69,53 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
 
 
 class Generation:
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer | None, request_id: str,
-                 prompts: list[list[int]], params: SamplingParams) -> None:
-        self.client, self.params = client, params
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.client, self.params = state.client, params
+        self._admission, self._metrics = state.admission, state.metrics
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.prompts = dict(zip(self.rids, prompts))
-        self.samples = {(rid, j): _Sample(SampleText(tokenizer, ids, params))
+        self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params))
                         for rid, ids in self.prompts.items() for j in range(params.n)}
         self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._started = False
+        self._started_at = 0.0
 
     def start(self) -> None:
+        """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
+        self._admission.acquire(len(self.samples))
+        self._started_at = time.monotonic()
         try:
             for rid, ids in self.prompts.items():
                 self.client.add(rid, ids, self.params, self._queue)
         except EngineGone:
             self.close()
             raise engine_unavailable() from None
-        self._started = True
 
     def close(self) -> None:
         """Abort what is unfinished and stop listening; safe to call more than once."""
         for (rid, j), sample in self.samples.items():
-            if self._started and not sample.finished:
+            if self._started_at and not sample.finished:
                 self.client.abort(rid, j)
-                sample.finished = True
+                self._end(sample, "abort")
         for rid in self.rids:
             self.client.release(rid)
+
+    def _end(self, sample: _Sample, reason: str) -> None:
+        sample.finished = True
+        self._admission.release()
+        self._metrics.finished.labels(reason).inc()
+        if reason != "abort":
+            self._metrics.e2e.observe(time.monotonic() - self._started_at)
+
+    def _observe_tokens(self, sample: _Sample, count: int) -> None:
+        now = time.monotonic()
+        if sample.last_token_at is None:
+            self._metrics.ttft.observe(now - self._started_at)
+        else:
+            gap = (now - sample.last_token_at) / count
+            for _ in range(count):
+                self._metrics.itl.observe(gap)
+        sample.last_token_at = now
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         try:
@@ -116,6 +138,8 @@ class Generation:
         if d.index == 0 and d.request_id not in self.usage._seen_prompts:
             self.usage._seen_prompts.add(d.request_id)
             self.usage.cached_tokens += d.num_cached_tokens
+        if d.new_token_ids:
+            self._observe_tokens(sample, len(d.new_token_ids))
         sample.num_tokens += len(d.new_token_ids)
         self.usage.completion_tokens += len(d.new_token_ids)
         text, stopped = sample.text.push(d)
@@ -126,5 +150,6 @@ class Generation:
             event.finish_reason, event.matched_stop = "stop", stopped
         elif d.finished:
             event.finish_reason, event.matched_stop = d.finish_reason, d.matched_stop
-        sample.finished = event.finish_reason is not None
+        if event.finish_reason is not None:
+            self._end(sample, event.finish_reason)
         return event

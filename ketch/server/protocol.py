@@ -35,7 +35,7 @@ _COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user"
 CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, "messages": (list,),
                "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
 COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON,
-                     "prompt": (str, list), "logprobs": (int,)}
+                     "prompt": (str, list), "logprobs": (int,), "echo": (bool,)}
 
 
 def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, Any]:

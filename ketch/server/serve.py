@@ -6,18 +6,41 @@ The exit code is 0 after a normal shutdown (Ctrl-C / SIGTERM) and 1 when the eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import sys
+import threading
+from typing import Iterator
 
 import uvicorn
 
 from ketch.config import EngineConfig
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
-from ketch.server.state import ServerState
+from ketch.server.config import ServerConfig
+from ketch.server.state import Admission, ServerState
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
 from ketch.weights.source import default_model_path, detect_format
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM/SIGINT ends in a clean return (exit code 0) instead
+    of being raised again after the graceful shutdown, which would kill the process before the
+    engine is stopped."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
@@ -30,10 +53,10 @@ def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
         return None
 
 
-async def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-                chat_template: str | None = None, api_key: str | None = None) -> int:
+async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
+    sc = server_config
     tokenizer = _load_tokenizer(config)
-    template_src = chat_template or (tokenizer.chat_template if tokenizer else None)
+    template_src = sc.chat_template or (tokenizer.chat_template if tokenizer else None)
     template = ChatTemplate(template_src) if template_src else None
     client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else ())
     try:
@@ -41,12 +64,15 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
     except EngineStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    name = served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
-    state = ServerState(client, tokenizer, template, name, api_key)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+    name = sc.served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
+    limit = None if sc.max_queued_requests is None else config.max_num_seqs + sc.max_queued_requests
+    state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit))
+    # SIGTERM (uvicorn's handler): stop accepting, give in-flight requests `shutdown_timeout`
+    # seconds to finish, cancel the rest (their samples are aborted), then stop the engine.
+    server = _Server(uvicorn.Config(build_app(state, sc.max_request_bytes), host=sc.host, port=sc.port,
+                                           log_level="warning", timeout_graceful_shutdown=sc.shutdown_timeout))
     client.on_death = lambda: setattr(server, "should_exit", True)
-    print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{host}:{port}", flush=True)
+    print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{sc.host}:{sc.port}", flush=True)
     try:
         await server.serve()
     finally:
@@ -55,20 +81,21 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
     if died:
         print(f"error: the engine process exited (code {client.exitcode})", file=sys.stderr)
         return 1
+    print("ketch: shut down", flush=True)
     return 0
 
 
-def run(config: EngineConfig, host: str, port: int, served_model_name: str | None = None,
-        chat_template_file: str | None = None, api_key: str | None = None) -> int:
-    template = None
-    if chat_template_file:
-        try:
-            with open(chat_template_file) as f:
-                template = f.read()
-        except OSError as e:
-            raise ValueError(f"chat_template: cannot read {chat_template_file!r} ({e.strerror})") from None
+def read_chat_template(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"chat_template: cannot read {path!r} ({e.strerror})") from None
+
+
+def run(config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(config, host, port, served_model_name, template, api_key))
-    return uvloop.run(serve(config, host, port, served_model_name, template, api_key))
+        return asyncio.run(serve(config, server_config))
+    return uvloop.run(serve(config, server_config))

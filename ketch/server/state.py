@@ -1,4 +1,5 @@
-"""What every route needs: the engine client, the tokenizer, the chat template, the model's name."""
+"""What every route needs: the engine client, the tokenizer, the chat template, the model's name,
+the metrics and the admission count."""
 from __future__ import annotations
 
 import hmac
@@ -7,8 +8,37 @@ from dataclasses import dataclass, field
 
 from ketch.server.client import EngineClient
 from ketch.server.errors import APIError
+from ketch.server.metrics import ServerMetrics
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer
+
+
+@dataclass
+class Admission:
+    """Sequences (prompts × n) in the engine, running or queued, as the API process counts them.
+
+    The count moves when a request is sent and when each of its samples ends, so a full queue is
+    known without asking the engine; beyond `limit` a request gets a 429 at once.
+    """
+
+    limit: int | None
+    in_flight: int = 0
+
+    def acquire(self, n: int) -> None:
+        if self.limit is None:
+            self.in_flight += n
+            return
+        if n > self.limit:
+            raise APIError(400, f"n: this request needs {n} sequences (prompts × n); the server holds at most "
+                                f"{self.limit} at a time", param="n")
+        if self.in_flight + n > self.limit:
+            raise APIError(429, f"the server is at capacity ({self.in_flight} of {self.limit} sequences running "
+                                "or queued); retry later", type="rate_limit_error", code="queue_full")
+        self.in_flight += n
+
+    def release(self, n: int = 1) -> None:
+        self.in_flight -= n
+        assert self.in_flight >= 0, "admission released more than it acquired"
 
 
 @dataclass
@@ -18,6 +48,8 @@ class ServerState:
     chat_template: ChatTemplate | None
     model_name: str
     api_key: str | None = None
+    admission: Admission = field(default_factory=lambda: Admission(None))
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_api_key(self, authorization: str | None) -> None:

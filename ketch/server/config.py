@@ -1,0 +1,25 @@
+"""`ketch serve`'s own settings (the engine's are in ketch.config.EngineConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    served_model_name: str | None = None  # default: the model file's or directory's name
+    chat_template: str | None = None  # template text that replaces the model's
+    api_key: str | None = None
+    # sequences (prompts × n) the engine may hold beyond the running ones; None = no limit
+    max_queued_requests: int | None = None
+    max_request_bytes: int = 32 * 1024 * 1024  # larger bodies get a 413
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")

@@ -1,0 +1,77 @@
+"""Prometheus metrics for GET /metrics.
+
+Two sources:
+- the engine's state (queues, KV pages, token counters), fetched with a ping at scrape time and
+  exported by a collector, so the numbers are the engine's own and never drift;
+- the API process's view of each sample's timing (TTFT, inter-token latency, end to end),
+  observed as outputs arrive, and the requests it finished or turned away.
+
+Each server has its own registry (several apps can live in one test process).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ketch.engine.outputs import EngineStats
+
+# seconds; decode steps on a CPU take tens of ms, prefill of long prompts seconds
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                    3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, float("inf"))
+
+
+class _EngineCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        gauges = {
+            "ketch_num_requests_running": ("Sequences running in the engine (holding KV pages)", s.num_running),
+            "ketch_num_requests_waiting": ("Sequences queued in the engine", s.num_waiting),
+            "ketch_kv_pages_total": ("Pages in the KV pool", s.kv_pages_total),
+            "ketch_kv_pages_used": ("KV pages held by running sequences", s.kv_pages_in_use),
+            "ketch_kv_pages_cached": ("KV pages in the prefix cache", s.kv_pages_cached),
+            "ketch_kv_pages_free": ("KV pages neither held nor cached", s.kv_pages_free),
+            "ketch_prefix_cache_hit_rate": (
+                "Share of admitted prompt tokens served from the prefix cache",
+                s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "ketch_prompt_tokens": ("Prompt tokens of admitted sequences", s.prompt_tokens),
+            "ketch_cached_prompt_tokens": ("Prompt tokens served from the prefix cache", s.cached_prompt_tokens),
+            "ketch_generation_tokens": ("Tokens sampled", s.generated_tokens),
+            "ketch_computed_tokens": ("Tokens run through the model (recomputation included)", s.computed_tokens),
+            "ketch_preemptions": ("Sequences preempted for lack of KV pages", s.preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        r = self.registry
+        self.ttft = Histogram("ketch_time_to_first_token_seconds", "Time from arrival to a sample's first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ketch_inter_token_latency_seconds", "Time between a sample's consecutive tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ketch_e2e_request_latency_seconds", "Time from arrival to a sample's last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("ketch_requests_finished", "Samples finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("ketch_requests_rejected", "Requests turned away, by reason", ["reason"], registry=r)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        """The exposition text; engine metrics are left out when the engine did not answer."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)

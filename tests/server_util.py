@@ -1,0 +1,114 @@
+"""Helpers for the server tests: start a real `ketch serve` on loopback, raw HTTP, /metrics parsing."""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from typing import Iterator
+from urllib.parse import urlsplit
+
+STARTUP_DEADLINE_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect(base: str, timeout: float = 60) -> http.client.HTTPConnection:
+    url = urlsplit(base)
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+
+
+def health(base: str) -> int | None:
+    conn = connect(base, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def running_server(*extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`ketch serve` on the bundled model (fp32, one thread) and a free port, healthy on entry."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+         *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while True:
+        assert proc.poll() is None, f"server exited during startup:\n{proc.stdout.read()}"
+        if health(base) == 200:
+            break
+        assert time.monotonic() < deadline, "server not healthy before the deadline"
+        time.sleep(0.2)  # polling interval of the health check, not a synchronisation
+    try:
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def post(base: str, path: str, body: dict | bytes | str, headers: dict | None = None) -> tuple[int, dict]:
+    """POST a JSON body (a dict) or raw bytes; returns the status and the parsed JSON answer."""
+    data = json.dumps(body) if isinstance(body, dict) else body
+    conn = connect(base)
+    try:
+        conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def open_stream(base: str, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """Start a streaming request and read its first SSE event (so the engine has the request)."""
+    conn = connect(base)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert resp.readline().startswith(b"data:")
+    return conn, resp
+
+
+def metrics(base: str) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value} (comments left out)."""
+    conn = connect(base)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def wait_for(condition, what: str, deadline_s: float = 60) -> None:
+    """Poll `condition()` until it holds: for effects the server applies on its own (a client's
+    disconnect is noticed asynchronously), with a deadline so a broken server fails the test."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
