@@ -1,0 +1,137 @@
+"""Attention over the paged KV pool with Triton kernels (GPU; the CPU interpreter in tests).
+
+Per step (init_metadata, host side, one host→device copy):
+    tokens   = [ decode-like chunks (1 token each) | extend chunks (ragged) ]
+    one int32 buffer holds, for every sequence b (decode rows first):
+        kv_lens[b], prefix_lens[b] (= start), new_lens[b], q_starts[b] (first row in q),
+        slots[t] for every new token, page_table[b, :max_pages] (padding entries = page 0)
+    and is copied to the device once; the metadata holds views into it.
+Per layer (forward): store K/V into their slots, decode kernel over rows [0, num_decode),
+extend kernel over the rest, both writing into one output: no host syncs, no Python loop
+over requests, so the decode path can be captured in a CUDA graph.
+
+CUDA graphs (later): a graph runner pre-allocates a `DecodeMetadata` at the max batch size
+(page_table [max_bs, max_pages], seq_lens, scratch for a fixed `num_splits`), fills it in
+place each step (padded rows: seq_len 0, slot -1 → zeros, nothing written) and replays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ketch.attention.base import AttentionBackend, SeqChunk
+from ketch.cache.kv_pool import KVPool
+from ketch.kernels._common import interpreting
+from ketch.kernels.decode_attention import (
+    decode_attention,
+    decode_scratch,
+    num_splits_for,
+)
+from ketch.kernels.extend_attention import extend_attention
+from ketch.kernels.kv_store import store_kv
+
+
+@dataclass
+class DecodeMetadata:
+    page_table: torch.Tensor  # [batch, max_pages] int32
+    seq_lens: torch.Tensor  # [batch] int32, KV length including this step's token
+    num_splits: int
+    scratch: tuple[torch.Tensor, torch.Tensor]  # fp32 partial outputs / lse, reused by every layer
+
+
+@dataclass
+class ExtendMetadata:
+    page_table: torch.Tensor  # [batch, max_pages] int32
+    prefix_lens: torch.Tensor  # [batch] int32, tokens already in the pool
+    new_lens: torch.Tensor  # [batch] int32
+    q_starts: torch.Tensor  # [batch] int32, row of the first new token in q/k/v
+    max_new: int  # host copy of max(new_lens): sizes the grid without a sync
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slots: torch.Tensor  # [tokens] int32, pool slot of every new token
+    num_decode: int
+    decode: DecodeMetadata | None
+    extend: ExtendMetadata | None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int, device: torch.device, *,
+                 decode_block_n: int = 64, decode_splits: int | None = None, max_splits: int = 16,
+                 extend_block_m: int = 64, extend_block_n: int = 64) -> None:
+        """decode_splits: a fixed split count (what a CUDA-graph runner wants); None picks one per
+        step from the batch size and the longest sequence, up to max_splits."""
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.num_heads = num_heads
+        self.num_kv_heads = pool.k[0].shape[2]
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not interpreting():
+            raise ValueError(f"attention_backend: 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {self.device}")
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: {num_heads} is not a multiple of the pool's {self.num_kv_heads} kv heads")
+        if decode_splits is not None and decode_splits < 1:
+            raise ValueError(f"decode_splits: must be >= 1, got {decode_splits}")
+        self.decode_block_n = decode_block_n
+        self.decode_splits = decode_splits
+        self.max_splits = max_splits
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
+        self.target_programs = 2 * sms
+
+    def init_metadata(self, seqs: list[SeqChunk]) -> TritonAttentionMetadata:
+        ps, b = self.page_size, len(seqs)
+        starts = np.fromiter((s.start for s in seqs), np.int64, b)
+        news = np.fromiter((s.num_new for s in seqs), np.int64, b)
+        num_decode = int(np.count_nonzero(news == 1))
+        if num_decode and not (news[:num_decode] == 1).all():
+            raise ValueError("seqs: decode-like chunks (num_new == 1) must come first")
+        kv_lens = starts + news
+        n_pages = -(-kv_lens // ps)
+        max_pages = max(1, int(n_pages.max(initial=0)))
+        table = np.zeros((b, max_pages), np.int64)
+        for i, s in enumerate(seqs):
+            if len(s.page_table) < n_pages[i]:
+                raise ValueError(f"page_table: {len(s.page_table)} pages cannot hold {kv_lens[i]} tokens")
+            table[i, : n_pages[i]] = s.page_table[: n_pages[i]]
+        q_starts = np.cumsum(news) - news
+        owner = np.repeat(np.arange(b), news)  # sequence of every new token
+        pos = np.arange(owner.size) - q_starts[owner] + starts[owner]
+        slots = table[owner, pos // ps] * ps + pos % ps
+        host = np.concatenate((kv_lens, starts, news, q_starts, slots, table.ravel())).astype(np.int32)
+        buf = torch.from_numpy(host).to(self.device)  # the step's only host→device copy
+        kv_t, start_t, new_t, qs_t = (buf[i * b : (i + 1) * b] for i in range(4))
+        slots_t = buf[4 * b : 4 * b + owner.size]
+        table_t = buf[4 * b + owner.size :].view(b, max_pages)
+
+        decode = extend = None
+        if num_decode:
+            splits = self.decode_splits or num_splits_for(
+                num_decode, self.num_kv_heads, int(kv_lens[:num_decode].max()), block_n=self.decode_block_n,
+                target_programs=self.target_programs, max_splits=self.max_splits)
+            scratch = decode_scratch(num_decode, self.num_heads, self.head_dim, splits, self.device)
+            decode = DecodeMetadata(table_t[:num_decode], kv_t[:num_decode], splits, scratch)
+        if num_decode < b:
+            nd = num_decode
+            extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(news[nd:].max()))
+        return TritonAttentionMetadata(slots_t, num_decode, decode, extend)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        store_kv(kc, vc, k, v, meta.slots)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.decode is not None:
+            d, nd = meta.decode, meta.num_decode
+            decode_attention(q[:nd], kc, vc, d.page_table, d.seq_lens, self.scale, out=out[:nd],
+                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n)
+        if meta.extend is not None:
+            e = meta.extend
+            extend_attention(q, k, v, kc, vc, e.page_table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new,
+                             self.scale, out=out, block_m=self.extend_block_m, block_n=self.extend_block_n)
+        return out

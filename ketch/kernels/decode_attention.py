@@ -1,0 +1,184 @@
+"""Paged decode attention (one query token per sequence), GQA-aware, split-K (flash-decoding).
+
+    grid stage 1: (batch, kv_heads, splits)
+        one program = all q heads of one kv head (rows of a [BLOCK_H, dim] tile, so each KV
+        page is read once per group) over one contiguous slice of the sequence; it walks the
+        slice BLOCK_N tokens at a time through the page table with an online softmax and
+        writes the normalised partial output and its log-sum-exp (base 2), fp32.
+    grid stage 2: (batch, heads)
+        merges the splits: out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m).
+
+Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
+chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
+ignored by stage 2. `splits` is fixed per launch (not per sequence), so the grid depends only
+on the batch size, which is what CUDA-graph capture needs. A sequence of length 0 (a padded
+row) gets zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import dot_precision, last_dim_contiguous, pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KCache, VCache, PageTable, SeqLens, MidO, MidLse,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    scale_log2, page_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    table = PageTable + b.to(tl.int64) * stride_pt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+        slot = page * page_size + offs_n % page_size
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    nonempty = hi > lo
+    o = tl.where(nonempty, acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    mid = MidO + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :]
+    tl.store(mid, o, mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO, MidLse, Out,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
+    w = tl.exp2(lse - m)
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+def num_splits_for(batch: int, kv_heads: int, max_len: int, *, block_n: int = 64,
+                   target_programs: int = 264, max_splits: int = 16) -> int:
+    """Enough splits to give the GPU ~target_programs programs, never a split shorter than
+    two blocks (merging costs a little), at most max_splits (the scratch size)."""
+    want = math.ceil(target_programs / max(1, batch * kv_heads))
+    useful = math.ceil(max_len / (2 * block_n))
+    return max(1, min(want, useful, max_splits))
+
+
+def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage-1 outputs, fp32: partial outputs [batch, heads, splits, dim] and lse [batch, heads, splits]."""
+    return (torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int = 1, block_n: int = 64,
+) -> torch.Tensor:
+    """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim];
+    page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
+    seq_lens: [batch] int32, KV length of each sequence including the current token.
+    Returns [batch, heads, dim] (written into `out` when given). No host syncs."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads: {num_heads} is not a multiple of kv_heads {kv_heads}")
+    q = last_dim_contiguous(q)
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    mid_o, mid_lse = scratch if scratch is not None else decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
+    if mid_o.shape[0] < batch or mid_o.shape[2] != num_splits:
+        raise ValueError(f"scratch: shape {tuple(mid_o.shape)} does not fit batch {batch} x {num_splits} splits")
+    kc = k_cache.view(-1, kv_heads, head_dim)
+    vc = v_cache.view(-1, kv_heads, head_dim)
+    group = num_heads // kv_heads
+    block_d = pow2(head_dim, 16)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, kc, vc, page_table, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        scale * LOG2E, page_size,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Per sequence: gather its first seq_len slots through the page table, softmax in fp32."""
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.zeros_like(q)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
+        k = k_cache.view(-1, kv_heads, k_cache.shape[3])[slots].float().repeat_interleave(group, 1)  # [n, heads, dim]
+        v = v_cache.view(-1, kv_heads, v_cache.shape[3])[slots].float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,60 @@
+"""KV store: write the new tokens' K and V rows into the paged pool.
+
+Slot of a token = page_table[pos // page_size] * page_size + pos % page_size (computed once
+per step by the attention backend). A negative slot means "padding, write nothing", so a
+CUDA-graph runner can pad a batch without a scratch page.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import last_dim_contiguous, pow2
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, Slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cs, stride_ch,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
+    safe_slot = tl.maximum(slot, 0)
+    t64 = t.to(tl.int64)
+    k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    dst = safe_slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(KCache + dst, k, mask=mask)
+    tl.store(VCache + dst, v, mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k_cache/v_cache: one layer's pool, [pages, page_size, kv_heads, dim] (contiguous);
+    k, v: [tokens, kv_heads, dim] (any token/head strides); slots: [tokens] int32/int64."""
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    kc = k_cache.view(-1, kv_heads, head_dim)
+    vc = v_cache.view(-1, kv_heads, head_dim)
+    _store_kv_kernel[(tokens,)](
+        k, v, kc, vc, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(kv_heads), BLOCK_D=pow2(head_dim),
+        num_warps=4 if kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0
+    kc = k_cache.view(-1, *k.shape[1:])
+    vc = v_cache.view(-1, *v.shape[1:])
+    kc.index_copy_(0, slots[keep].long(), k[keep])
+    vc.index_copy_(0, slots[keep].long(), v[keep])

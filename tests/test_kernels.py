@@ -1,0 +1,236 @@
+"""Triton kernels vs their torch references, and the Triton attention backend vs the torch one.
+
+Without CUDA the kernels run in Triton's CPU interpreter (set before triton or ketch.kernels is
+imported: the jit decorator reads it). The interpreter gets fp32 only (its bf16 is wrong);
+bf16 runs when CUDA is present.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from ketch.attention.base import SeqChunk
+from ketch.attention.registry import create_attention_backend
+from ketch.attention.torch_backend import TorchAttentionBackend
+from ketch.attention.triton_backend import TritonAttentionBackend
+from ketch.cache.kv_pool import KVPool
+from ketch.kernels.activation import silu_and_mul, silu_and_mul_ref
+from ketch.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_ref,
+    num_splits_for,
+)
+from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
+from ketch.kernels.kv_store import store_kv, store_kv_ref
+from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from ketch.kernels.rotary import rotary, rotary_ref
+from ketch.layers.rotary import RotaryEmbedding
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+H, KVH, D = 6, 2, 64  # GQA: 3 q heads per kv head
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def page_tables(lens: list[int], page_size: int, num_pages: int, gen: torch.Generator) -> torch.Tensor:
+    """Disjoint, shuffled pages per sequence (so a wrong page lookup reads someone else's KV),
+    padded with page 0 to [batch, max_pages] int32."""
+    need = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(lens), max(1, max(need)), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    assert used <= num_pages
+    return table.to(DEVICE)
+
+
+def random_pool(num_pages: int, page_size: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_pages, page_size, KVH, D)
+    return (torch.randn(shape, generator=gen).to(DEVICE, dtype), torch.randn(shape, generator=gen).to(DEVICE, dtype))
+
+
+# ---------------------------------------------------------------- KV store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_each_slot_and_skips_padding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    kc, vc = random_pool(6, 5, dtype, gen)
+    kr, vr = kc.clone(), vc.clone()
+    qkv = torch.randn(7, (H + 2 * KVH) * D, generator=gen).to(DEVICE, dtype)
+    k = qkv[:, H * D : (H + KVH) * D].view(7, KVH, D)  # strided views, as the model passes them
+    v = qkv[:, (H + KVH) * D :].view(7, KVH, D)
+    slots = torch.tensor([0, 29, 13, 4, -1, 7, 12], dtype=torch.int32, device=DEVICE)
+    store_kv(kc, vc, k, v, slots)
+    store_kv_ref(kr, vr, k, v, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert torch.equal(kc.view(-1, KVH, D)[29], k[1])
+    assert torch.equal(vc.view(-1, KVH, D)[12], v[6])
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size,num_splits", [(16, 1), (16, 8), (5, 3)])
+def test_decode_attention_matches_reference(dtype: torch.dtype, page_size: int, num_splits: int) -> None:
+    gen = torch.Generator().manual_seed(page_size * 10 + num_splits)
+    lens = [1, 7, 200, 33, 0]  # 200 spans every split; 0 is a padded row (zeros, nothing read)
+    kc, vc = random_pool(64, page_size, dtype, gen)
+    table = page_tables(lens, page_size, 64, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), H, D, generator=gen).to(DEVICE, dtype)
+    out = decode_attention(q, kc, vc, table, seq_lens, D**-0.5, num_splits=num_splits, block_n=16)
+    ref = decode_attention_ref(q, kc, vc, table, seq_lens, D**-0.5)
+    close(out, ref, dtype)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    # one key: the output is exactly that token's value row
+    close(out[0], vc.view(-1, KVH, D)[table[0, 0].long() * page_size].repeat_interleave(H // KVH, 0), dtype)
+
+
+def test_decode_attention_mha_and_wide_group() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for heads, kv_heads in ((2, 2), (16, 1)):
+        shape = (20, 8, kv_heads, 32)
+        kc, vc = torch.randn(shape, generator=gen).to(DEVICE), torch.randn(shape, generator=gen).to(DEVICE)
+        table = torch.randperm(20, generator=gen)[:18].view(3, 6).to(DEVICE, torch.int32)
+        seq_lens = torch.tensor([45, 9, 20], dtype=torch.int32, device=DEVICE)
+        q = torch.randn(3, heads, 32, generator=gen).to(DEVICE)
+        out = decode_attention(q, kc, vc, table, seq_lens, 0.2, num_splits=2, block_n=16)
+        close(out, decode_attention_ref(q, kc, vc, table, seq_lens, 0.2), torch.float32)
+
+
+def test_num_splits_stays_within_bounds() -> None:
+    assert num_splits_for(1, 8, 10) == 1  # too short to split
+    assert num_splits_for(1, 8, 100_000, max_splits=16) == 16
+    assert num_splits_for(256, 8, 100_000) == 1  # the batch alone fills the GPU
+    assert 1 < num_splits_for(4, 8, 4096) <= 16
+
+
+# ---------------------------------------------------------------- extend
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_extend_attention_matches_reference(dtype: torch.dtype, page_size: int) -> None:
+    gen = torch.Generator().manual_seed(page_size)
+    prefix, new = [0, 20, 33, 0], [5, 40, 17, 1]
+    kc, vc = random_pool(64, page_size, dtype, gen)
+    table = page_tables([p + n for p, n in zip(prefix, new)], page_size, 64, gen)
+    tokens = sum(new)
+    q = torch.randn(tokens, H, D, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(tokens, KVH, D, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(tokens, KVH, D, generator=gen).to(DEVICE, dtype)
+    ints = {"dtype": torch.int32, "device": DEVICE}
+    args = (q, k, v, kc, vc, table, torch.tensor(prefix, **ints), torch.tensor(new, **ints),
+            torch.tensor([0, 5, 45, 62], **ints))
+    out = extend_attention(*args, max(new), D**-0.5, block_m=16, block_n=16)
+    ref = extend_attention_ref(*args, D**-0.5)
+    close(out, ref, dtype)
+    # the first token of a sequence without a prefix sees only itself
+    close(out[0], v[0].repeat_interleave(H // KVH, 0), dtype)
+
+
+# ---------------------------------------------------------------- norm / rope / silu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add_match_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    hidden = 96  # not a power of two: masked tail
+    x = (torch.randn(5, hidden, generator=gen) * 30).to(DEVICE, dtype)
+    residual = (torch.randn(5, hidden, generator=gen) * 20_000).to(DEVICE, dtype)  # SmolLM2-sized stream
+    weight = torch.randn(hidden, generator=gen).to(DEVICE, dtype)
+    close(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), dtype)
+    out, res = add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_res = add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(res, ref_res)
+    close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_model_layout(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    rope = RotaryEmbedding(D, 128, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 3, 50, 127, 7], device=DEVICE)
+    cos, sin = rope.lookup(positions, dtype)
+    qkv = torch.randn(5, (H + 2 * KVH) * D, generator=gen).to(DEVICE, dtype)
+    qk = qkv[:, : (H + KVH) * D].view(5, H + KVH, D)  # q and k heads together, strided
+    out = rotary(qk, cos, sin)
+    close(out, rotary_ref(qk, cos, sin), dtype)
+    close(out[0], qk[0], dtype)  # position 0 is the identity
+    assert not torch.allclose(out[1], qk[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(3, 4, 2 * 200, generator=gen) * 4).to(DEVICE, dtype)
+    out = silu_and_mul(gate_up)
+    assert out.shape == (3, 4, 200)
+    close(out, silu_and_mul_ref(gate_up), dtype)
+
+
+# ---------------------------------------------------------------- backend end to end
+
+
+def step_inputs(seqs: list[SeqChunk], layers: int, dtype: torch.dtype, gen: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    tokens = sum(s.num_new for s in seqs)
+    return [tuple(torch.randn(tokens, n, D, generator=gen).to(DEVICE, dtype) for n in (H, KVH, KVH)) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    page_size, layers, num_pages = 8, 2, 48
+    pools = [KVPool(layers, num_pages, page_size, KVH, D, dtype, DEVICE) for _ in range(2)]
+    for layer in range(layers):  # identical history in both pools
+        for t in ("k", "v"):
+            getattr(pools[0], t)[layer].copy_(torch.randn(num_pages, page_size, KVH, D, generator=gen))
+            getattr(pools[1], t)[layer].copy_(getattr(pools[0], t)[layer])
+    ref = TorchAttentionBackend(pools[0], D, DEVICE)
+    tri = TritonAttentionBackend(pools[1], H, D, DEVICE, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    steps = [
+        [  # mixed: decodes (one a 1-token prompt) first, then prefill with prefix, then fresh prefill
+            SeqChunk(start=40, num_new=1, page_table=perm[0:6]),
+            SeqChunk(start=0, num_new=1, page_table=perm[6:7]),
+            SeqChunk(start=9, num_new=1, page_table=perm[7:9]),
+            SeqChunk(start=16, num_new=13, page_table=perm[9:14]),
+            SeqChunk(start=0, num_new=11, page_table=perm[14:16]),
+        ],
+        [SeqChunk(start=29, num_new=1, page_table=perm[9:14]), SeqChunk(start=11, num_new=1, page_table=perm[14:16])],
+    ]
+    for seqs in steps:
+        ref_meta, tri_meta = ref.init_metadata(seqs), tri.init_metadata(seqs)
+        for layer, (q, k, v) in enumerate(step_inputs(seqs, layers, dtype, gen)):
+            close(tri.forward(q, k, v, layer, tri_meta), ref.forward(q, k, v, layer, ref_meta), dtype)
+    for layer in range(layers):
+        assert torch.equal(pools[0].k[layer], pools[1].k[layer]) and torch.equal(pools[0].v[layer], pools[1].v[layer])
+
+
+def test_triton_backend_rejects_bad_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = KVPool(1, 4, 4, KVH, D, torch.float32, DEVICE)
+    backend = create_attention_backend("triton", pool, H, D, DEVICE)
+    assert isinstance(backend, TritonAttentionBackend)
+    with pytest.raises(ValueError, match="seqs"):
+        backend.init_metadata([SeqChunk(0, 3, [0]), SeqChunk(4, 1, [1, 2])])
+    with pytest.raises(ValueError, match="page_table"):
+        backend.init_metadata([SeqChunk(4, 1, [1])])
+    with pytest.raises(ValueError, match="attention_backend"):
+        create_attention_backend("flash", pool, H, D, DEVICE)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels cannot take CPU tensors
+    with pytest.raises(ValueError, match="CUDA"):
+        TritonAttentionBackend(KVPool(1, 4, 4, KVH, D, torch.float32, torch.device("cpu")), H, D, torch.device("cpu"))
