@@ -12,6 +12,9 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise ValueError(f"{prompt_field}: token ids must be in [0, {vocab_size})")
     params.validate(vocab_size)
+    if len(prompt_ids) >= max_model_len:  # the prompt alone leaves no room for a token
+        raise ValueError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens; the context length is "
+                         f"{max_model_len}, so it may have at most {max_model_len - 1}")
     total = len(prompt_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(

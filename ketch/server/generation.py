@@ -18,7 +18,7 @@ from ketch.engine.messages import RequestError, TokenDelta, WireLogprob
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
-from ketch.server.errors import bad_value, engine_unavailable
+from ketch.server.errors import APIError, bad_value, engine_unavailable
 from ketch.server.state import ServerState
 from ketch.text.sample_text import SampleText
 
@@ -63,7 +63,7 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
                          kv_capacity=ready.kv_capacity_tokens, prompt_field=param)
     except ValueError as e:
         error = bad_value(e)
-        if "exceeds the" in error.message:
+        if "exceeds the" in error.message or "the context length is" in error.message:
             error.code = "context_length_exceeded"
         raise error from None
 
@@ -82,7 +82,12 @@ class Generation:
 
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
-        self._admission.acquire(len(self.samples))
+        try:
+            self._admission.acquire(len(self.samples))
+        except APIError as e:
+            if e.status == 429:
+                self._metrics.rejected.labels(e.code).inc()
+            raise
         self._started_at = time.monotonic()
         try:
             for rid, ids in self.prompts.items():

@@ -72,11 +72,11 @@ def sampling_params(fields: dict[str, Any], default_max_tokens: int) -> Sampling
     if "max_completion_tokens" in fields:
         kwargs["max_tokens"] = fields["max_completion_tokens"]
     logprobs = fields.get("logprobs")
+    if fields.get("top_logprobs") is not None and logprobs is not True:
+        raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     if isinstance(logprobs, bool):  # chat: a flag plus top_logprobs
         kwargs["logprobs"] = logprobs
         kwargs["top_logprobs"] = fields.get("top_logprobs", 0)
-        if kwargs["top_logprobs"] and not logprobs:
-            raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     elif isinstance(logprobs, int):  # completions: how many alternatives per token
         kwargs["logprobs"] = True
         kwargs["top_logprobs"] = logprobs

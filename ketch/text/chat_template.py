@@ -67,6 +67,9 @@ def _flatten_content(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Copies of the messages with list content flattened to a string; ValueError on bad input."""
     if not isinstance(messages, list) or not messages:
@@ -77,8 +80,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise ValueError(f"{where}: expected an object, got {type(msg).__name__}")
         role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"{where}.role: expected a non-empty string")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
+        if role == "developer":  # OpenAI's newer name for the system role; templates know "system"
+            msg = {**msg, "role": "system"}
         if "content" not in msg:
             raise ValueError(f"{where}.content: missing")
         content = msg["content"]

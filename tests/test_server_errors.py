@@ -1,0 +1,173 @@
+"""Bad input, limits and shutdown of `ketch serve`: every error an OpenAI error body with the right
+status, the server serving on afterwards; a full queue is a 429; SIGTERM drains in-flight requests
+within --shutdown-timeout and exits 0; a dead engine means 503."""
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+
+import pytest
+from server_util import connect, health, metrics, open_stream, post, running_server, wait_for
+
+MAX_BODY = 200_000
+LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--max-request-bytes", str(MAX_BODY)) as running:
+        yield running
+
+
+def _assert_error(status: int, body: dict, want_status: int, param: str | None = None, code: str | None = None):
+    assert status == want_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+USER = [{"role": "user", "content": "Hi"}]
+BAD = [
+    # path, body (dict or raw), status, param, code
+    (CHAT, b'{"messages": [', 400, None, "invalid_json"),
+    (CMPL, b"\xff\xfe not utf-8", 400, None, "invalid_json"),
+    (CHAT, b"[1, 2, 3]", 400, None, "invalid_json"),
+    (CHAT, {"messages": "hello"}, 400, "messages", "invalid_type"),
+    (CHAT, {"messages": USER, "max_tokens": "ten"}, 400, "max_tokens", "invalid_type"),
+    (CHAT, {"messages": USER, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    (CHAT, {"messages": USER, "n": 1.5}, 400, "n", "invalid_type"),
+    (CHAT, {"messages": USER, "stream": "yes"}, 400, "stream", "invalid_type"),
+    (CHAT, {"messages": USER, "logprobs": 3}, 400, "logprobs", "invalid_type"),
+    (CMPL, {"prompt": {"text": "hi"}}, 400, "prompt", "invalid_type"),
+    (CMPL, {"prompt": [1, "a"]}, 400, "prompt", None),
+    (CMPL, {"prompt": "hi", "stop": 5}, 400, "stop", "invalid_type"),
+    (CHAT, {"messages": USER, "functions": []}, 400, "functions", "unsupported_field"),
+    (CHAT, {}, 400, "messages", None),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]", None),
+    (CHAT, {"messages": USER, "top_p": 2}, 400, "top_p", "invalid_value"),
+    (CHAT, {"messages": USER, "n": 0}, 400, "n", "invalid_value"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs", None),
+    (CMPL, {"prompt": "hi", "logit_bias": {"999999999": 5}}, 400, "logit_bias", None),
+    (CMPL, {"prompt": [10 ** 9]}, 400, "prompt", None),
+    (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    (CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    (CMPL, {"prompt": "x" * (MAX_BODY + 1)}, 413, None, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, path, body, status, param, code):
+    _, base = server
+    _assert_error(*post(base, path, body), status, param, code)
+    assert health(base) == 200
+
+
+def test_prompt_over_the_context_names_both_numbers(server):
+    _, base = server
+    status, body = post(base, CMPL, {"prompt": list(range(100, 100 + 9000)), "max_tokens": 1})
+    _assert_error(status, body, 400, "prompt", "context_length_exceeded")
+    assert "9000" in body["error"]["message"] and "8192" in body["error"]["message"]
+
+
+def test_oversized_body_without_content_length_is_413(server):
+    _, base = server
+    conn = connect(base)
+    conn.putrequest("POST", CMPL)
+    conn.putheader("content-type", "application/json")
+    conn.putheader("transfer-encoding", "chunked")
+    conn.endheaders()
+    payload = json.dumps({"prompt": "y" * (2 * MAX_BODY)}).encode()
+    for i in range(0, len(payload), 16384):
+        piece = payload[i:i + 16384]
+        try:
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        except (BrokenPipeError, ConnectionResetError):
+            break  # the server answered and closed before the whole body was sent
+    else:
+        conn.send(b"0\r\n\r\n")
+    resp = conn.getresponse()
+    _assert_error(resp.status, json.loads(resp.read()), 413, code="request_too_large")
+    conn.close()
+
+
+def test_all_errors_left_every_page_free(server):
+    _, base = server
+    m = metrics(base)
+    assert m["ketch_num_requests_running"] == 0 and m["ketch_kv_pages_used"] == 0
+    status, body = post(base, CMPL, {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_full_queue_is_429_and_sigterm_drains(tmp_path):
+    """Two running sequences at most, none queued: a third request is turned away with a 429.
+    Then SIGTERM with a short request and a long one in flight: the short one finishes, the long
+    one is cut at --shutdown-timeout, and the server exits 0."""
+    timeout = 10
+    with running_server("--max-running-requests", "2", "--max-queued-requests", "0",
+                        "--shutdown-timeout", str(timeout)) as (proc, base):
+        first = open_stream(base, CMPL, LONG)
+        second = open_stream(base, CMPL, LONG)
+        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2})
+        _assert_error(status, body, 429, code="queue_full")
+        assert body["error"]["type"] == "rate_limit_error"
+        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2, "n": 3})
+        _assert_error(status, body, 400, param="n")  # could never fit: not a retry-later
+        assert metrics(base)['ketch_requests_rejected_total{reason="queue_full"}'] == 1
+
+        first[0].close()  # a slot frees once the server has aborted the dropped stream
+        short_body = {"prompt": "The capital of France is", "max_tokens": 24, "ignore_eos": True}
+
+        opened = []
+
+        def admitted() -> bool:
+            try:
+                opened.append(open_stream(base, CMPL, short_body))
+                return True
+            except AssertionError:
+                return False  # still 429: the server has not noticed the dropped stream yet
+
+        wait_for(admitted, "a slot after the dropped stream")
+        short = opened[0]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = short[1].read().decode()
+        assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]")
+        with pytest.raises(http.client.IncompleteRead):  # cut when the drain timeout ran out
+            second[1].read()
+        assert proc.wait(timeout=timeout + 30) == 0
+        assert time.monotonic() - t0 >= timeout - 1
+        out = proc.stdout.read()
+        assert "shut down" in out
+
+
+def test_dead_engine_is_503():
+    """The app alone, with an engine client whose process is gone: every generation route and
+    /health answer 503 with an OpenAI error body."""
+    from fastapi.testclient import TestClient
+
+    from ketch.server.app import build_app
+    from ketch.server.state import ServerState
+
+    class DeadEngine:
+        alive, ready = False, None
+
+        async def stats(self, timeout: float):
+            return None
+
+        async def ping(self, timeout: float) -> bool:
+            return False
+
+    app = TestClient(build_app(ServerState(DeadEngine(), None, None, "m"), max_request_bytes=1 << 20))
+    for path, body in [(CMPL, {"prompt": [1, 2]}), (CHAT, {"messages": USER})]:
+        resp = app.post(path, json=body)
+        _assert_error(resp.status_code, resp.json(), 503, code="engine_unavailable")
+    resp = app.get("/health")
+    _assert_error(resp.status_code, resp.json(), 503, code="engine_unavailable")
