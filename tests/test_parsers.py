@@ -1,0 +1,419 @@
+"""Reasoning and tool-call parsers: final messages, stream shape, and independence from chunking."""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from parser_cases import (
+    ALL,
+    BAD,
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    GOOD,
+    TOOLS,
+    Case,
+    hermes,
+)
+
+from ketch.parsers import (
+    ChatOutputParser,
+    apply_tool_prompt,
+    reasoning_parser_class,
+    render_tool_prompt,
+    template_supports_tools,
+    tool_parser_class,
+    validate_tools,
+)
+from ketch.parsers.json_scan import DONE, ERROR, JsonScanner
+from ketch.text import ChatTemplate, IncrementalDetokenizer, Tokenizer
+
+SEEDS = range(5)
+
+
+def random_chunks(text: str, seed: int, most: int = 9) -> list[str]:
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, most)
+        out.append(text[i : i + n])
+        i += n
+    return out
+
+
+def run(kwargs: dict[str, Any], chunks: list[str]) -> tuple[list[dict], dict]:
+    parser = ChatOutputParser(**kwargs)
+    deltas = [parser.feed(c) for c in chunks] + [parser.finish()]
+    return [d for d in deltas if d is not None], parser.message()
+
+
+def accumulate(deltas: list[dict]) -> dict:
+    """What a client accumulating the stream sees (as the OpenAI SDK does), checking each delta."""
+    content, reasoning, calls = [], [], []
+    for d in deltas:
+        assert d and set(d) <= {"content", "reasoning_content", "tool_calls"}, d
+        for key, out in (("content", content), ("reasoning_content", reasoning)):
+            if key in d:
+                assert isinstance(d[key], str) and d[key], d
+                out.append(d[key])
+        for tc in d.get("tool_calls", []):
+            i = tc["index"]
+            if i == len(calls):  # first piece of a new call: id, type and name
+                assert set(tc) == {"index", "id", "type", "function"} and tc["type"] == "function", tc
+                assert isinstance(tc["id"], str) and tc["id"] and tc["function"]["name"], tc
+                calls.append({"id": tc["id"], "name": tc["function"]["name"], "arguments": tc["function"]["arguments"]})
+            else:  # a later piece: index and an argument piece only
+                assert i < len(calls) and set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}, tc
+                assert tc["function"]["arguments"], tc
+                calls[i]["arguments"] += tc["function"]["arguments"]
+        indices = [tc["index"] for tc in d.get("tool_calls", [])]
+        assert len(indices) == len(set(indices)), d  # one entry per call per delta
+    return {"content": "".join(content), "reasoning": "".join(reasoning), "calls": calls}
+
+
+def comparable(msg: dict) -> dict:
+    """The final message without the random call ids."""
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+    return {"content": msg["content"], "reasoning": msg["reasoning_content"], "calls": calls}
+
+
+def check_stream(case: Case, deltas: list[dict], msg: dict) -> None:
+    seen = accumulate(deltas)
+    assert seen["content"] == (msg["content"] or "")
+    assert seen["reasoning"] == (msg["reasoning_content"] or "")
+    final = msg.get("tool_calls", [])
+    for got, want in zip(seen["calls"], final):  # same id on every piece, arguments joined exactly
+        assert got == {"id": want["id"], "name": want["function"]["name"], "arguments": want["function"]["arguments"]}
+    extra = len(seen["calls"]) - len(final)
+    # Only a malformed output may leave one call on the stream that broke after it was announced.
+    assert extra == 0 or (case.malformed and extra == 1), (seen["calls"], final)
+    assert len({c["id"] for c in seen["calls"]}) == len(seen["calls"])
+
+
+def check_expected(case: Case, msg: dict) -> None:
+    assert msg["role"] == "assistant"
+    assert msg["content"] == case.content
+    assert msg["reasoning_content"] == case.reasoning
+    calls = msg.get("tool_calls", [])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == case.calls
+    for c in calls:
+        assert c["type"] == "function" and isinstance(json.loads(c["function"]["arguments"]), dict)
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_whole_output(case: Case) -> None:
+    deltas, msg = run(case.kwargs, [case.text])
+    check_expected(case, msg)
+    check_stream(case, deltas, msg)
+    assert comparable(ChatOutputParser.parse(case.text, **case.kwargs)) == comparable(msg)
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_any_chunking_gives_the_same_message(case: Case) -> None:
+    whole = comparable(run(case.kwargs, [case.text])[1])
+    splits = [list(case.text)] + [random_chunks(case.text, seed) for seed in SEEDS]
+    for chunks in splits:
+        deltas, msg = run(case.kwargs, chunks)
+        assert comparable(msg) == whole, chunks
+        check_stream(case, deltas, msg)
+
+
+@pytest.mark.parametrize("case", GOOD, ids=lambda c: c.id)
+def test_streamed_arguments_are_the_raw_json(case: Case) -> None:
+    # Object arguments stream as the model wrote them, so a client sees them take shape.
+    _, msg = run(case.kwargs, list(case.text))
+    for call in msg.get("tool_calls", []):
+        args = call["function"]["arguments"]
+        # as written; or, for string-encoded arguments, decoded from the string; or absent: "{}"
+        assert args in case.text or json.dumps(args)[1:-1] in case.text or args == "{}"
+
+
+def test_streaming_announces_calls_before_they_end() -> None:
+    text = hermes("get_weather", {"city": "Paris", "days": [1, 2, 3]})
+    parser = ChatOutputParser(tool_parser="hermes")
+    first_at = None
+    for i, ch in enumerate(text):
+        d = parser.feed(ch)
+        if d and "tool_calls" in d and first_at is None:
+            first_at = i
+    assert first_at is not None and first_at < text.index('"city"')
+    assert parser.finish() is None
+
+
+def test_possible_tag_is_held_then_released() -> None:
+    parser = ChatOutputParser(tool_parser="hermes")
+    assert parser.feed("Hi <tool_") == {"content": "Hi"}  # " <tool_" may open a call
+    assert parser.feed("box> ok") == {"content": " <tool_box> ok"}
+    assert parser.finish() is None
+
+
+# --- one token at a time through the real detokenizer ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load()
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.id)
+def test_token_by_token(case: Case, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(case.text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == case.text  # the parser sees exactly the model's text
+    deltas, msg = run(case.kwargs, [p for p in pieces if p])
+    assert comparable(msg) == comparable(run(case.kwargs, [case.text])[1])
+    check_expected(case, msg)
+    check_stream(case, deltas, msg)
+
+
+# --- truncation anywhere ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", GOOD, ids=lambda c: c.id)
+def test_cut_anywhere_never_raises_and_does_not_depend_on_chunking(case: Case) -> None:
+    rng = random.Random(case.id)
+    for cut in sorted(rng.sample(range(len(case.text)), min(12, len(case.text)))):
+        prefix = case.text[:cut]
+        whole = comparable(run(case.kwargs, [prefix])[1])
+        deltas, msg = run(case.kwargs, random_chunks(prefix, cut, most=4))
+        assert comparable(msg) == whole, prefix
+        check_stream(Case(case.id, case.kwargs, prefix, None, malformed=True), deltas, msg)
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>",
+    DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, "```json", "```", "function", "get_time",
+    '"name"', '"arguments"', '"parameters"', '"get_time"', '"x"', "{", "}", "[", "]", ":", ",", ";", " ", "\n", "1",
+    "<", "ab", "é🙂",
+]
+def _mutate(rng: random.Random, cases: list[Case]) -> tuple[dict[str, Any], str]:
+    """A realistic output, often damaged: spans cut or repeated, fragments dropped in, two joined."""
+    base = rng.choice(cases)
+    text = base.text
+    for _ in range(rng.choice((0, 1, 1, 2, 3))):
+        i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+        op = rng.randrange(4)
+        if op == 0:
+            text = text[:i] + text[j:]
+        elif op == 1:
+            text = text[:j] + text[i:j] + text[j:]
+        elif op == 2:
+            text = text[:i] + rng.choice(FRAGMENTS) + text[i:]
+        else:
+            text = text + rng.choice(cases).text
+    return base.kwargs, text or "x"
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral", "deepseek-v3"])
+def test_damaged_outputs_never_raise_and_do_not_depend_on_chunking(parser: str) -> None:
+    cases = [c for c in GOOD if c.kwargs.get("tool_parser") == parser]
+    rng = random.Random(parser)
+    with_calls = 0
+    for i in range(150):
+        kwargs, text = _mutate(rng, cases)
+        probe = Case("fuzz", kwargs, text, None, malformed=True)
+        deltas, msg = run(kwargs, [text])
+        check_stream(probe, deltas, msg)
+        with_calls += bool(msg.get("tool_calls"))
+        for chunks in (list(text), random_chunks(text, i, most=6)):
+            deltas, other = run(kwargs, chunks)
+            assert comparable(other) == comparable(msg), text
+            check_stream(probe, deltas, other)
+    assert with_calls > 30  # the damage leaves many outputs with calls: both paths are exercised
+
+
+def test_absurd_nesting_is_content_not_a_crash() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    as_string = '<tool_call>{"name": "f", "arguments": ' + json.dumps(deep) + "}</tool_call>"
+    assert ChatOutputParser.parse(as_string, tool_parser="hermes")["content"] == as_string
+    as_object = '<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>"
+    msg = ChatOutputParser.parse(as_object, tool_parser="hermes")  # valid JSON, scanned without recursion
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": ' + deep + "}"
+
+
+def test_cut_calls_keep_every_character_as_content() -> None:
+    # An unfinished call (here: cut inside it) gives back its text untouched.
+    for case in BAD:
+        if not case.calls:
+            assert ChatOutputParser.parse(case.text, **case.kwargs)["content"] == case.text
+
+
+# --- parser classes directly ----------------------------------------------------------------------
+
+
+def test_parser_results_match_the_message() -> None:
+    cls = tool_parser_class("hermes")
+    p = cls(frozenset({"get_time"}))
+    p.feed("ok " + hermes("get_time", {}))
+    p.finish()
+    res = p.result()
+    assert res.content == "ok" and [c.name for c in res.calls] == ["get_time"] and res.calls[0].id.startswith("call_")
+    r = reasoning_parser_class("deepseek-r1")()
+    r.feed("why\n</think>\nbecause")
+    r.finish()
+    assert (r.result().reasoning, r.result().content) == ("why", "because")
+
+
+def test_mistral_ids_are_nine_alphanumerics() -> None:
+    msg = ChatOutputParser.parse("[TOOL_CALLS]get_time[ARGS]{}", tool_parser="mistral")
+    call_id = msg["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and call_id.isalnum()
+
+
+def test_unknown_parser_names_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ChatOutputParser(tool_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ChatOutputParser(reasoning_parser="nope")
+
+
+def test_feed_after_finish_is_an_error() -> None:
+    parser = ChatOutputParser(tool_parser="hermes", reasoning_parser="qwen3")
+    parser.feed("x")
+    parser.finish()
+    with pytest.raises(RuntimeError):
+        parser.feed("y")
+
+
+def test_without_tool_list_any_name_is_a_call() -> None:
+    msg = ChatOutputParser.parse(hermes("anything", {"a": 1}), tool_parser="hermes")
+    assert msg["tool_calls"][0]["function"]["name"] == "anything"
+
+
+# --- JSON scanner ---------------------------------------------------------------------------------
+
+
+def _scanner_accepts(text: str) -> bool:
+    scanner, pos = JsonScanner(), 0
+    while True:
+        ev, pos = scanner.scan(text, pos)
+        if ev == ERROR:
+            return False
+        if ev == DONE:
+            return text[pos:].strip(" \t\n\r") == ""
+        if pos >= len(text):
+            return False
+
+
+def _loads_accepts(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_json_scanner_agrees_with_json_loads() -> None:
+    rng = random.Random(0)
+    values = [0, -1, 1.5, -2.5e-3, 10**20, "", 'a"b\\', "é😀\n\u0001", "</tool_call>", True, False, None, [], {}]
+    alphabet = list('{}[]",:0123456789-+.eE \n\\utrfalsn\x01é')
+    checked = 0
+    for _ in range(3000):
+        obj = {"k": [rng.choice(values) for _ in range(3)], "o": {"x": rng.choice(values)}}
+        chars = list(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
+        for _ in range(rng.randrange(3)):
+            j = rng.randrange(len(chars))
+            if rng.random() < 0.5:
+                chars[j] = rng.choice(alphabet)
+            else:
+                chars.insert(j, rng.choice(alphabet))
+        text = "".join(chars)
+        if text.startswith("{"):  # the scanner is only ever started on an object
+            assert _scanner_accepts(text) == _loads_accepts(text), text
+            checked += 1
+    assert checked > 2000
+
+
+# --- prompts for templates without tool support ------------------------------------------------------
+
+
+def test_template_supports_tools(tokenizer: Tokenizer) -> None:
+    assert not template_supports_tools(tokenizer.chat_template)  # SmolLM2
+    assert template_supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
+    assert not template_supports_tools(None)
+
+
+def test_tool_prompt_names_every_tool_and_the_format() -> None:
+    block = render_tool_prompt(TOOLS, tool_choice="required")
+    for tool in TOOLS:
+        assert json.dumps(tool, ensure_ascii=False) in block
+    assert "<tool_call>" in block and "</tool_call>" in block and "must call" in block
+
+
+@pytest.mark.parametrize(
+    "tools, field",
+    [
+        ("x", "tools"),
+        ([{"type": "retrieval"}], r"tools\[0\].type"),
+        ([{"type": "function"}], r"tools\[0\].function"),
+        ([{"type": "function", "function": {"name": ""}}], r"tools\[0\].function.name"),
+        ([{"type": "function", "function": {"name": "f", "parameters": 3}}], r"tools\[0\].function.parameters"),
+    ],
+)
+def test_bad_tools_name_the_field(tools: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        validate_tools(tools)
+
+
+def test_tool_conversation_renders_with_a_template_without_tools(tokenizer: Tokenizer) -> None:
+    messages = [
+        {"role": "user", "content": "Weather and time in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "14:00"},
+    ]
+    adapted = apply_tool_prompt(messages, TOOLS)
+    assert [m["role"] for m in adapted] == ["system", "user", "assistant", "user"]
+    assert adapted[3]["content"] == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n14:00\n</tool_response>"
+    prompt = ChatTemplate(tokenizer.chat_template).render(adapted)
+    assert "get_weather" in prompt and "<tool_response>" in prompt
+    # The calls written into the history are exactly what the hermes parser reads back.
+    back = ChatOutputParser.parse(adapted[2]["content"], tool_parser="hermes", tools=TOOLS)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in back["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    # An existing system prompt is kept, with the tools block after it.
+    kept = apply_tool_prompt([{"role": "system", "content": "Be brief."}, *messages[:1]], TOOLS)
+    assert kept[0]["content"].startswith("Be brief.\n\n# Tools")
+
+
+# --- the OpenAI SDK's own stream accumulation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c in GOOD if c.calls], ids=lambda c: c.id)
+def test_openai_sdk_accumulates_the_stream_into_the_final_message(case: Case) -> None:
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    deltas, msg = run(case.kwargs, random_chunks(case.text, 1, most=5))
+    state = ChatCompletionStreamState()
+    for i, delta in enumerate(deltas):
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"role": "assistant", **delta} if i == 0 else delta, "finish_reason": None}],
+        }
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    last = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    state.handle_chunk(ChatCompletionChunk.model_validate(last))
+    got = state.get_final_completion().choices[0].message
+    assert [(c.id, c.function.name, c.function.arguments) for c in got.tool_calls] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
+    ]
+    assert (got.content or None) == msg["content"]
