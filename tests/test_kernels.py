@@ -5,6 +5,9 @@ imported: the jit decorator reads it). The interpreter gets fp32 only (its bf16 
 bf16 runs when CUDA is present.
 """
 import os
+import re
+import subprocess
+import sys
 
 import torch
 
@@ -181,6 +184,25 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
     out = silu_and_mul(gate_up)
     assert out.shape == (3, 4, 200)
     close(out, silu_and_mul_ref(gate_up), dtype)
+
+
+# ---------------------------------------------------------------- compiled for the H200
+
+
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    """The interpreter checks the math; only the compiler (sm_90 target, the ptxas shipped in the
+    triton wheel, no GPU needed) sees layout errors and register spills."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "ketch.kernels.compile_check", "--arch", "90"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = dict(re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B$", proc.stdout, re.MULTILINE))
+    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "rotary", "silu_and_mul"}
+    assert all(v == "0" for v in rows.values()), proc.stdout
 
 
 # ---------------------------------------------------------------- backend end to end

@@ -1,0 +1,113 @@
+"""Compile every kernel for an NVIDIA GPU without one (Triton and the ptxas bundled with it),
+and report registers and spills per kernel.
+
+The CPU interpreter checks the math; only the compiler sees layout/type errors and register
+pressure, so CPU CI runs this too. Launch settings mirror the wrappers' defaults; arguments get
+the 16-divisibility the JIT infers on a GPU from aligned pointers and strides.
+
+    python -m ketch.kernels.compile_check [--arch 90] [--heads 32 --kv-heads 8 --head-dim 128]
+
+Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ketch.kernels._common import pow2
+from ketch.kernels.activation import _silu_and_mul_kernel
+from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
+from ketch.kernels.extend_attention import _extend_kernel
+from ketch.kernels.kv_store import _store_kv_kernel
+from ketch.kernels.rmsnorm import _rms_norm_kernel
+from ketch.kernels.rotary import _rotary_kernel
+
+
+@dataclass(frozen=True)
+class Usage:
+    name: str
+    registers: int
+    spill_bytes: int  # stack frame: registers spilled to local memory
+
+
+def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int) -> Any:
+    if type(fn).__name__ != "JITFunction":
+        raise ValueError("TRITON_INTERPRET: unset it; the interpreter's kernels cannot be compiled")
+    sig = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
+    # pointers are 16-byte aligned and strides / page sizes multiples of 16, as the JIT infers on a GPU
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or n.startswith("stride") or n == "page_size"}
+    return triton.compile(ASTSource(fn, sig, consts, divisible), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _usage(name: str, kernel: Any) -> Usage:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if match is None:
+        raise RuntimeError(f"cuobjdump: no resource line for {name}")
+    return Usage(name, int(match.group(1)), int(match.group(2)))
+
+
+def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                hidden: int = 4096, inter: int = 14336, dtype: str = "bf16") -> list[Usage]:
+    p = f"*{dtype}"
+    group, bd = heads // kv_heads, pow2(head_dim, 16)
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32"}
+    cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
+        ("store_kv", _store_kv_kernel,
+         {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim)},
+         4 if kv_heads * head_dim >= 1024 else 1, 3),
+        ("decode_split", _decode_split_kernel,
+         {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": 8, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
+          "BLOCK_N": 64, "PRECISION": prec}, 4, 2),
+        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": bd},
+         1 if head_dim <= 64 else 2, 3),
+        ("extend", _extend_kernel,
+         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd, "PRECISION": prec}, 4, 2),
+        ("add_rms_norm", _rms_norm_kernel, {"N": hidden, "BLOCK": pow2(hidden), "HAS_RESIDUAL": True},
+         min(16, max(1, pow2(hidden) // 256)), 3),
+        ("rotary", _rotary_kernel,
+         {"HEADS": heads + kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(heads + kv_heads), "BLOCK_D": pow2(head_dim)},
+         4 if (heads + kv_heads) * head_dim >= 2048 else 2, 3),
+        ("silu_and_mul", _silu_and_mul_kernel, {"INTER": inter, "BLOCK": min(1024, pow2(inter))},
+         4 if min(1024, pow2(inter)) >= 512 else 1, 3),
+    ]
+    out = []
+    for name, fn, consts, warps, stages in cases:
+        sig = {n: fixed.get(n, "i32" if n.startswith("stride") or n == "page_size" else p) for n in fn.arg_names}
+        out.append(_usage(name, _compile(fn, sig, consts, arch, warps, stages)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--inter", type=int, default=14336)
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    a = ap.parse_args()
+    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype):
+        print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B")
+
+
+if __name__ == "__main__":
+    main()
