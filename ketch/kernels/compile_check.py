@@ -68,15 +68,16 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32"}
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
+             "num_splits": "i32"}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim)},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
-         {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": 8, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
+         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
           "BLOCK_N": 64, "PRECISION": prec}, 4, 2),
-        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "NUM_SPLITS": 8, "BLOCK_S": 8, "BLOCK_D": bd},
+        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd, "PRECISION": prec}, 4, 2),

@@ -11,7 +11,8 @@
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
 chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
 ignored by stage 2. `splits` is fixed per launch (not per sequence), so the grid depends only
-on the batch size, which is what CUDA-graph capture needs. A sequence of length 0 (a padded
+on the batch size, which is what CUDA-graph capture needs; it is a runtime argument, so a new
+split count does not compile a new kernel (the merge compiles once per power-of-two bound). A sequence of length 0 (a padded
 row) gets zeros.
 """
 from __future__ import annotations
@@ -32,15 +33,15 @@ def _decode_split_kernel(
     Q, KCache, VCache, PageTable, SeqLens, MidO, MidLse,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    scale_log2, page_size,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    scale_log2, page_size, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -84,14 +85,14 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     MidO, MidLse, Out,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -149,16 +150,16 @@ def decode_attention(
         q, kc, vc, page_table, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        scale * LOG2E, page_size,
-        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        scale * LOG2E, page_size, num_splits,
+        GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
         num_warps=1 if head_dim <= 64 else 2,
     )
     return out
