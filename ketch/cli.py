@@ -1,9 +1,10 @@
-"""`ketch serve | generate | chat | bench offline`: parse arguments, call down, print."""
+"""`ketch serve | generate | chat | bench offline|serve`: parse arguments, call down, print."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ketch.bench.serve_args import add_bench_serve_args
 from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 
@@ -65,6 +66,12 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(a: argparse.Namespace) -> int:
+    from ketch.bench.serve import run_bench_serve
+
+    return run_bench_serve(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ketch", description="ketch: fast LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--output-file", default=None, help="write results as JSON")
     add_engine_args(off)
     off.set_defaults(func=_bench)
+    bs = bsub.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput metrics")
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
     return parser
 
 

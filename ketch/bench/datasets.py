@@ -1,0 +1,120 @@
+"""Prompts for `ketch bench serve`: random token prompts and ShareGPT conversations.
+
+Each request carries its prompt text, the prompt's length in tokens by our tokenizer (the server's
+own count, when it reports usage, replaces it later) and the number of tokens to ask for.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+# ShareGPT filters, as the usual serving benchmarks apply them: drop conversations too short to
+# say anything about and ones that would not fit a small model's context.
+MIN_SEQ_LEN = 4
+MAX_PROMPT_LEN = 1024
+MAX_TOTAL_LEN = 2048
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+    all_special_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def _count(tokenizer: TextTokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _random_text(tokenizer: TextTokenizer, length: int, rng: random.Random, pool: list[int]) -> str:
+    """Text of about `length` tokens from random token ids. Decoding then re-encoding can merge or
+    split tokens, so trim or extend the ids until the text encodes back to the target length."""
+    ids = [rng.choice(pool) for _ in range(length)]
+    text = tokenizer.decode(ids)
+    for _ in range(8):
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) == length:
+            break
+        ids = got[:length] if len(got) > length else got + [rng.choice(pool) for _ in range(length - len(got))]
+        text = tokenizer.decode(ids)
+    return text
+
+
+def random_requests(tokenizer: TextTokenizer, num_prompts: int, input_len: int, output_len: int,
+                    range_ratio: float, seed: int) -> list[SampleRequest]:
+    """Lengths uniform in [max(1, int(len * range_ratio)), len] for input and output separately."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    if input_len < 1:
+        raise ValueError(f"random_input_len: must be >= 1, got {input_len}")
+    if output_len < 1:
+        raise ValueError(f"random_output_len: must be >= 1, got {output_len}")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"random_range_ratio: must be in [0, 1], got {range_ratio}")
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    pool = [i for i in range(tokenizer.vocab_size) if i not in special]
+    out = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
+        n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
+        text = _random_text(tokenizer, n_in, rng, pool)
+        out.append(SampleRequest(text, _count(tokenizer, text), n_out))
+    return out
+
+
+def _first_turns(conversation: list) -> tuple[str, str] | None:
+    """The first human turn and the first model turn after it, or None if there is no such pair."""
+    prompt = None
+    for turn in conversation:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            continue
+        role = turn.get("from")
+        if prompt is None and role in ("human", "user"):
+            prompt = turn["value"]
+        elif prompt is not None and role in ("gpt", "assistant"):
+            return prompt, turn["value"]
+    return None
+
+
+def sharegpt_requests(path: str, tokenizer: TextTokenizer, num_prompts: int, seed: int,
+                      output_len: int | None = None) -> list[SampleRequest]:
+    """Shuffled (by seed) conversations of a ShareGPT-format JSON file; the output length is the
+    first model answer's token count unless `output_len` fixes it."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"dataset_path: cannot read ShareGPT JSON {path!r}: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"dataset_path: {path!r} must hold a JSON list of conversations")
+    pairs = [p for entry in data if isinstance(entry, dict) and isinstance(entry.get("conversations"), list)
+             and (p := _first_turns(entry["conversations"])) is not None]
+    random.Random(seed).shuffle(pairs)
+    out: list[SampleRequest] = []
+    for prompt, answer in pairs:
+        if len(out) == num_prompts:
+            break
+        n_in = _count(tokenizer, prompt)
+        n_out = output_len if output_len is not None else _count(tokenizer, answer)
+        if n_in < MIN_SEQ_LEN or n_out < MIN_SEQ_LEN:
+            continue
+        if n_in > MAX_PROMPT_LEN or n_in + n_out > MAX_TOTAL_LEN:
+            continue
+        out.append(SampleRequest(prompt, n_in, n_out))
+    if not out:
+        raise ValueError(f"dataset_path: no conversation in {path!r} passed the length filters")
+    return out

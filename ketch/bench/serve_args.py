@@ -1,0 +1,44 @@
+"""Flags of `ketch bench serve` (kept apart from the driver so building the CLI parser stays cheap)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (default: from --host/--port)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=30000)
+    t.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
+                   help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+    t.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
+    t.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
+    t.add_argument("--tokenizer", default=None,
+                   help="model path (GGUF or HF dir) for token counting and random prompts (default: bundled SmolLM2)")
+    t.add_argument("--request-timeout", type=float, default=3600.0, help="seconds before one request is failed")
+    t.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
+
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (for --dataset-name sharegpt)")
+    d.add_argument("--num-prompts", type=int, default=1000)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=1024)
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths are uniform in [len * ratio, len]; 1.0 fixes them")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="fixed output length for ShareGPT (default: the conversation's answer length)")
+    d.add_argument("--seed", type=int, default=1)
+
+    r = p.add_argument_group("load")
+    r.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends all at once")
+    r.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    r.add_argument("--warmup-requests", type=int, default=1, help="requests sent first and not counted")
+    r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask the server to run every request to max_tokens (default: on for random, off for sharegpt)")
+    r.add_argument("--temperature", type=float, default=0.0)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    o.add_argument("--output-file", default=None, help="write config, metrics and per-request timings as JSON")

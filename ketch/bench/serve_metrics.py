@@ -1,0 +1,170 @@
+"""Metric math of `ketch bench serve`: per-request timings in, the bench_serving summary out.
+
+Definitions (those of the usual serving benchmarks):
+- TTFT: request sent → first non-empty content chunk.
+- ITL: the gaps between consecutive content chunks, pooled over all requests (a chunk carrying
+  several tokens is one gap).
+- TPOT: (E2E − TTFT) / (output tokens − 1), per request with more than one output token.
+- Concurrency: the sum of E2E latencies over the benchmark duration (the mean number in flight).
+Token totals and throughputs count successful requests only.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome; times in seconds."""
+
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+    generated_text: str = ""
+
+
+@dataclass(frozen=True)
+class BenchmarkMetrics:
+    completed: int
+    failed: int
+    duration_s: float
+    total_input: int
+    total_output: int
+    request_throughput: float
+    input_throughput: float
+    output_throughput: float
+    total_throughput: float
+    concurrency: float
+    mean_e2e_ms: float
+    median_e2e_ms: float
+    p99_e2e_ms: float
+    mean_ttft_ms: float
+    median_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float
+    median_tpot_ms: float
+    p99_tpot_ms: float
+    mean_itl_ms: float
+    median_itl_ms: float
+    p95_itl_ms: float
+    p99_itl_ms: float
+    max_itl_ms: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ms(values: list[float], stat: str, q: float = 50.0) -> float:
+    """A statistic of `values` (seconds) in ms; 0.0 for no values, as the usual tools print."""
+    if not values:
+        return 0.0
+    a = np.asarray(values, dtype=np.float64)
+    if stat == "mean":
+        v = a.mean()
+    elif stat == "max":
+        v = a.max()
+    else:
+        v = np.percentile(a, q)  # linear interpolation between closest ranks
+    return float(v) * 1000.0
+
+
+def compute_metrics(results: list[RequestResult], duration_s: float) -> BenchmarkMetrics:
+    if duration_s <= 0:
+        raise ValueError(f"duration_s: must be > 0, got {duration_s}")
+    ok = [r for r in results if r.success]
+    e2e = [r.latency for r in ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    itl = [gap for r in ok for gap in r.itl]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    return BenchmarkMetrics(
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration_s,
+        total_input=total_in,
+        total_output=total_out,
+        request_throughput=len(ok) / duration_s,
+        input_throughput=total_in / duration_s,
+        output_throughput=total_out / duration_s,
+        total_throughput=(total_in + total_out) / duration_s,
+        concurrency=sum(e2e) / duration_s,
+        mean_e2e_ms=_ms(e2e, "mean"),
+        median_e2e_ms=_ms(e2e, "pct", 50),
+        p99_e2e_ms=_ms(e2e, "pct", 99),
+        mean_ttft_ms=_ms(ttft, "mean"),
+        median_ttft_ms=_ms(ttft, "pct", 50),
+        p99_ttft_ms=_ms(ttft, "pct", 99),
+        mean_tpot_ms=_ms(tpot, "mean"),
+        median_tpot_ms=_ms(tpot, "pct", 50),
+        p99_tpot_ms=_ms(tpot, "pct", 99),
+        mean_itl_ms=_ms(itl, "mean"),
+        median_itl_ms=_ms(itl, "pct", 50),
+        p95_itl_ms=_ms(itl, "pct", 95),
+        p99_itl_ms=_ms(itl, "pct", 99),
+        max_itl_ms=_ms(itl, "max"),
+    )
+
+
+def _row(label: str, value: object) -> str:
+    if isinstance(value, float):
+        value = f"{value:.2f}"
+    return f"{label + ':':<40} {value}"
+
+
+def _rule(title: str = "", char: str = "-") -> str:
+    return f" {title} ".center(50, char) if title else char * 50
+
+
+def format_report(m: BenchmarkMetrics, header: dict[str, object]) -> str:
+    """The summary block, one `label: value` per line, in bench_serving's layout and names."""
+    lines = [_rule("Serving Benchmark Result", "=")]
+    lines += [_row(k, v) for k, v in header.items()]
+    lines += [
+        _row("Successful requests", m.completed),
+        _row("Failed requests", m.failed),
+        _row("Benchmark duration (s)", m.duration_s),
+        _row("Total input tokens", m.total_input),
+        _row("Total generated tokens", m.total_output),
+        _row("Request throughput (req/s)", m.request_throughput),
+        _row("Input token throughput (tok/s)", m.input_throughput),
+        _row("Output token throughput (tok/s)", m.output_throughput),
+        _row("Total token throughput (tok/s)", m.total_throughput),
+        _row("Concurrency", m.concurrency),
+        _rule("End-to-End Latency"),
+        _row("Mean E2E Latency (ms)", m.mean_e2e_ms),
+        _row("Median E2E Latency (ms)", m.median_e2e_ms),
+        _row("P99 E2E Latency (ms)", m.p99_e2e_ms),
+        _rule("Time to First Token"),
+        _row("Mean TTFT (ms)", m.mean_ttft_ms),
+        _row("Median TTFT (ms)", m.median_ttft_ms),
+        _row("P99 TTFT (ms)", m.p99_ttft_ms),
+        _rule("Time per Output Token (excl. 1st token)"),
+        _row("Mean TPOT (ms)", m.mean_tpot_ms),
+        _row("Median TPOT (ms)", m.median_tpot_ms),
+        _row("P99 TPOT (ms)", m.p99_tpot_ms),
+        _rule("Inter-Token Latency"),
+        _row("Mean ITL (ms)", m.mean_itl_ms),
+        _row("Median ITL (ms)", m.median_itl_ms),
+        _row("P95 ITL (ms)", m.p95_itl_ms),
+        _row("P99 ITL (ms)", m.p99_itl_ms),
+        _row("Max ITL (ms)", m.max_itl_ms),
+        _rule(char="="),
+    ]
+    return "\n".join(lines)
+
+
+def summarize_errors(results: list[RequestResult], limit: int = 5) -> list[str]:
+    """The most frequent failure messages, `count × message`, most frequent first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            counts[r.error or "unknown error"] = counts.get(r.error or "unknown error", 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return [f"{n} × {msg}" for msg, n in ranked]
