@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ketch.bench.one_batch_args import add_one_batch_args
 from ketch.bench.serve_args import add_bench_serve_args
 from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
@@ -66,6 +67,13 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_one_batch(a: argparse.Namespace) -> int:
+    from ketch.bench.one_batch import run_one_batch
+
+    run_one_batch(a)
+    return 0
+
+
 def _bench_serve(a: argparse.Namespace) -> int:
     from ketch.bench.serve import run_bench_serve
 
@@ -116,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--output-file", default=None, help="write results as JSON")
     add_engine_args(off)
     off.set_defaults(func=_bench)
+    one = bsub.add_parser("one-batch", help="one static batch: prefill latency, then per-step decode latency")
+    add_one_batch_args(one)
+    add_engine_args(one)
+    one.set_defaults(func=_bench_one_batch)
     bs = bsub.add_parser("serve", help="load an OpenAI-compatible server and report latency/throughput metrics")
     add_bench_serve_args(bs)
     bs.set_defaults(func=_bench_serve)

@@ -15,7 +15,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
-    g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="KV pool as a fraction of device memory")
+    g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="CPU: KV pool as a fraction of the memory")
+    g.add_argument("--gpu-kv-cache-fraction", type=float, default=0.85,
+                   help="CUDA: KV pool as a fraction of the GPU memory free after the weights load")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256,
                    help="sequences the engine runs at once")
@@ -24,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--cuda-graph", action="store_true", help="CUDA: replay decode steps as CUDA graphs")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
 
@@ -31,10 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
-        kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction, max_model_len=a.max_model_len,
+        kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction,
+        gpu_kv_cache_fraction=a.gpu_kv_cache_fraction, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,
         schedule_policy=a.schedule_policy, num_threads=a.num_threads, quantization=a.quantization,
+        cuda_graph=a.cuda_graph,
     )
 
 

@@ -106,8 +106,11 @@ class EngineConfig:
     load_format: LoadFormat = "auto"
     seed: int = 0  # dummy weights and unseeded sampling start from here
     page_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: kv_cache_fraction of the device memory
-    kv_cache_fraction: float = 0.05
+    kv_cache_memory: int | None = None  # bytes; None: sized by the fraction below for the device
+    kv_cache_fraction: float = 0.05  # CPU: of the physical memory
+    # CUDA: of the GPU memory still free once the weights are loaded (like SGLang's
+    # mem_fraction_static, but of what is left); the rest holds activations and cuBLAS workspaces.
+    gpu_kv_cache_fraction: float = 0.85
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step
@@ -118,6 +121,10 @@ class EngineConfig:
     # "auto": on the CPU in bf16, a GGUF's 4-bit (Q4_0/Q4_1) matrices also stay 4-bit for
     # small-batch decode (~4x fewer bytes per token); "none": dense weights only.
     quantization: Quantization = "auto"
+    # CUDA: replay decode-only steps of up to cuda_graph_max_bs requests as CUDA graphs
+    # (runner/cuda_graph.py); off by default until it has been measured against eager.
+    cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -138,6 +145,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if not 0.0 < self.gpu_kv_cache_fraction < 1.0:
+            raise ValueError(f"gpu_kv_cache_fraction must be in (0, 1), got {self.gpu_kv_cache_fraction}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph and self.torch_device.type != "cuda":
+            raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
 
     @property
     def torch_device(self) -> torch.device:

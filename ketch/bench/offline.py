@@ -28,6 +28,8 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
     prefix = shared_prefix or []
     stats = engine.scheduler.stats
     prompt0, cached0 = stats.prompt_tokens, stats.cached_prompt_tokens
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync()  # GPU: nothing of an earlier round may leak into this one's clock
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i in range(batch):
@@ -37,6 +39,7 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
         for out in engine.step():
             generated += len(out.new_token_ids)
             first.setdefault(out.request_id, time.perf_counter())
+    sync()
     total = time.perf_counter() - t0
     last_first = max(first.values()) - t0
     decode_time = total - last_first
@@ -83,7 +86,9 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
                   f"prefill tokens saved {r['prefill_tokens_saved']}")
     engine.check_invariants()
     if a.output_file:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        dev = engine.runner.device
+        machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+        meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine,
                 "threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype), "args": vars(a) | {"func": None}}
         with open(a.output_file, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2, default=str)

@@ -6,7 +6,9 @@ fp32 logits of the rows that sample.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -15,6 +17,7 @@ from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
 from ketch.models.registry import model_class
+from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.scheduler.scheduler import ScheduledChunk
 from ketch.weights import detect_format, iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
@@ -22,10 +25,31 @@ from ketch.weights.source import resolve_model_path
 
 
 def device_memory_bytes(device: torch.device) -> int:
+    """CUDA: bytes free now (after the weights, once the allocator's cache is returned);
+    CPU: physical memory."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks freed during loading count as free, not as torch's cache
         free, _ = torch.cuda.mem_get_info(device)
         return free
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    fraction = config.gpu_kv_cache_fraction if device.type == "cuda" else config.kv_cache_fraction
+    return int(device_memory_bytes(device) * fraction)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters directly in `dtype`: an 8B model is never materialized in fp32 first."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 class ModelRunner:
@@ -43,14 +67,21 @@ class ModelRunner:
         self.model = self._load_model(max_model_len)
         self.pool = self._allocate_pool()
         self.attn = TorchAttentionBackend(self.pool, model_config.head_dim, self.device)
+        self.graphs = None
+        if config.cuda_graph:  # EngineConfig has checked that the device is CUDA
+            max_pages = -(-max_model_len // config.page_size)
+            self.graphs = DecodeGraphs(self.model, self.attn, config.cuda_graph_max_bs, max_pages, self.device)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg = self.model_config
-        with torch.device(self.device):
+        # Rotary tables are built with an explicit fp32 dtype, so they stay fp32 here.
+        with torch.device(self.device), default_dtype(self.dtype):
             model = model_class(cfg)(cfg, max_positions=max_model_len)
-        for param in model.parameters():  # parameters only: the rotary cos/sin tables stay fp32
+        for param in model.parameters():  # a no-op unless a layer pins its own dtype
             param.data = param.data.to(self.dtype)
-        weights = iter_weights(self.config.model, cfg, self.dtype, self.config.load_format, seed=self.config.seed)
+        # dummy weights are drawn on the target device (seconds for 8B on a GPU, not minutes on the CPU)
+        weights = iter_weights(self.config.model, cfg, self.dtype, self.config.load_format,
+                               seed=self.config.seed, device=self.device)
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(resolve_model_path(self.config.model), cfg))
@@ -67,12 +98,14 @@ class ModelRunner:
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
         per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        budget = ec.kv_cache_memory or int(device_memory_bytes(self.device) * ec.kv_cache_fraction)
+        budget = kv_budget_bytes(ec, self.device)
         return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run the step; returns logits [rows that sample, vocab] in fp32, in `chunks` order."""
+        if self.graphs is not None and self.graphs.can_run(chunks):
+            return self.graphs.run(chunks)
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqChunk] = []

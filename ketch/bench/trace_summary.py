@@ -1,0 +1,120 @@
+"""Read a torch-profiler chrome trace: what the GPU ran during annotated steps, and how idle it was.
+
+    window   = first annotated step's start → last one's end (each step ends on a host sync,
+               so the GPU has finished the step's work by then)
+    busy     = union of kernel / memcpy / memset intervals inside the window
+    idle     = 1 - busy / window
+
+Profiling adds host overhead per op, so `idle` is an upper bound for the unprofiled run.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+STEP_ANNOTATION = "ketch_step"
+
+# Coarse kernel families by name, first match wins (names are library-internal; heuristic).
+_FAMILIES = (
+    ("gemm/gemv", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "efficient_attention", "_attn")),
+    ("index/gather/scatter", ("index", "gather", "scatter")),
+    ("reduce/norm/softmax", ("reduce", "norm", "softmax", "argmax", "max_", "sum_")),
+    ("copy/cast", ("copy", "memcpy", "memset", "cat", "convert")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "triton")),
+)
+
+
+@dataclass
+class TraceSummary:
+    steps: int
+    window_us: float
+    busy_us: float
+    kernels: int  # kernels run in the window (a CUDA graph replays many with one launch)
+    copies: int  # memcpy + memset operations in the window
+    by_name: list[tuple[str, float, int]] = field(default_factory=list)  # (name, total µs, count), descending
+    by_family: dict[str, float] = field(default_factory=dict)  # family → total µs
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.busy_us / self.window_us if self.window_us > 0 else 0.0
+
+    @property
+    def kernels_per_step(self) -> float:
+        return self.kernels / self.steps if self.steps else 0.0
+
+    @property
+    def step_us(self) -> float:
+        return self.window_us / self.steps if self.steps else 0.0
+
+    def format(self, top: int = 15) -> str:
+        lines = [
+            f"profiled steps: {self.steps}, {self.step_us / 1000:.3f} ms/step under the profiler",
+            f"GPU busy {self.busy_us / self.steps / 1000:.3f} ms/step, idle {self.idle_fraction:.1%}",
+            f"kernels per step: {self.kernels_per_step:.1f} (launched one by one, or replayed by a graph); "
+            f"memcpy/memset per step: "
+            f"{self.copies / max(1, self.steps):.1f}",
+            "GPU time by kernel family (name heuristic):",
+        ]
+        lines += [f"  {fam:24s} {us / self.steps / 1000:8.3f} ms/step  {us / max(self.busy_us, 1e-9):6.1%}"
+                  for fam, us in sorted(self.by_family.items(), key=lambda kv: -kv[1])]
+        lines.append(f"top {top} kernels by GPU time:")
+        lines += [f"  {us / self.steps:9.1f} µs/step  {n / self.steps:6.1f}/step  {name[:110]}"
+                  for name, us, n in self.by_name[:top]]
+        return "\n".join(lines)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in _FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def summarize(trace: dict, annotation: str = STEP_ANNOTATION) -> TraceSummary:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = [e for e in events if e.get("name") == annotation and e.get("cat") == "user_annotation"]
+    if not steps:
+        raise ValueError(f"trace: no {annotation!r} annotations; was the step wrapped in record_function?")
+    lo = min(float(e["ts"]) for e in steps)
+    hi = max(float(e["ts"]) + float(e["dur"]) for e in steps)
+    spans: list[tuple[float, float]] = []
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    per_family: dict[str, float] = defaultdict(float)
+    kernels = copies = 0
+    for e in events:
+        if e.get("cat") not in GPU_CATEGORIES:
+            continue
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if end <= lo or start >= hi:
+            continue
+        start, end = max(start, lo), min(end, hi)
+        spans.append((start, end))
+        if e["cat"] == "kernel":
+            kernels += 1
+        else:
+            copies += 1
+        acc = per_name[e["name"]]
+        acc[0] += end - start
+        acc[1] += 1
+        per_family[family(e["name"]) if e["cat"] == "kernel" else "copy/cast"] += end - start
+    by_name = sorted(((n, v[0], int(v[1])) for n, v in per_name.items()), key=lambda t: -t[1])
+    return TraceSummary(len(steps), hi - lo, _union_length(spans), kernels, copies, by_name, dict(per_family))
+
+
+def summarize_file(path: str, annotation: str = STEP_ANNOTATION) -> TraceSummary:
+    with open(path, encoding="utf-8") as f:
+        return summarize(json.load(f), annotation)

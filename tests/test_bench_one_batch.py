@@ -1,0 +1,76 @@
+"""`ketch bench one-batch` on a tiny random model (CPU), and the profiler-trace summary it prints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ketch.bench.trace_summary import STEP_ANNOTATION, family, summarize, summarize_file
+from ketch.cli import main
+
+
+def _x(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_summary_counts_busy_time_inside_the_annotated_steps_only():
+    trace = {"traceEvents": [
+        _x(STEP_ANNOTATION, "user_annotation", 100, 100),  # window 100..300
+        _x(STEP_ANNOTATION, "user_annotation", 200, 100),
+        _x("ampere_bf16_gemm", "kernel", 110, 40),  # 110..150
+        _x("ampere_bf16_gemm", "kernel", 140, 20),  # overlaps: union 110..160 (a second stream)
+        _x("vectorized_elementwise_kernel", "kernel", 210, 10),
+        _x("Memcpy HtoD", "gpu_memcpy", 290, 20),  # clipped at 300: 10 inside
+        _x("before_the_window", "kernel", 10, 50),  # ignored
+        _x("aten::mm", "cpu_op", 100, 200),  # CPU side: never busy GPU time
+        {"ph": "i", "name": STEP_ANNOTATION, "cat": "user_annotation", "ts": 0},  # not a span
+    ]}
+    s = summarize(trace)
+    assert s.steps == 2 and s.window_us == 200
+    assert s.busy_us == 50 + 10 + 10
+    assert s.idle_fraction == pytest.approx(1 - 70 / 200)
+    assert (s.kernels, s.copies) == (3, 1) and s.kernels_per_step == 1.5
+    assert s.by_name[0] == ("ampere_bf16_gemm", 60.0, 2)
+    assert s.by_family["gemm/gemv"] == 60 and s.by_family["elementwise"] == 10 and s.by_family["copy/cast"] == 10
+    assert "kernels per step: 1.5" in s.format()
+
+
+def test_summary_without_step_annotations_is_a_clear_error():
+    with pytest.raises(ValueError, match="record_function"):
+        summarize({"traceEvents": [_x("k", "kernel", 0, 1)]})
+
+
+def test_kernel_families():
+    assert family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm/gemv"
+    assert family("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert family("indexSelectLargeIndex") == "index/gather/scatter"
+    assert family("something_else") == "other"
+
+
+def _one_batch(tiny_config_path: str, tmp_path, *extra: str) -> int:
+    return main(["bench", "one-batch", "--model", tiny_config_path, "--load-format", "dummy", "--dtype", "float32",
+                 "--kv-cache-memory", str(2 << 20), "--page-size", "4", "--num-threads", "1",
+                 "--batch-size", "3", "--input-len", "40", "--max-num-batched-tokens", "16", *extra])
+
+
+def test_one_batch_prefills_the_whole_batch_in_one_step_and_times_decode(tiny_config_path, tmp_path, capsys):
+    out, trace = tmp_path / "r.json", tmp_path / "trace.json"
+    rc = _one_batch(tiny_config_path, tmp_path, "--output-len", "9", "--warmup-output-len", "2",
+                    "--output-file", str(out), "--profile", str(trace), "--profile-steps", "4")
+    assert rc == 0
+    res = json.loads(out.read_text())
+    r = res["result"]
+    # the token budget (16 here) is raised so 3 x 40 prompt tokens go in one step
+    assert (r["batch_size"], r["input_len"], r["output_len"]) == (3, 40, 9)
+    assert r["prefill_tok_s"] == pytest.approx(3 * 40 / (r["prefill_ms"] / 1e3), rel=1e-2)
+    assert r["decode_step_ms_p10"] <= r["decode_step_ms_median"] <= r["decode_step_ms_p90"]
+    assert r["decode_tok_s"] == pytest.approx(3 / (r["decode_step_ms_median"] / 1e3), rel=1e-2)
+    assert summarize_file(str(trace)).steps == 4  # exactly the profiled decode steps
+    assert res["profile"]["kernels_per_step"] == 0  # CPU run: no GPU kernels
+    printed = capsys.readouterr().out
+    assert "batch 3 | in 40 out 9" in printed and "profiled steps: 4" in printed
+
+
+def test_one_batch_rejects_a_run_without_decode_steps(tiny_config_path, tmp_path, capsys):
+    assert _one_batch(tiny_config_path, tmp_path, "--output-len", "1") == 2
+    assert "output_len must be >= 2" in capsys.readouterr().err
