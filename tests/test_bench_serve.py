@@ -128,8 +128,9 @@ def _chunk_sizes(max_tokens: int) -> list[int]:
 class Stub:
     """A deterministic OpenAI streaming server; a request for which `fail(body)` holds gets a 500."""
 
-    def __init__(self, fail: Callable[[dict], bool]) -> None:
+    def __init__(self, fail: Callable[[dict], bool], short: bool = False) -> None:
         self.fail = fail
+        self.short = short  # stop one token early, like a server that ignores ignore_eos
         self.bodies: list[dict] = []
         self.active = self.max_active = 0
         self.app = FastAPI()
@@ -154,10 +155,11 @@ class Stub:
         self.max_active = max(self.max_active, self.active)
         # usage that no tokenizer would give: proves the bench takes the server's counts (completions);
         # the chat route reports none, so the bench must count the text itself
-        usage = {"prompt_tokens": 1000 + len(body.get("prompt", "")), "completion_tokens": body["max_tokens"]}
+        n_out = max(1, body["max_tokens"] - 1) if self.short else body["max_tokens"]
+        usage = {"prompt_tokens": 1000 + len(body.get("prompt", "")), "completion_tokens": n_out}
 
         async def events():
-            for n in _chunk_sizes(body["max_tokens"]):
+            for n in _chunk_sizes(n_out):
                 await asyncio.sleep(0.003)  # simulated decode time, so requests overlap
                 piece = " tok" * n
                 choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
@@ -182,8 +184,8 @@ def _shared_tokenizer(request, monkeypatch):
 def stub_server():
     servers = []
 
-    def start(fail: Callable[[dict], bool] = lambda body: False) -> tuple[Stub, str]:
-        stub = Stub(fail)
+    def start(fail: Callable[[dict], bool] = lambda body: False, short: bool = False) -> tuple[Stub, str]:
+        stub = Stub(fail, short)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)  # connections made before uvicorn starts wait in the backlog: no readiness poll
@@ -224,6 +226,7 @@ def test_cli_against_stub(stub_server, tmp_path, capsys, tok):
         assert name in rows, f"{name!r} not printed"
     assert rows["Successful requests"] == "9" and rows["Failed requests"] == "1"
     assert "HTTP 500" in printed and "stub failure" in printed
+    assert "fewer tokens than max_tokens" not in printed  # the stub honours max_tokens exactly
 
     assert len(stub.bodies) == 11 and stub.max_active <= 2
     for body in stub.bodies:
@@ -277,3 +280,12 @@ def test_cli_all_failed_warmup_and_bad_flags(stub_server, capsys, tok):
     assert "warmup" in capsys.readouterr().err
     assert main(["bench", "serve", "--base-url", url, "--max-concurrency", "0"]) == 2
     assert "max_concurrency" in capsys.readouterr().err
+
+
+def test_cli_warns_when_outputs_stop_short_of_max_tokens(stub_server, capsys, tok):
+    _, url = stub_server(short=True)
+    assert main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--random-input-len", "4",
+                 "--random-output-len", "4", "--random-range-ratio", "1", "--disable-tqdm"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 2 of 2 requests got fewer tokens than max_tokens" in out
+    assert _printed(out)["Total generated tokens"] == "6"

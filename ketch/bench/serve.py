@@ -133,6 +133,11 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         print("Errors (count × message):")
         for line in errors:
             print(f"  {line}")
+    short = sum(1 for q, r in zip(requests, results) if r.success and r.output_len < q.output_len)
+    if ignore_eos and short:
+        # a server that ignores `ignore_eos` stops at EOS; its throughput is then not comparable
+        print(f"warning: {short} of {m.completed} requests got fewer tokens than max_tokens "
+              "(is ignore_eos honoured? a server without stream usage is counted by retokenizing)")
     if a.output_file:
         _write_json(a, base_url, out["model"], ignore_eos, m.as_dict(), requests, results, errors)
     return 0 if m.completed else 1
