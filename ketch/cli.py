@@ -55,7 +55,7 @@ def _serve(a: argparse.Namespace) -> int:
         host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,
         chat_template=read_chat_template(a.chat_template) if a.chat_template else None,
         max_queued_requests=a.max_queued_requests, max_request_bytes=a.max_request_bytes,
-        shutdown_timeout=a.shutdown_timeout,
+        shutdown_timeout=a.shutdown_timeout, tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
     )
     return run(EngineConfig(**engine_kwargs(a)), server)
 
@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get a 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "deepseek-v3"],
+                   help="the model's tool-call format (templates without tool support always use hermes)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "qwen3"],
+                   help="split <think>…</think> into reasoning_content")
     add_engine_args(s)
     s.set_defaults(func=_serve)
 

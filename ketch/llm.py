@@ -104,6 +104,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id != rid:
                         continue
+                    if out.error is not None:
+                        raise ValueError(out.error)
                     delta, stopped = text.push(out)
                     if delta:
                         yield delta
@@ -174,6 +176,8 @@ class LLM:
         return list(results.values())
 
     def _apply(self, sample: CompletionOutput, text: _SampleText, out: EngineOutput) -> None:
+        if out.error is not None:
+            raise ValueError(out.error)
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             if sample.logprobs is None:

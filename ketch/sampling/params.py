@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ketch.sampling.grammar.spec import GrammarSpec
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0  # frequency/presence, OpenAI's range
@@ -33,6 +35,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # constrain the output (JSON schema, regex, EBNF, ...)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -44,6 +47,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.grammar = GrammarSpec.coerce(self.grammar)
         self.validate()
 
     @property

@@ -2,7 +2,7 @@
 
     logits ──► raw logprobs (log_softmax; only when a row wants logprobs)
       │
-      ├─► edits: logit_bias, min_tokens bans (one sparse add), penalties   [skipped if none]
+      ├─► edits: logit_bias, min_tokens bans (one sparse add), penalties, grammar mask   [skipped if none]
       │
       ├─► greedy rows: argmax                  (bit-exact argmax of the input when unedited)
       └─► sampled rows: / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► draw
@@ -94,7 +94,8 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
 
 
 def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias, min_tokens bans and penalties applied to a copy; the input itself if none."""
+    """logit_bias, min_tokens bans, penalties and grammar masks applied to a copy; the input
+    itself if none. The mask goes last: no bias or penalty can bring a disallowed token back."""
     if not batch.needs_edits:
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)  # view(-1) below
@@ -102,6 +103,8 @@ def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.view(-1).index_put_((batch.edit_index,), batch.edit_value, accumulate=True)
     if batch.penalties is not None:
         batch.penalties.apply_(logits)
+    if batch.grammar_mask is not None:
+        batch.grammar_backend.apply_mask(logits, batch.grammar_mask)
     return logits
 
 

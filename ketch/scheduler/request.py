@@ -1,8 +1,10 @@
 """A request as the scheduler sees it, with an explicit state machine.
 
-    WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED
-       ▲                  │
-       └────preempt───────┘       (abort: from any state to FINISHED)
+    PENDING ──add──▶ WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED
+                        ▲                  │
+                        └────preempt───────┘       (abort: from any state to FINISHED)
+
+PENDING: known to the engine but not yet schedulable (its grammar is compiling).
 
 Only `Scheduler` moves `state`; every transition goes through one of its methods, so a
 request ends exactly once and releases its pages exactly once.
@@ -19,6 +21,7 @@ from ketch.sampling.params import SamplingParams
 
 
 class RequestState(enum.Enum):
+    PENDING = "pending"  # not yet handed to the scheduler (e.g. its grammar compiles)
     WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
     RUNNING = "running"  # holds pages; prefilling or decoding
     FINISHED = "finished"
@@ -52,6 +55,7 @@ class Request:
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     admitted_once: bool = False
+    grammar: Any = None  # GrammarMatcher of a constrained sample, set once its grammar compiled
 
     @property
     def all_ids(self) -> list[int]:

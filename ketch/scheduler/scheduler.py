@@ -60,6 +60,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- queue
     def add(self, req: Request) -> None:
+        req.state = RequestState.WAITING
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -180,7 +181,7 @@ class Scheduler:
         if req.state is RequestState.RUNNING:
             self._release(req)
             self.running.remove(req)
-        else:
+        elif req.state is RequestState.WAITING:
             self.waiting.remove(req)
         req.state = RequestState.FINISHED
         req.finish_reason = reason

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages → chat template → tokens → engine → OpenAI chat shapes."""
+"""POST /v1/chat/completions: messages → chat template → tokens → engine → OpenAI chat shapes.
+
+With tools or a reasoning parser, each choice's text goes through a ChatOutputParser (one state
+machine for stream and whole): `reasoning_content`, `content` and `tool_calls` come out of it,
+and a choice that called tools finishes with "tool_calls".
+"""
 from __future__ import annotations
 
 import time
@@ -6,6 +11,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ketch.parsers import ChatOutputParser
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
@@ -13,20 +19,26 @@ from ketch.server.logprobs import chat_logprobs
 from ketch.server.protocol import CHAT_FIELDS, check_fields, sampling_params
 from ketch.server.sse import sse_stream
 from ketch.server.state import ServerState
+from ketch.server.structured import grammar_spec
+from ketch.server.tools import ChatPlan, plan_chat
 
 
-def encode_messages(state: ServerState, messages: Any) -> list[int]:
+def encode_messages(state: ServerState, messages: Any, **template_kwargs: Any) -> list[int]:
     """Chat template + tokenizer: the prompt ids of a conversation (also used by /tokenize)."""
     tok = state.require_tokenizer("messages")
     if state.chat_template is None:
         raise APIError(400, "messages: the model has no chat template; start the server with --chat-template",
                        param="messages")
     try:
-        text = state.chat_template.render(messages, add_generation_prompt=True,
-                                          bos_token=tok.bos_token, eos_token=tok.eos_token)
+        text = state.chat_template.render(messages, add_generation_prompt=True, bos_token=tok.bos_token,
+                                          eos_token=tok.eos_token, **template_kwargs)
     except ValueError as e:
         raise bad_value(e) from None
     return tok.encode(text, add_special_tokens=False)
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
+    return "tool_calls" if reason == "stop" and parser is not None and parser.tool_calls else reason
 
 
 async def chat_completions(state: ServerState, body: Any):
@@ -34,9 +46,14 @@ async def chat_completions(state: ServerState, body: Any):
     state.check_model(fields.get("model"))
     if "messages" not in fields:
         raise APIError(400, "messages: required", param="messages")
-    prompt_ids = encode_messages(state, fields["messages"])
+    plan = plan_chat(fields, state.chat_template.source if state.chat_template else None,
+                     state.tool_call_parser, state.reasoning_parser)
+    answer, field = grammar_spec(fields)
+    grammar = plan.grammar(answer, field)
+    prompt_ids = encode_messages(state, plan.messages, **plan.template_kwargs)
     ready = state.client.ready
-    params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids))
+    params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar)
+    params = plan.adjust(params, fields)
     check_context(prompt_ids, params, state.client, "messages")
     rid = new_request_id("chatcmpl")
     gen = Generation(state, rid, [prompt_ids], params)
@@ -44,38 +61,55 @@ async def chat_completions(state: ServerState, body: Any):
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage)),
+        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage, plan)),
                                  media_type="text/event-stream")
+    texts = [""] * params.n
     choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None, "matched_stop": None} for i in range(params.n)]
     async for ev in gen.events():
         c = choices[ev.index]
-        c["message"]["content"] += ev.text
+        texts[ev.index] += ev.text
         if params.wants_logprobs:
             c["logprobs"] = c["logprobs"] or {"content": []}
             c["logprobs"]["content"] += chat_logprobs(state.tokenizer, ev.logprobs)["content"]
         if ev.finish_reason is not None:
             c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
+    for c, text in zip(choices, texts):
+        parser = plan.output_parser()
+        if parser is None:
+            c["message"]["content"] = text
+            continue
+        parser.feed(text)
+        parser.finish()
+        c["message"] = {k: v for k, v in parser.message().items() if v is not None or k == "content"}
+        c["finish_reason"] = _finish_reason(c["finish_reason"], parser)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": gen.usage.as_dict()})
 
 
-async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
+                  plan: ChatPlan) -> AsyncIterator[dict]:
     def chunk(choices: list[dict]) -> dict:
         out = {**head, "object": "chat.completion.chunk", "choices": choices}
         if include_usage:
             out["usage"] = None
         return out
 
+    parsers = [plan.output_parser() for _ in range(gen.params.n)]
     for i in range(gen.params.n):
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}])
     async for ev in gen.events():
+        parser = parsers[ev.index]
         logprobs = chat_logprobs(state.tokenizer, ev.logprobs) if gen.params.wants_logprobs else None
-        if ev.text or logprobs:
-            yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": logprobs,
-                          "finish_reason": None}])
+        deltas = [{"content": ev.text} if ev.text else None] if parser is None else [parser.feed(ev.text) if ev.text else None]
+        if ev.finish_reason is not None and parser is not None:
+            deltas.append(parser.finish())
+        for delta in deltas:
+            if delta or logprobs:
+                yield chunk([{"index": ev.index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": None}])
+                logprobs = None
         if ev.finish_reason is not None:
-            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason,
-                          "matched_stop": ev.matched_stop}])
+            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None,
+                          "finish_reason": _finish_reason(ev.finish_reason, parser), "matched_stop": ev.matched_stop}])
     if include_usage:
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage.as_dict()}

@@ -13,6 +13,7 @@ from ketch.server.logprobs import completion_logprobs
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, sampling_params
 from ketch.server.sse import sse_stream
 from ketch.server.state import ServerState
+from ketch.server.structured import grammar_spec
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -41,7 +42,8 @@ async def completions(state: ServerState, body: Any):
     state.check_model(fields.get("model"))
     raw = completion_prompts(fields.get("prompt"))
     prompts = [_encode(state, p) for p in raw]
-    params = sampling_params(fields, DEFAULT_MAX_TOKENS)
+    grammar, _ = grammar_spec(fields)
+    params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar)
     echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     for ids in prompts:
         check_context(ids, params, state.client, "prompt")

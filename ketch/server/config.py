@@ -15,11 +15,19 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_request_bytes: int = 32 * 1024 * 1024  # larger bodies get a 413
     shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
+    tool_call_parser: str | None = None  # hermes | llama3 | mistral | deepseek-v3
+    reasoning_parser: str | None = None  # deepseek-r1 | qwen3
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+        from ketch.parsers.registry import reasoning_parser_class, tool_parser_class
+
+        if self.tool_call_parser is not None:
+            tool_parser_class(self.tool_call_parser)  # ValueError naming the option if unknown
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")

@@ -140,6 +140,8 @@ class Generation:
         sample = self.samples.get((d.request_id, d.index))
         if sample is None or sample.finished:
             return None  # e.g. the abort report after a stop string
+        if d.error is not None:
+            raise bad_value(d.error)
         if d.index == 0 and d.request_id not in self.usage._seen_prompts:
             self.usage._seen_prompts.add(d.request_id)
             self.usage.cached_tokens += d.num_cached_tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.sampling.grammar.spec import GrammarSpec
 from ketch.sampling.params import SamplingParams
 from ketch.server.errors import APIError, bad_value
 
@@ -32,9 +33,12 @@ _SAMPLING: dict[str, tuple[tuple[type, ...], str | None]] = {
     "skip_special_tokens": ((bool,), "skip_special_tokens"),
 }
 _COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,)}
-CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, "messages": (list,),
-               "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,)}
-COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON,
+_GRAMMAR = {"response_format": (dict,), "regex": (str,), "ebnf": (str,)}
+CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR, "messages": (list,),
+               "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,),
+               "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
+               "chat_template_kwargs": (dict,)}
+COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR,
                      "prompt": (str, list), "logprobs": (int,), "echo": (bool,)}
 
 
@@ -63,7 +67,7 @@ def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, An
     return out
 
 
-def sampling_params(fields: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: GrammarSpec | None = None) -> SamplingParams:
     """SamplingParams from checked fields (the prompt is tokenized first: chat's default depends on it)."""
     kwargs: dict[str, Any] = {}
     for key, (_, target) in _SAMPLING.items():
@@ -81,6 +85,7 @@ def sampling_params(fields: dict[str, Any], default_max_tokens: int) -> Sampling
         kwargs["logprobs"] = True
         kwargs["top_logprobs"] = logprobs
     kwargs.setdefault("max_tokens", max(default_max_tokens, 1))
+    kwargs["grammar"] = grammar
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -66,7 +66,8 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
         return 1
     name = sc.served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
     limit = None if sc.max_queued_requests is None else config.max_num_seqs + sc.max_queued_requests
-    state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit))
+    state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit),
+                        tool_call_parser=sc.tool_call_parser, reasoning_parser=sc.reasoning_parser)
     # SIGTERM (uvicorn's handler): stop accepting, give in-flight requests `shutdown_timeout`
     # seconds to finish, cancel the rest (their samples are aborted), then stop the engine.
     server = _Server(uvicorn.Config(build_app(state, sc.max_request_bytes), host=sc.host, port=sc.port,

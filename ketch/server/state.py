@@ -49,6 +49,8 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     admission: Admission = field(default_factory=lambda: Admission(None))
+    tool_call_parser: str | None = None  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 

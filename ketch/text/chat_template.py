@@ -98,6 +98,7 @@ class ChatTemplate:
     """A compiled chat template; compile once per model, render per request."""
 
     def __init__(self, source: str) -> None:
+        self.source = source
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:

@@ -1,0 +1,79 @@
+"""Grammars (xgrammar structural tags, as plain JSON-able dicts) that make a model's output parse.
+
+- `forced_calls`: for tool_choice "required" or a named function, the output is one or more
+  calls in the tool parser's own format, each call's arguments constrained by its JSON Schema,
+  so the parser always reads valid calls back.
+- `after_reasoning`: a grammar for the answer that lets the reasoning (`<think>…</think>`) run
+  free first; the constraint applies to what follows it.
+
+Formats are described here as (begin, between name and arguments, end, separator); they must
+agree with the parsers beside this file.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    begin: str  # before the function name
+    infix: str  # between the name and the arguments object
+    end: str  # after the arguments object
+    separator: str  # between two calls
+    prefix: str = ""  # once before all calls
+    suffix: str = ""  # once after all calls
+
+
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"),
+    "llama3": CallFormat('{"name": "', '", "parameters": ', "}", "; "),
+    "mistral": CallFormat("[TOOL_CALLS]", "[ARGS]", "", ""),
+    "deepseek-v3": CallFormat("<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n", "\n```<｜tool▁call▁end｜>",
+                              "\n", prefix="<｜tool▁calls▁begin｜>", suffix="<｜tool▁calls▁end｜>"),
+}
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def forced_calls(tool_parser: str, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """A structural tag: only calls of `functions` (at least one; one when not `parallel`)."""
+    fmt = CALL_FORMATS[tool_parser]
+    tags = [{"type": "tag", "begin": fmt.begin + fn["name"] + fmt.infix,
+             "content": {"type": "json_schema", "json_schema": _parameters(fn)}, "end": fmt.end}
+            for fn in functions]
+    calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+                             "at_least_one": True, "stop_after_first": not parallel}
+    if fmt.prefix or fmt.suffix:
+        calls = {"type": "sequence", "elements": [
+            {"type": "const_string", "value": fmt.prefix}, calls, {"type": "const_string", "value": fmt.suffix}]}
+    return calls
+
+
+def answer_format(kind: str, source: str) -> dict[str, Any]:
+    """A structural-tag format for a response_format / regex / EBNF grammar."""
+    if kind == "json_object":
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": json.loads(source)}
+    if kind == "regex":
+        return {"type": "regex", "pattern": source}
+    if kind == "ebnf":
+        return {"type": "grammar", "grammar": source}
+    raise ValueError(f"grammar: cannot compose a {kind!r} grammar")
+
+
+def after_reasoning(answer: dict[str, Any], opens_think: bool) -> dict[str, Any]:
+    """Free reasoning up to `</think>`, then `answer`. `opens_think`: the output starts with
+    `<think>` itself (else the chat template opened the block and the output starts inside it)."""
+    think = {"type": "tag", "begin": "<think>" if opens_think else "", "content": {"type": "any_text"},
+             "end": "</think>"}
+    return {"type": "sequence", "elements": [think, answer]}
+
+
+def structural_tag(fmt: dict[str, Any]) -> str:
+    """The JSON text a GrammarSpec('structural_tag', ...) carries."""
+    return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False, separators=(",", ":"))

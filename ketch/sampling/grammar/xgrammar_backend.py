@@ -1,0 +1,77 @@
+"""GrammarBackend on xgrammar: token masks from a compiled grammar, ~tens of µs per row per step."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
+from ketch.sampling.grammar.spec import GrammarSpec
+
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
+
+
+def _reason(e: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(e).strip()).strip()
+
+
+def _grammar(spec: GrammarSpec) -> xgr.Grammar:
+    if spec.kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.source)
+    if spec.kind == "ebnf":
+        return xgr.Grammar.from_ebnf(spec.source)
+    return xgr.Grammar.from_structural_tag(spec.source)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, backend: "XGrammarBackend", compiled: xgr.CompiledGrammar) -> None:
+        self.backend = backend
+        self._m = xgr.GrammarMatcher(compiled)
+
+    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(mask, row)
+
+    def accept(self, token: int) -> bool:
+        return self._m.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+
+class XGrammarBackend(GrammarBackend):
+    """`hf_tokenizer`: the transformers tokenizer; `vocab_size`: the model's (logits' width, which
+    may exceed the tokenizer's); `stop_token_ids`: the tokens that end a sample (eos, end of turn)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    @classmethod
+    def check(cls, spec: GrammarSpec) -> None:
+        try:
+            _grammar(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        try:
+            return self._compiler.compile_grammar(_grammar(spec))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
+
+    def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(self, compiled)
+
+    def allocate_mask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)  # all bits set: all allowed
+
+    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size)

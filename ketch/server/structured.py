@@ -1,0 +1,63 @@
+"""Structured output fields → one GrammarSpec, checked before the request starts (a bad grammar
+is a 400 naming the field, even for a stream).
+
+    response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
+    regex: "..." | ebnf: "..."             (extra fields, as other servers name them)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.sampling.grammar.spec import GrammarSpec
+from ketch.server.errors import APIError
+
+GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
+
+
+def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise APIError(400, "response_format.json_schema: expected {'name': ..., 'schema': {...}}",
+                           param="response_format")
+        try:
+            return GrammarSpec.json_schema(js["schema"])
+        except ValueError as e:
+            raise APIError(400, f"response_format.{e}", param="response_format") from None
+    raise APIError(400, f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
+
+
+def grammar_spec(fields: dict[str, Any]) -> tuple[GrammarSpec | None, str | None]:
+    """The request's grammar and the field it came from; 400 when several are given or one is invalid."""
+    given = [f for f in GRAMMAR_FIELDS if fields.get(f) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: only one of {', '.join(GRAMMAR_FIELDS)} may be given", param=given[1])
+    if not given:
+        return None, None
+    field = given[0]
+    if field == "response_format":
+        spec = _response_format(fields[field])
+    else:
+        try:
+            spec = GrammarSpec(field, fields[field])
+        except ValueError as e:
+            raise APIError(400, str(e), param=field) from None
+    if spec is not None:
+        check_grammar(spec, field)
+    return spec, field
+
+
+def check_grammar(spec: GrammarSpec, field: str) -> None:
+    from ketch.sampling.grammar.xgrammar_backend import XGrammarBackend  # xgrammar loads on first use
+
+    try:
+        XGrammarBackend.check(spec)
+    except ValueError as e:
+        message = str(e) if str(e).startswith(field) else f"{field}: {e}"
+        raise APIError(400, message, param=field, code="invalid_grammar") from None

@@ -1,0 +1,175 @@
+"""Structured output and tool calls through `ketch serve` with the official openai SDK: JSON
+schema, regex and EBNF outputs validate; forced tool calls always parse and validate; `auto`
+tools on a fixed transcript; bad grammars and tool schemas are 400s and the server serves on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from server_util import health, metrics, running_server
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                           "population": {"type": "integer", "minimum": 0}},
+          "required": ["city", "population"], "additionalProperties": False}
+CITY = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_json_schema_validates_for_20_seeds(server, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            outs = await asyncio.gather(*(c.chat.completions.create(
+                model=model, messages=CITY, temperature=1.0, seed=seed, max_tokens=60, response_format=fmt)
+                for seed in range(20)))
+        return [o.choices[0].message.content for o in outs if o.choices[0].finish_reason == "stop"]
+
+    texts = asyncio.run(main())
+    assert len(texts) == 20
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1
+
+
+def test_json_streaming_with_n_and_completions_json_object(client, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    stream = client.chat.completions.create(model=model, messages=CITY, temperature=1.0, seed=5, n=2,
+                                            max_tokens=60, response_format=fmt, stream=True)
+    texts = ["", ""]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    out = client.completions.create(model=model, prompt="A JSON object describing a dog:", max_tokens=60,
+                                    temperature=0, extra_body={"response_format": {"type": "json_object"}})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].text), dict)
+    else:  # cut by max_tokens: still a prefix of JSON, starting an object
+        assert out.choices[0].text.lstrip().startswith("{")
+
+
+def test_regex_and_ebnf(client, model):
+    pattern = r"[A-Z][a-z]+ [0-9]{4}"
+    out = client.completions.create(model=model, prompt="A city and a year:", max_tokens=20, temperature=0.9,
+                                    seed=3, extra_body={"regex": pattern})
+    assert re.fullmatch(pattern, out.choices[0].text), out.choices[0].text
+    ebnf = 'root ::= verdict ": " word\nverdict ::= "yes" | "no"\nword ::= [a-z]{2,12}'
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is water wet?"}],
+                                          max_tokens=20, temperature=0.9, seed=4, extra_body={"ebnf": ebnf})
+    assert re.fullmatch(r"(yes|no): [a-z]{2,12}", chat.choices[0].message.content), chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_always_valid(client, model, choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+    for seed in range(3):
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=seed)
+        choice0 = r.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls
+        for call in choice0.message.tool_calls:
+            assert call.type == "function" and call.id
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if isinstance(choice, dict):
+                assert call.function.name == "get_weather"
+    # streaming: the SDK-style accumulation of argument pieces gives the same valid call
+    stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": tc.id})
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
+    whole = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
+                                           parallel_tool_calls=False, max_tokens=80, temperature=0)
+    assert (whole.choices[0].message.tool_calls[0].function.name, whole.choices[0].message.tool_calls[0].function.arguments) == (
+        calls[0]["name"], calls[0]["arguments"])
+
+
+def test_auto_tools_with_a_tool_calling_transcript(client, model):
+    transcript = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]
+    r = client.chat.completions.create(model=model, messages=transcript, tools=[WEATHER], max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    if msg.tool_calls:  # the model may call again; then the call parses and names a real tool
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert all(c.function.name == "get_weather" and json.loads(c.function.arguments) for c in msg.tool_calls)
+    else:
+        assert msg.content and "<tool_call>" not in msg.content
+    without = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens > without.usage.prompt_tokens  # the call and its result are in the prompt
+    none = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=20, temperature=0)
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"extra_body": {"regex": "a(b"}}, "regex"),
+    ({"extra_body": {"ebnf": "root ::= missing"}}, "ebnf"),
+    ({"extra_body": {"regex": "a", "ebnf": 'root ::= "a"'}}, "ebnf"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("kw, param", BAD, ids=[p for _, p in BAD])
+def test_bad_grammars_and_tool_schemas_are_400(server, client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **kw)
+    error = info.value.body
+    assert error["param"] == param and error["message"].startswith(param.split("[")[0]), error
+    assert health(server[1]) == 200
+
+
+def test_everything_released_after_structured_requests(server, client, model):
+    m = metrics(server[1])
+    assert m["ketch_num_requests_running"] == 0 and m["ketch_kv_pages_used"] == 0
+    out = client.chat.completions.create(model=model, messages=ASK, max_tokens=3, temperature=0)
+    assert out.choices[0].message.content
