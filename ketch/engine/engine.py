@@ -150,10 +150,12 @@ class Engine:
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
         if req.grammar is not None:
-            # the mask allowed only what the grammar accepts, so this holds; once the grammar is
-            # complete it allows only stop tokens, and accepting one terminates it
-            accepted = req.grammar.accept(token)
-            assert accepted, f"grammar rejected sampled token {token} of {req.rid}"
+            # The mask allowed only what the grammar accepts, so accept() holds (a False would be
+            # a backend bug: the sample ends rather than the engine). Once the grammar is complete
+            # it allows only stop tokens, and accepting one terminates it.
+            if not req.grammar.accept(token):
+                self.scheduler.finish(req, FinishReason.ABORT)
+                return
             if req.grammar.is_terminated():
                 self.scheduler.finish(req, FinishReason.STOP, token)
                 return
