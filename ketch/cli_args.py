@@ -26,7 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--cuda-graph", action="store_true", help="CUDA: replay decode steps as CUDA graphs")
+    graph = g.add_mutually_exclusive_group()
+    graph.add_argument("--cuda-graph", action="store_true", help="require CUDA graphs for decode steps (the CUDA default)")
+    graph.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch on the CPU")
+    g.add_argument("--layer-kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="RMSNorm/RoPE/SiLU kernels; auto: fused triton on CUDA, torch on the CPU")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
 
@@ -39,7 +46,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,
         schedule_policy=a.schedule_policy, num_threads=a.num_threads, quantization=a.quantization,
-        cuda_graph=a.cuda_graph,
+        cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
+        cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
     )
 
 

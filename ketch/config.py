@@ -122,9 +122,12 @@ class EngineConfig:
     # small-batch decode (~4x fewer bytes per token); "none": dense weights only.
     quantization: Quantization = "auto"
     # CUDA: replay decode-only steps of up to cuda_graph_max_bs requests as CUDA graphs
-    # (runner/cuda_graph.py); off by default until it has been measured against eager.
-    cuda_graph: bool = False
+    # (runner/). None: on when the device is CUDA; True: required (a ValueError off CUDA); False: off.
+    cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 256
+    # "auto": Triton kernels on CUDA, torch on the CPU; "torch" / "triton" force one (A/B runs).
+    attention_backend: str = "auto"  # paged attention + KV store (ketch/attention/)
+    layer_kernels: str = "auto"  # RMSNorm (+ residual add), RoPE, SiLU·mul (ketch/layers/ops.py)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -151,6 +154,21 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph and self.torch_device.type != "cuda":
             raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
+        for name in ("attention_backend", "layer_kernels"):
+            if getattr(self, name) not in ("auto", "torch", "triton"):
+                raise ValueError(f"{name} must be auto|torch|triton, got {getattr(self, name)!r}")
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        return self.torch_device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        return _resolve_kernels(self.attention_backend, self.torch_device)
+
+    @property
+    def resolved_layer_kernels(self) -> str:
+        return _resolve_kernels(self.layer_kernels, self.torch_device)
 
     @property
     def torch_device(self) -> torch.device:
@@ -173,6 +191,12 @@ class EngineConfig:
         """Most new tokens one request may take in a step."""
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
         return min(chunk, self.max_num_batched_tokens)
+
+
+def _resolve_kernels(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    return "triton" if device.type == "cuda" else "torch"
 
 
 @functools.cache

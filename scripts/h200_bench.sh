@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # One device-machine session on an H200: GPU tests, one-batch benchmarks of Llama-3.1-8B (dummy
-# bf16 weights), profiles of the bs1 decode step. Results land in $OUT as few files (the device
-# tool returns at most 8): session.log, results.jsonl (one line per benchmark), trace_*.json.gz.
+# bf16 weights), a profile of the bs1 decode step, the offline throughput run. Results land in
+# $OUT as few files (the device tool returns at most 8): session.log, results.jsonl (one line
+# per benchmark), trace_*.json.gz.
 #   usage: bash scripts/h200_bench.sh [steps...]
-#   steps (default all): bs1 bs1g tests kernels bs64 bs64g bs256g p8k offline   (g: --cuda-graph)
+#   steps (default all): bs1 bs1-torch bs1-tattn bs1-eager kernels tests
+#                        bs64 bs64-torch bs256 bs256-torch p8k p8k-torch offline
+# The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs;
+#   -torch : --attention-backend torch --layer-kernels torch (the earlier path, graphs on)
+#   -tattn : Triton attention, torch layer kernels (isolates the fused norm/RoPE/SiLU kernels)
+#   -eager : --disable-cuda-graph
 set -u
 OUT=${OUT:-out}
 RES=$(mktemp -d)
@@ -18,6 +24,7 @@ fi
 export PYTHONUNBUFFERED=1
 M=configs/llama-3.1-8b
 BENCH=(python3 -m ketch.cli bench one-batch --model $M --load-format dummy)
+TORCH=(--attention-backend torch --layer-kernels torch)
 STEPS="$*"
 
 has() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
@@ -40,20 +47,29 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to session.log,
 
 bs1() {  # bs1 NAME [flags]: the bs1 decode figure, with a profile of 10 decode steps
   local name=$1; shift
-  step "$name" 150 "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 128 "$@" \
+  step "$name" 120 "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 128 "$@" \
     --profile "$OUT/trace_$name.json" --profile-steps 10 --output-file "$RES/$name.json"
   [ -f "$OUT/trace_$name.json" ] && gzip -f "$OUT/trace_$name.json"
 }
+one() {  # one NAME BATCH IN OUT SECONDS [flags]
+  local name=$1 b=$2 i=$3 o=$4 limit=$5; shift 5
+  step "$name" "$limit" "${BENCH[@]}" --batch-size "$b" --input-len "$i" --output-len "$o" "$@" --output-file "$RES/$name.json"
+}
 has bs1 && bs1 bs1
-has bs1g && bs1 bs1g --cuda-graph
+has bs1-torch && bs1 bs1-torch "${TORCH[@]}"
+has bs1-tattn && one bs1-tattn 1 128 128 90 --layer-kernels torch
+has bs1-eager && one bs1-eager 1 128 128 90 --disable-cuda-graph
+has kernels && step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py
 has tests && step tests 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
-has kernels && [ -f tests/test_kernels.py ] && step kernels 180 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
-has bs64 && step bs64 120 "${BENCH[@]}" --batch-size 64 --input-len 128 --output-len 128 --output-file "$RES/bs64.json"
-has bs64g && step bs64g 120 "${BENCH[@]}" --batch-size 64 --input-len 128 --output-len 128 --cuda-graph \
-  --output-file "$RES/bs64g.json"
-has bs256g && step bs256g 150 "${BENCH[@]}" --batch-size 256 --input-len 128 --output-len 128 --cuda-graph \
-  --output-file "$RES/bs256g.json"
-has p8k && step p8k 120 "${BENCH[@]}" --batch-size 1 --input-len 8192 --output-len 16 --output-file "$RES/p8k.json"
-has offline && step offline 200 python3 -m ketch.cli bench offline --model $M --load-format dummy --cuda-graph \
-  --batch-sizes 256 --input-len 1000 --output-len 200 --max-num-batched-tokens 8192 --output-file "$RES/offline.json"
+has bs64 && one bs64 64 128 128 90
+has bs64-torch && one bs64-torch 64 128 128 90 "${TORCH[@]}"
+has bs256 && one bs256 256 128 128 100
+has bs256-torch && one bs256-torch 256 128 128 100 "${TORCH[@]}"
+has p8k && one p8k 1 8192 16 90
+has p8k-torch && one p8k-torch 1 8192 16 90 "${TORCH[@]}"
+# 1,000 prompts submitted at once; 384 run at a time (384 x 2,000 tokens fit the ~864 K-token pool,
+# so nothing is preempted), decode graphs up to 384
+has offline && step offline 300 python3 -m ketch.cli bench offline --model $M --load-format dummy \
+  --batch-sizes 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 --cuda-graph-max-bs 384 \
+  --max-num-batched-tokens 8192 --output-file "$RES/offline.json"
 echo "=== done ($(date +%T))" | tee -a "$LOG"

@@ -10,8 +10,16 @@ the tokens must also be identical for >= 90% of the prompts (issue 4's criterion
 random model's top two logits over a 128K vocabulary are often closer than its rounding noise,
 so the identical count is reported, not asserted: on an H200 (2026-11-29) ketch vs ketch
 (bs1 vs batched) and ketch vs HF differed alike, by up to 1.9% of the largest logit with 4
-layers and 4.8% / 6.8% with 32, every divergence at a top-two gap of at most 0.22 (7 ulps).
+layers and 4.8% / 6.8% with 32, every divergence at a top-two gap of at most 0.22 (7 ulps)
+on the torch path; the Triton path against HF reached 8.3% and a gap of 0.31 (10 ulps), and
+against the torch path 8.0% and 0.22. A token can only flip where the gap is at most twice
+the logit difference at that step, so the near-tie bound is a bound on that difference at the
+divergence points; bf16's is 0.5 (16 ulps, under 10% of the largest logit, ~5.4).
 The figures are printed (pytest -s) for docs/performance.md.
+
+The engine under test is the CUDA default: Triton attention and layer kernels, decode CUDA
+graphs captured at init. It is also compared with the torch path (SDPA over gathered pages,
+torch norms/RoPE/SiLU), and each backend's graphs with its own eager decode (identical tokens).
 
 Skips cleanly without CUDA.
 """
@@ -51,7 +59,7 @@ class Tolerance:
 TOLERANCE = {
     "float32": Tolerance(logit_rel=1e-3, near_tie=1e-3, min_identical=0.9),
     # one bf16 ulp at |logit| in [4, 8) is 0.03; 32 random layers of bf16 rounding reach ~10 ulps
-    "bfloat16": Tolerance(logit_rel=0.1, near_tie=0.25, min_identical=None),
+    "bfloat16": Tolerance(logit_rel=0.1, near_tie=0.5, min_identical=None),
 }
 
 
@@ -73,6 +81,7 @@ def sliced_config(tmp_path: Path, layers: int) -> str:
 
 def make_engine(config_path: str, dtype: str, **kw) -> Engine:
     kw.setdefault("kv_cache_memory", 2 << 30)
+    kw.setdefault("cuda_graph_max_bs", NUM_PROMPTS)  # captures 1, 2, 4, 8, 16: all this test decodes
     return Engine(EngineConfig(model=config_path, load_format="dummy", dtype=dtype, device=DEVICE,
                                max_model_len=1024, seed=0, **kw))
 
@@ -236,6 +245,9 @@ def test_weights_and_kv_live_on_the_gpu(setup):
     assert all(p.device.type == DEVICE and p.dtype == want for p in engine.runner.model.parameters())
     assert engine.runner.model.rotary.cos.dtype == torch.float32  # rotary tables stay fp32
     assert engine.runner.pool.k[0].device.type == DEVICE and engine.runner.pool.k[0].dtype == want
+    # the CUDA defaults: Triton kernels, decode graphs captured at init for every padded size
+    assert engine.runner.attention_backend == "triton" and engine.runner.ops.name == "triton"
+    assert engine.runner.graphs.captured_sizes() == [1, 2, 4, 8, 16]
 
 
 def test_greedy_matches_hf_transformers(setup):
@@ -266,19 +278,38 @@ def test_batching_and_prefix_cache_do_not_change_greedy_output(setup):
     check(compare(no_cache, batched), "ketch batched: prefix cache off vs on (hits)", dtype)
 
 
-def test_cuda_graph_decode_matches_eager(setup):
+def test_triton_path_matches_torch_path(setup):
+    """Default engine (Triton kernels, graphs) against the torch reference path, eager."""
+    path, engine, prompts, dtype = setup
+    ours = engine_greedy(engine, prompts, batched=True, tag="triton")
+    ref_engine = make_engine(path, dtype, attention_backend="torch", layer_kernels="torch", cuda_graph=False)
+    try:
+        ref = engine_greedy(ref_engine, prompts, batched=True, tag="torch")
+    finally:
+        del ref_engine
+        torch.cuda.empty_cache()
+    check(compare(ref, ours), "Triton kernels + graphs vs torch path (batched)", dtype)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graph_decode_matches_eager(setup, backend):
     path, _, prompts, dtype = setup
     runs = {}
     for graph in (False, True):  # prefix cache off: both sides prefill every prompt the same way
-        engine = make_engine(path, dtype, enable_prefix_cache=False, cuda_graph=graph)
+        engine = make_engine(path, dtype, enable_prefix_cache=False, cuda_graph=graph,
+                             attention_backend=backend, layer_kernels=backend)
+        calls: list[int] = []
+        if graph:
+            replay = engine.runner.graphs.run
+            engine.runner.graphs.run = lambda chunks: calls.append(len(chunks)) or replay(chunks)
         try:
             runs[graph] = (engine_greedy(engine, prompts, batched=False, tag="one"),
                            engine_greedy(engine, prompts, batched=True, tag="all"))
-            if graph:
-                captured = {bs for bs, _ in engine.runner.graphs.graphs}
         finally:
             del engine
             torch.cuda.empty_cache()
-    assert {1, NUM_PROMPTS} <= captured  # both runs really decoded through graphs
-    check(compare(runs[False][0], runs[True][0]), "CUDA graph vs eager decode, bs1", dtype)
-    check(compare(runs[False][1], runs[True][1]), "CUDA graph vs eager decode, batched", dtype)
+    assert {1, NUM_PROMPTS} <= set(calls)  # both runs really decoded through graphs
+    for i, name in enumerate(("bs1", "batched")):
+        cmp = compare(runs[False][i], runs[True][i])
+        check(cmp, f"{backend}: CUDA graph vs eager decode, {name}", dtype)
+        assert cmp.identical == NUM_PROMPTS, cmp.line(name)  # same kernels, same split counts: same tokens

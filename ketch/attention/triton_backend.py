@@ -10,9 +10,15 @@ Per layer (forward): store K/V into their slots, decode kernel over rows [0, num
 extend kernel over the rest, both writing into one output: no host syncs, no Python loop
 over requests, so the decode path can be captured in a CUDA graph.
 
-CUDA graphs (later): a graph runner pre-allocates a `DecodeMetadata` at the max batch size
-(page_table [max_bs, max_pages], seq_lens, scratch for a fixed `num_splits`), fills it in
-place each step (padded rows: seq_len 0, slot -1 → zeros, nothing written) and replays.
+CUDA graphs (ketch/runner/triton_graphs.py) build a `TritonAttentionMetadata` over static
+buffers once per captured batch size (page_table [max_bs, max_pages], seq_lens, scratch for a
+fixed `num_splits`), fill the buffers in place each step (padded rows: seq_len 0, slot -1 →
+zeros, nothing written) and replay.
+
+Split count: `decode_splits` fixes it; else it is picked per step from the batch size and
+`decode_splits_len` when given (the runner passes max_model_len, so the count depends on the
+batch size only and an eager step computes exactly what the graph of that size computes),
+else from the step's longest sequence.
 """
 from __future__ import annotations
 
@@ -61,9 +67,9 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, device: torch.device, *,
                  decode_block_n: int = 64, decode_splits: int | None = None, max_splits: int = 16,
-                 extend_block_m: int = 64, extend_block_n: int = 64) -> None:
-        """decode_splits: a fixed split count (what a CUDA-graph runner wants); None picks one per
-        step from the batch size and the longest sequence, up to max_splits."""
+                 decode_splits_len: int | None = None, extend_block_m: int = 64, extend_block_n: int = 64) -> None:
+        """decode_splits: a fixed split count; None picks one per step (`splits_for`), up to
+        max_splits, assuming sequences of decode_splits_len tokens (None: the step's longest)."""
         self.pool = pool
         self.page_size = pool.page_size
         self.num_heads = num_heads
@@ -80,6 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_block_n = decode_block_n
         self.decode_splits = decode_splits
         self.max_splits = max_splits
+        self.decode_splits_len = decode_splits_len
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
@@ -112,15 +119,20 @@ class TritonAttentionBackend(AttentionBackend):
 
         decode = extend = None
         if num_decode:
-            splits = self.decode_splits or num_splits_for(
-                num_decode, self.num_kv_heads, int(kv_lens[:num_decode].max()), block_n=self.decode_block_n,
-                target_programs=self.target_programs, max_splits=self.max_splits)
+            splits = self.splits_for(num_decode, int(kv_lens[:num_decode].max()))
             scratch = decode_scratch(num_decode, self.num_heads, self.head_dim, splits, self.device)
             decode = DecodeMetadata(table_t[:num_decode], kv_t[:num_decode], splits, scratch)
         if num_decode < b:
             nd = num_decode
             extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(news[nd:].max()))
         return TritonAttentionMetadata(slots_t, num_decode, decode, extend)
+
+    def splits_for(self, batch: int, longest: int) -> int:
+        """The decode split count of a batch whose longest sequence has `longest` tokens."""
+        if self.decode_splits:
+            return self.decode_splits
+        return num_splits_for(batch, self.num_kv_heads, self.decode_splits_len or longest, block_n=self.decode_block_n,
+                              target_programs=self.target_programs, max_splits=self.max_splits)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]

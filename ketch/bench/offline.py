@@ -1,7 +1,8 @@
 """`ketch bench offline`: random prompts through the in-process engine.
 
-For each concurrency level B it submits B requests at once (random token ids, fixed
-input/output lengths, ignore_eos so every request runs to length) and reports
+For each level B it submits B requests at once (random token ids, fixed input/output
+lengths, ignore_eos so every request runs to length; at most --max-num-seqs run at a time,
+the rest wait as a server's queue would) and reports
 time to first token, decode throughput per request, and aggregate output throughput.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
 def run_offline(a: argparse.Namespace) -> list[dict]:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     kw = engine_kwargs(a)
-    kw["max_num_seqs"] = max(sizes + [kw["max_num_seqs"]])
+    # B requests are submitted at once; --max-num-seqs (default 256) caps how many run at a time
     engine = Engine(EngineConfig(**kw))
     rng = random.Random(a.seed)
     if not 0 <= a.shared_prefix_len < a.input_len:

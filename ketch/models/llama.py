@@ -3,6 +3,9 @@
 Tokens of all requests in a step are flattened into one [tokens, hidden] stream; only
 attention needs to know where one request ends, and it learns that from the backend metadata.
 Projections are fused (q|k|v and gate|up) so a layer runs two big matmuls instead of five.
+The residual stream travels beside the hidden states, so each residual add is fused into the
+next RMSNorm; norms, RoPE and SiLU·mul go through the `LayerOps` chosen at build time (torch
+ops, or the fused Triton kernels on CUDA; ketch/layers/ops.py).
 """
 from __future__ import annotations
 
@@ -13,17 +16,18 @@ from torch import nn
 
 from ketch.attention.base import AttentionBackend
 from ketch.config import ModelConfig
-from ketch.layers.activation import silu_and_mul
 from ketch.layers.linear import Linear, concat_q4
 from ketch.layers.norm import RMSNorm
-from ketch.layers.rotary import RotaryEmbedding, apply_rotary
+from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.rotary import RotaryEmbedding
 from ketch.weights.gguf_q4 import Q4Weight
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: LayerOps) -> None:
         super().__init__()
         self.layer = layer
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
@@ -38,43 +42,57 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1)
-        qk = apply_rotary(qk, *rope)  # q and k heads rotated in one go
+            qn, kn = self.q_norm, self.k_norm
+            qk = torch.cat((self.ops.rms_norm(qk[:, : self.num_heads], qn.weight, qn.eps),
+                            self.ops.rms_norm(qk[:, self.num_heads :], kn.weight, kn.eps)), 1)
+        qk = self.ops.rotary(qk, *rope)  # q and k heads rotated in one go (in place with Triton)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
+        self.silu_and_mul = ops.silu_and_mul
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
+        self.eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer)
+        self.self_attn = LlamaAttention(cfg, layer, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, ops)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend, meta: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionBackend, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, still to be added to `residual` (None before the
+        first layer: x is the embedding). Returns this layer's MLP output and the residual stream
+        before it; each add is fused into the norm that follows it."""
+        if residual is None:
+            h, residual = self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), x
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        h = self.self_attn(h, rope, attn, meta)
+        h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
+        self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -84,9 +102,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, attn, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn, meta)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

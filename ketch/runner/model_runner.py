@@ -3,19 +3,26 @@
 The scheduler hands over `ScheduledChunk`s; the runner flattens them into one token stream
 (decode-like chunks first), builds attention metadata once, runs the model and returns the
 fp32 logits of the rows that sample.
+
+Chosen once at init, never per step: the attention backend (`attention_backend`: Triton on
+CUDA, torch on the CPU), the layer kernels (`layer_kernels`, same rule) and the decode CUDA
+graphs (`cuda_graph`, on by default on CUDA; the Triton path captures every padded batch size
+up front, the torch path on first use).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from ketch.attention.base import SeqChunk
-from ketch.attention.torch_backend import TorchAttentionBackend
+from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
+from ketch.layers.ops import layer_ops
 from ketch.models.registry import model_class
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.scheduler.scheduler import ScheduledChunk
@@ -64,19 +71,31 @@ class ModelRunner:
             # Denormals (tiny activations, underflowing softmax terms) slow x86 float math by
             # ~50x here; flushing them to zero changes nothing a token could notice.
             torch.set_flush_denormal(True)
+        self.attention_backend = config.resolved_attention_backend
+        self.ops = layer_ops(config.resolved_layer_kernels)
         self.model = self._load_model(max_model_len)
         self.pool = self._allocate_pool()
-        self.attn = TorchAttentionBackend(self.pool, model_config.head_dim, self.device)
-        self.graphs = None
-        if config.cuda_graph:  # EngineConfig has checked that the device is CUDA
-            max_pages = -(-max_model_len // config.page_size)
-            self.graphs = DecodeGraphs(self.model, self.attn, config.cuda_graph_max_bs, max_pages, self.device)
+        self.attn = create_attention_backend(self.attention_backend, self.pool, model_config.num_heads,
+                                             model_config.head_dim, self.device, max_model_len=max_model_len)
+        self.graphs: Any = None  # DecodeGraphs | TritonDecodeGraphs
+        if config.use_cuda_graph:  # EngineConfig has checked that the device is CUDA
+            max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
+            if self.attention_backend == "triton":
+                from ketch.runner.triton_graphs import TritonDecodeGraphs  # Triton is imported only on this path
+
+                # The pool exists first: the graphs bake its addresses in. Their own memory (a few
+                # hundred MB of activations and logits) comes out of the 1 - gpu_kv_cache_fraction
+                # of free memory that the pool leaves.
+                self.graphs = TritonDecodeGraphs(self.model, self.attn, max_bs, max_model_len, self.device)
+            else:
+                max_pages = -(-max_model_len // config.page_size)
+                self.graphs = DecodeGraphs(self.model, self.attn, max_bs, max_pages, self.device)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg = self.model_config
         # Rotary tables are built with an explicit fp32 dtype, so they stay fp32 here.
         with torch.device(self.device), default_dtype(self.dtype):
-            model = model_class(cfg)(cfg, max_positions=max_model_len)
+            model = model_class(cfg)(cfg, max_positions=max_model_len, ops=self.ops)
         for param in model.parameters():  # a no-op unless a layer pins its own dtype
             param.data = param.data.to(self.dtype)
         # dummy weights are drawn on the target device (seconds for 8B on a GPU, not minutes on the CPU)

@@ -1,0 +1,69 @@
+"""The elementwise/norm operations of a decoder layer, picked once when the model is built.
+
+    torch  : ketch's own torch layers (any device; the CPU path, bit for bit as before)
+    triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
+             pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass
+
+Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
+bf16 ops round), so a model built with either gives the same tokens up to summation order.
+The model holds a `LayerOps` and calls through it; nothing in the step loop branches on it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ketch.layers.activation import silu_and_mul as torch_silu_and_mul
+from ketch.layers.rotary import apply_rotary
+
+LAYER_KERNELS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str
+    # (x, weight, eps) -> rms_norm(x) * weight
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (x, residual, weight, eps) -> (rms_norm(x + residual) * weight, x + residual)
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    # (x [tokens, heads, dim], cos, sin [tokens, 1, dim]) -> rotated x; may overwrite x
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # [tokens, 2 * inter] -> [tokens, inter]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # the formula of ketch.layers.norm.RMSNorm (normalize, round, then scale)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * weight
+
+
+def _torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = residual + x  # the same bits as the former `x = x + sublayer(...)`
+    return _torch_rms_norm(s, weight, eps), s
+
+
+TORCH_OPS = LayerOps("torch", _torch_rms_norm, _torch_add_rms_norm, apply_rotary, torch_silu_and_mul)
+
+
+def triton_ops() -> LayerOps:
+    """Imported on demand: the CPU path never loads Triton."""
+    from ketch.kernels.activation import silu_and_mul
+    from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
+    from ketch.kernels.rotary import rotary
+
+    def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotary(x, cos, sin, out=x)  # one program per token reads all its heads before writing
+
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul)
+
+
+def layer_ops(name: str) -> LayerOps:
+    if name == "torch":
+        return TORCH_OPS
+    if name == "triton":
+        return triton_ops()
+    raise ValueError(f"layer_kernels: unknown {name!r} (expected one of {', '.join(LAYER_KERNELS)})")
