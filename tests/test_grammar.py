@@ -165,3 +165,21 @@ def test_answer_grammar_after_reasoning(llm):
     msg = ChatOutputParser.parse(text, reasoning_parser="qwen3")
     assert msg["reasoning_content"] == "The user wants JSON. {not json here}"
     assert json.loads(msg["content"]) == {"name": "Ann", "age": 30}
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_cpu_mask_kernel_equals_xgrammars(vocab):
+    import xgrammar as xgr
+
+    from ketch.sampling.grammar.xgrammar_backend import _apply_mask_cpu
+
+    gen = torch.Generator().manual_seed(0)
+    mask = xgr.allocate_token_bitmask(5, vocab)
+    mask.copy_(torch.randint(-2**31, 2**31 - 1, mask.shape, generator=gen, dtype=torch.int64).to(torch.int32))
+    mask[0] = -1  # a row that allows everything
+    logits = torch.randn(5, vocab, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, mask, vocab_size=vocab)
+    _apply_mask_cpu(got, mask, vocab)
+    assert torch.equal(got, want) and torch.equal(got[0], logits[0])
+    assert torch.isinf(got[1:]).any()

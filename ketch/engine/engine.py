@@ -38,7 +38,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.allocator, self.cache)
         tokenizer_path = None if detect_format(resolve_model_path(config.model), config.load_format) == "dummy" \
             else resolve_model_path(config.model)
-        self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids)
+        self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids, self.runner.device)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []

@@ -23,8 +23,10 @@ class Parked:
 
 
 class GrammarGate:
-    def __init__(self, tokenizer_path: str | None, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer_path: str | None, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 device: Any = "cpu") -> None:
         self._tokenizer_path = tokenizer_path
+        self._device = device
         self._vocab_size = vocab_size
         self._stop_ids = stop_token_ids
         self._cache = None  # built on the first grammar request: xgrammar and the tokenizer load then
@@ -77,8 +79,8 @@ class GrammarGate:
             from ketch.sampling.grammar.xgrammar_backend import XGrammarBackend
             from ketch.text.tokenizer import Tokenizer
 
-            path, vocab, stop = self._tokenizer_path, self._vocab_size, self._stop_ids
-            self._cache = GrammarCache(lambda: XGrammarBackend(Tokenizer.load(path).hf, vocab, stop))
+            path, vocab, stop, device = self._tokenizer_path, self._vocab_size, self._stop_ids, self._device
+            self._cache = GrammarCache(lambda: XGrammarBackend(Tokenizer.load(path).hf, vocab, stop, device))
         return self._cache
 
     def shutdown(self) -> None:

