@@ -76,3 +76,18 @@ def assert_drained(engine: Engine) -> None:
     total = engine.allocator.num_pages
     assert engine.allocator.num_free + engine.cache.evictable_pages == total
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+# ---------------------------------------------------------------- server tests
+# A server test module defines a module-scoped `server` fixture ((process, base URL), from
+# server_util.running_server); these give it an openai client and the served model's id.
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
