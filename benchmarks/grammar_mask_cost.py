@@ -10,8 +10,11 @@ time of each, and the added fraction.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
+
+import ketch.engine.engine as engine_module
 
 from ketch import LLM, SamplingParams
 from ketch.sampling.grammar import GrammarSpec
@@ -19,6 +22,22 @@ from ketch.sampling.grammar import GrammarSpec
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"], "additionalProperties": False}}
+
+
+SAMPLING_SIDE = collections.Counter()  # seconds spent in the timed functions since the last reset
+
+
+def _timed(owner, name: str) -> None:
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SAMPLING_SIDE[name] += time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
 
 
 def step_times(llm: LLM, batch: int, steps: int, grammar: GrammarSpec | None) -> list[float]:
@@ -46,17 +65,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--num-threads", type=int, default=None)
     a = ap.parse_args()
+    _timed(engine_module.SamplingBatch, "build")
+    _timed(engine_module, "sample")
+    _timed(engine_module.Engine, "_check_stop")
     llm = LLM(num_threads=a.num_threads)
     grammar = GrammarSpec.json_schema(SCHEMA)
     step_times(llm, 1, 4, grammar)  # compile the grammar once, outside the timing
     for b in (int(x) for x in a.batch_sizes.split(",")):
         free, constrained = [], []
+        side = {"free": 0.0, "json": 0.0}
         for _ in range(a.repeat):  # interleaved, so drifting machine load hits both alike
-            free += step_times(llm, b, a.steps, None)
-            constrained += step_times(llm, b, a.steps, grammar)
+            for label, spec, out in (("free", None, free), ("json", grammar, constrained)):
+                SAMPLING_SIDE.clear()
+                out += step_times(llm, b, a.steps, spec)
+                side[label] += sum(SAMPLING_SIDE.values()) / (a.steps * a.repeat)
         f, c = statistics.median(free), statistics.median(constrained)
+        added = side["json"] - side["free"]
         print(f"batch {b:3d}: free {f * 1e3:7.2f} ms/step, json_schema {c * 1e3:7.2f} ms/step, "
-              f"added {100 * (c - f) / f:+5.1f} %  ({len(free)}/{len(constrained)} steps)", flush=True)
+              f"added {100 * (c - f) / f:+5.1f} % (whole step); sampling side {side['free'] * 1e3:.2f} -> "
+              f"{side['json'] * 1e3:.2f} ms/step: grammar adds {added * 1e3:.2f} ms = {100 * added / f:.1f} % "
+              f"of the free step  ({len(free)}/{len(constrained)} steps)", flush=True)
 
 
 if __name__ == "__main__":
