@@ -1,8 +1,8 @@
 """POST /v1/chat/completions: messages → chat template → tokens → engine → OpenAI chat shapes.
 
-With tools or a reasoning parser, each choice's text goes through a ChatOutputParser (one state
-machine for stream and whole): `reasoning_content`, `content` and `tool_calls` come out of it,
-and a choice that called tools finishes with "tool_calls".
+Each choice's text goes through a ChatOutputParser (one state machine for stream and whole; with
+no tool or reasoning parser it passes text through): `reasoning_content`, `content` and
+`tool_calls` come out of it, and a choice that called tools finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def encode_messages(state: ServerState, messages: Any, **template_kwargs: Any) -
     return tok.encode(text, add_special_tokens=False)
 
 
-def _finish_reason(reason: str | None, parser: ChatOutputParser | None) -> str | None:
-    return "tool_calls" if reason == "stop" and parser is not None and parser.tool_calls else reason
+def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    return "tool_calls" if reason == "stop" and parser.tool_calls else reason
 
 
 async def chat_completions(state: ServerState, body: Any):
@@ -76,9 +76,6 @@ async def chat_completions(state: ServerState, body: Any):
             c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
     for c, text in zip(choices, texts):
         parser = plan.output_parser()
-        if parser is None:
-            c["message"]["content"] = text
-            continue
         parser.feed(text)
         parser.finish()
         c["message"] = {k: v for k, v in parser.message().items() if v is not None or k == "content"}
@@ -101,8 +98,8 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
     async for ev in gen.events():
         parser = parsers[ev.index]
         logprobs = chat_logprobs(state.tokenizer, ev.logprobs) if gen.params.wants_logprobs else None
-        deltas = [{"content": ev.text} if ev.text else None] if parser is None else [parser.feed(ev.text) if ev.text else None]
-        if ev.finish_reason is not None and parser is not None:
+        deltas = [parser.feed(ev.text) if ev.text else None]
+        if ev.finish_reason is not None:
             deltas.append(parser.finish())
         for delta in deltas:
             if delta or logprobs:

@@ -34,9 +34,8 @@ class ChatPlan:
     enable_thinking: bool
     forced_grammar: dict[str, Any] | None  # calls only (tool_choice required / named)
 
-    def output_parser(self) -> ChatOutputParser | None:
-        if self.tool_parser is None and self.reasoning_parser is None:
-            return None
+    def output_parser(self) -> ChatOutputParser:
+        """One per choice; with neither parser it passes the text through as content, unchanged."""
         return ChatOutputParser(reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser,
                                 tools=self.tools, enable_thinking=self.enable_thinking)
 
