@@ -15,22 +15,12 @@ from parser_cases import (
     DS_CALLS_END,
     DS_SEP,
     GOOD,
-    TOOLS,
     Case,
     hermes,
 )
 
-from ketch.parsers import (
-    ChatOutputParser,
-    apply_tool_prompt,
-    reasoning_parser_class,
-    render_tool_prompt,
-    template_supports_tools,
-    tool_parser_class,
-    validate_tools,
-)
-from ketch.parsers.json_scan import DONE, ERROR, JsonScanner
-from ketch.text import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from ketch.parsers import ChatOutputParser, reasoning_parser_class, tool_parser_class
+from ketch.text import IncrementalDetokenizer, Tokenizer
 
 SEEDS = range(5)
 
@@ -283,111 +273,6 @@ def test_feed_after_finish_is_an_error() -> None:
 def test_without_tool_list_any_name_is_a_call() -> None:
     msg = ChatOutputParser.parse(hermes("anything", {"a": 1}), tool_parser="hermes")
     assert msg["tool_calls"][0]["function"]["name"] == "anything"
-
-
-# --- JSON scanner ---------------------------------------------------------------------------------
-
-
-def _scanner_accepts(text: str) -> bool:
-    scanner, pos = JsonScanner(), 0
-    while True:
-        ev, pos = scanner.scan(text, pos)
-        if ev == ERROR:
-            return False
-        if ev == DONE:
-            return text[pos:].strip(" \t\n\r") == ""
-        if pos >= len(text):
-            return False
-
-
-def _loads_accepts(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except ValueError:
-        return False
-
-
-def test_json_scanner_agrees_with_json_loads() -> None:
-    rng = random.Random(0)
-    values = [0, -1, 1.5, -2.5e-3, 10**20, "", 'a"b\\', "é😀\n\u0001", "</tool_call>", True, False, None, [], {}]
-    alphabet = list('{}[]",:0123456789-+.eE \n\\utrfalsn\x01é')
-    checked = 0
-    for _ in range(3000):
-        obj = {"k": [rng.choice(values) for _ in range(3)], "o": {"x": rng.choice(values)}}
-        chars = list(json.dumps(obj, ensure_ascii=rng.random() < 0.5))
-        for _ in range(rng.randrange(3)):
-            j = rng.randrange(len(chars))
-            if rng.random() < 0.5:
-                chars[j] = rng.choice(alphabet)
-            else:
-                chars.insert(j, rng.choice(alphabet))
-        text = "".join(chars)
-        if text.startswith("{"):  # the scanner is only ever started on an object
-            assert _scanner_accepts(text) == _loads_accepts(text), text
-            checked += 1
-    assert checked > 2000
-
-
-# --- prompts for templates without tool support ------------------------------------------------------
-
-
-def test_template_supports_tools(tokenizer: Tokenizer) -> None:
-    assert not template_supports_tools(tokenizer.chat_template)  # SmolLM2
-    assert template_supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
-    assert not template_supports_tools(None)
-
-
-def test_tool_prompt_names_every_tool_and_the_format() -> None:
-    block = render_tool_prompt(TOOLS, tool_choice="required")
-    for tool in TOOLS:
-        assert json.dumps(tool, ensure_ascii=False) in block
-    assert "<tool_call>" in block and "</tool_call>" in block and "must call" in block
-
-
-@pytest.mark.parametrize(
-    "tools, field",
-    [
-        ("x", "tools"),
-        ([{"type": "retrieval"}], r"tools\[0\].type"),
-        ([{"type": "function"}], r"tools\[0\].function"),
-        ([{"type": "function", "function": {"name": ""}}], r"tools\[0\].function.name"),
-        ([{"type": "function", "function": {"name": "f", "parameters": 3}}], r"tools\[0\].function.parameters"),
-    ],
-)
-def test_bad_tools_name_the_field(tools: Any, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        validate_tools(tools)
-
-
-def test_tool_conversation_renders_with_a_template_without_tools(tokenizer: Tokenizer) -> None:
-    messages = [
-        {"role": "user", "content": "Weather and time in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-        {"role": "tool", "tool_call_id": "call_2", "content": "14:00"},
-    ]
-    adapted = apply_tool_prompt(messages, TOOLS)
-    assert [m["role"] for m in adapted] == ["system", "user", "assistant", "user"]
-    assert adapted[3]["content"] == "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n14:00\n</tool_response>"
-    prompt = ChatTemplate(tokenizer.chat_template).render(adapted)
-    assert "get_weather" in prompt and "<tool_response>" in prompt
-    # The calls written into the history are exactly what the hermes parser reads back.
-    back = ChatOutputParser.parse(adapted[2]["content"], tool_parser="hermes", tools=TOOLS)
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in back["tool_calls"]] == [
-        ("get_weather", {"city": "Paris"}),
-        ("get_time", {}),
-    ]
-    # An existing system prompt is kept, with the tools block after it.
-    kept = apply_tool_prompt([{"role": "system", "content": "Be brief."}, *messages[:1]], TOOLS)
-    assert kept[0]["content"].startswith("Be brief.\n\n# Tools")
 
 
 # --- the OpenAI SDK's own stream accumulation -------------------------------------------------------
