@@ -16,8 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="CPU: KV pool as a fraction of the memory")
-    g.add_argument("--gpu-kv-cache-fraction", type=float, default=0.85,
-                   help="CUDA: KV pool as a fraction of the GPU memory free after the weights load")
+    g.add_argument("--mem-fraction-static", type=float, default=0.9,
+                   help="CUDA: fraction of the GPU's total memory for weights + KV pool (the pool also "
+                        "leaves the measured room for decode graphs and the largest step)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256,
                    help="sequences the engine runs at once")
@@ -30,6 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     graph.add_argument("--cuda-graph", action="store_true", help="require CUDA graphs for decode steps (the CUDA default)")
     graph.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
+    overlap = g.add_mutually_exclusive_group()
+    overlap.add_argument("--overlap-schedule", action="store_true",
+                         help="schedule step N+1 while step N runs (the CUDA default)")
+    overlap.add_argument("--disable-overlap-schedule", action="store_true",
+                         help="process each step's tokens before scheduling the next")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch on the CPU")
     g.add_argument("--layer-kernels", default="auto", choices=["auto", "torch", "triton"],
@@ -42,11 +48,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
         kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction,
-        gpu_kv_cache_fraction=a.gpu_kv_cache_fraction, max_model_len=a.max_model_len,
+        mem_fraction_static=a.mem_fraction_static, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,
         schedule_policy=a.schedule_policy, num_threads=a.num_threads, quantization=a.quantization,
         cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
+        overlap_schedule=True if a.overlap_schedule else (False if a.disable_overlap_schedule else None),
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
     )
 

@@ -108,9 +108,10 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: sized by the fraction below for the device
     kv_cache_fraction: float = 0.05  # CPU: of the physical memory
-    # CUDA: of the GPU memory still free once the weights are loaded (like SGLang's
-    # mem_fraction_static, but of what is left); the rest holds activations and cuBLAS workspaces.
-    gpu_kv_cache_fraction: float = 0.85
+    # CUDA: the fraction of the device's total memory that weights + KV pool may use (SGLang's
+    # meaning); the pool also leaves the measured room for the decode graphs and the largest
+    # eager step (ketch/runner/memory_plan.py).
+    mem_fraction_static: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256  # running requests at once
     max_num_batched_tokens: int = 2048  # token budget of one step
@@ -125,6 +126,10 @@ class EngineConfig:
     # (runner/). None: on when the device is CUDA; True: required (a ValueError off CUDA); False: off.
     cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 256
+    # Overlap scheduling: schedule and launch step N+1 while step N runs; N's tokens are
+    # processed one step late. None: on for CUDA (the CPU computes the step itself, so there is
+    # nothing to overlap); True / False force it (A/B runs; CPU tests run both).
+    overlap_schedule: bool | None = None
     # "auto": Triton kernels on CUDA, torch on the CPU; "torch" / "triton" force one (A/B runs).
     attention_backend: str = "auto"  # paged attention + KV store (ketch/attention/)
     layer_kernels: str = "auto"  # RMSNorm (+ residual add), RoPE, SiLU·mul (ketch/layers/ops.py)
@@ -148,8 +153,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
-        if not 0.0 < self.gpu_kv_cache_fraction < 1.0:
-            raise ValueError(f"gpu_kv_cache_fraction must be in (0, 1), got {self.gpu_kv_cache_fraction}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph and self.torch_device.type != "cuda":
@@ -161,6 +166,10 @@ class EngineConfig:
     @property
     def use_cuda_graph(self) -> bool:
         return self.torch_device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        return self.torch_device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -4,9 +4,11 @@
 # $OUT as few files (the device tool returns at most 8): session.log, results.jsonl (one line
 # per benchmark), trace_*.json.gz.
 #   usage: bash scripts/h200_bench.sh [steps...]
-#   steps (default all): bs1 bs1-torch bs1-tattn bs1-eager kernels tests
-#                        bs64 bs64-torch bs256 bs256-torch p8k p8k-torch offline
-# The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs;
+#   steps (default all): bs1 bs1-sync bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
+#                        bs64 bs64-torch bs256 bs256-sync bs256-torch p8k p8k-torch offline offline-sync
+# The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs + overlap
+# scheduling;
+#   -sync  : --disable-overlap-schedule (each step processed before the next is scheduled)
 #   -torch : --attention-backend torch --layer-kernels torch (the earlier path, graphs on)
 #   -tattn : Triton attention, torch layer kernels (isolates the fused norm/RoPE/SiLU kernels)
 #   -eager : --disable-cuda-graph
@@ -56,14 +58,26 @@ one() {  # one NAME BATCH IN OUT SECONDS [flags]
   step "$name" "$limit" "${BENCH[@]}" --batch-size "$b" --input-len "$i" --output-len "$o" "$@" --output-file "$RES/$name.json"
 }
 has bs1 && bs1 bs1
+has bs1-sync && bs1 bs1-sync --disable-overlap-schedule
 has bs1-torch && bs1 bs1-torch "${TORCH[@]}"
 has bs1-tattn && one bs1-tattn 1 128 128 90 --layer-kernels torch
 has bs1-eager && one bs1-eager 1 128 128 90 --disable-cuda-graph
 has kernels && step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py
 has tests && step tests 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
+# this session's additions: overlap on/off on the GPU, the memory plan, the GEMV kernel
+has tests-new && step tests-new 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_memory_plan.py \
+  tests/test_gemv.py "tests/test_gpu.py::test_overlap_schedule_matches_the_plain_loop"
+has gemv && step gemv 120 python3 scripts/gemv_ab.py
 has bs64 && one bs64 64 128 128 90
 has bs64-torch && one bs64-torch 64 128 128 90 "${TORCH[@]}"
-has bs256 && one bs256 256 128 128 100
+prof() {  # prof NAME BATCH [flags]: decode at BATCH with a profile of 10 steps (GPU idle between steps)
+  local name=$1 b=$2; shift 2
+  step "$name" 120 "${BENCH[@]}" --batch-size "$b" --input-len 128 --output-len 128 "$@" \
+    --profile "$OUT/trace_$name.json" --profile-steps 10 --output-file "$RES/$name.json"
+  [ -f "$OUT/trace_$name.json" ] && gzip -f "$OUT/trace_$name.json"
+}
+has bs256 && prof bs256 256
+has bs256-sync && prof bs256-sync 256 --disable-overlap-schedule
 has bs256-torch && one bs256-torch 256 128 128 100 "${TORCH[@]}"
 has p8k && one p8k 1 8192 16 90
 has p8k-torch && one p8k-torch 1 8192 16 90 "${TORCH[@]}"
@@ -72,4 +86,7 @@ has p8k-torch && one p8k-torch 1 8192 16 90 "${TORCH[@]}"
 has offline && step offline 300 python3 -m ketch.cli bench offline --model $M --load-format dummy \
   --batch-sizes 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 --cuda-graph-max-bs 384 \
   --max-num-batched-tokens 8192 --output-file "$RES/offline.json"
+has offline-sync && step offline-sync 300 python3 -m ketch.cli bench offline --model $M --load-format dummy \
+  --batch-sizes 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 --cuda-graph-max-bs 384 \
+  --max-num-batched-tokens 8192 --disable-overlap-schedule --output-file "$RES/offline-sync.json"
 echo "=== done ($(date +%T))" | tee -a "$LOG"

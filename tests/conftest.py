@@ -39,8 +39,23 @@ def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d / "config.json")
 
 
+# EngineConfig fields every make_tiny_engine call takes unless it passes its own (a module can
+# run all its engine tests twice, e.g. with overlap scheduling off and on: run_engine_modes).
+ENGINE_DEFAULTS: dict = {}
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def run_engine_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Use as `pytestmark = pytest.mark.usefixtures("run_engine_modes")`: every test of the module
+    runs with overlap scheduling off, then on."""
+    monkeypatch.setitem(ENGINE_DEFAULTS, "overlap_schedule", request.param)
+    return request.param
+
+
 def make_tiny_engine(config_path: str, **kw) -> Engine:
     """A 2-layer random Llama; deterministic weights (seed 0), fp32, a small KV pool by default."""
+    for key, value in ENGINE_DEFAULTS.items():
+        kw.setdefault(key, value)
     kw.setdefault("kv_cache_memory", 2 * 1024 * 1024)
     kw.setdefault("page_size", 4)
     return Engine(EngineConfig(model=config_path, load_format="dummy", dtype="float32", **kw))

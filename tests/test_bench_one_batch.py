@@ -53,9 +53,10 @@ def _one_batch(tiny_config_path: str, tmp_path, *extra: str) -> int:
                  "--batch-size", "3", "--input-len", "40", "--max-num-batched-tokens", "16", *extra])
 
 
-def test_one_batch_prefills_the_whole_batch_in_one_step_and_times_decode(tiny_config_path, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["--disable-overlap-schedule", "--overlap-schedule"])
+def test_one_batch_prefills_the_whole_batch_in_one_step_and_times_decode(tiny_config_path, tmp_path, capsys, mode):
     out, trace = tmp_path / "r.json", tmp_path / "trace.json"
-    rc = _one_batch(tiny_config_path, tmp_path, "--output-len", "9", "--warmup-output-len", "2",
+    rc = _one_batch(tiny_config_path, tmp_path, "--output-len", "9", "--warmup-output-len", "2", mode,
                     "--output-file", str(out), "--profile", str(trace), "--profile-steps", "4")
     assert rc == 0
     res = json.loads(out.read_text())

@@ -6,6 +6,8 @@ here against the ordinary eager step; tests/test_gpu.py checks the captured grap
 """
 from __future__ import annotations
 
+import pytest
+
 from conftest import collect, drain, make_tiny_engine
 from ketch.runner.cuda_graph import DecodeGraphs, bucket
 from ketch.sampling.params import SamplingParams
@@ -24,14 +26,16 @@ def _greedy(engine, prompts):
         [[lp.logprob for lp in res[(f"r{i}", 0)]["logprobs"]] for i in range(len(prompts))]
 
 
-def test_static_buffer_decode_equals_the_eager_step(tiny_config_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_static_buffer_decode_equals_the_eager_step(tiny_config_path, overlap):
     # 3 requests (padded to 4 rows) of different lengths: page buckets differ per row
     prompts = [[5, 9, 11], list(range(3, 20)), [7] * 9]
     eager = make_tiny_engine(tiny_config_path)
     want_ids, want_lp = _greedy(eager, prompts)
-    padded = make_tiny_engine(tiny_config_path)
+    # overlap: each decode row's input id is a placeholder, resolved inside the static forward
+    padded = make_tiny_engine(tiny_config_path, overlap_schedule=overlap)
     r = padded.runner
-    r.graphs = DecodeGraphs(r.model, r.attn, max_bs=8, max_pages=64, device=r.device)
+    r.graphs = DecodeGraphs(r.model, r.attn, max_bs=8, max_pages=64, device=r.device, future=r.future)
     calls = []
     run = r.graphs.run
     r.graphs.run = lambda chunks: calls.append(len(chunks)) or run(chunks)

@@ -1,5 +1,5 @@
 """Engine behaviour on a tiny random model: aborts in every state, preemption, n > 1,
-bad input, and the page invariant after every scenario."""
+bad input, and the page invariant after every scenario; each with overlap scheduling off and on."""
 from __future__ import annotations
 
 import random
@@ -11,6 +11,8 @@ from ketch.sampling.params import SamplingParams
 from ketch.scheduler.request import RequestState
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("run_engine_modes")  # every test with overlap scheduling off and on
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -61,8 +63,11 @@ def test_abort_prefilling(tiny_config_path):
 def test_abort_decoding_and_after_finish(tiny_config_path):
     eng = make_tiny_engine(tiny_config_path)
     eng.add_request("a", prompt(8), GREEDY)
-    outs = eng.step() + eng.step() + eng.step()
+    outs = []
+    while sum(len(o.new_token_ids) for o in outs) < 3:  # overlap: a step's tokens come one call late
+        outs += eng.step()
     assert sum(len(o.new_token_ids) for o in outs) == 3
+    assert eng._in_flight is not None or not eng.overlap  # overlap: a 4th token is being computed
     eng.abort("a")
     eng.abort("a")  # twice: still one end
     eng.abort("never-existed")

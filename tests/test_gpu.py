@@ -19,7 +19,8 @@ The figures are printed (pytest -s) for docs/performance.md.
 
 The engine under test is the CUDA default: Triton attention and layer kernels, decode CUDA
 graphs captured at init. It is also compared with the torch path (SDPA over gathered pages,
-torch norms/RoPE/SiLU), and each backend's graphs with its own eager decode (identical tokens).
+torch norms/RoPE/SiLU), each backend's graphs with its own eager decode (identical tokens), and
+overlap scheduling (the CUDA default) with the plain loop (identical tokens).
 
 Skips cleanly without CUDA.
 """
@@ -313,3 +314,50 @@ def test_cuda_graph_decode_matches_eager(setup, backend):
         cmp = compare(runs[False][i], runs[True][i])
         check(cmp, f"{backend}: CUDA graph vs eager decode, {name}", dtype)
         assert cmp.identical == NUM_PROMPTS, cmp.line(name)  # same kernels, same split counts: same tokens
+
+
+def _busy_after_step(engine: Engine, prompts: list[list[int]], tag: str) -> tuple[Run, float]:
+    """Greedy batched run; the fraction of decode-step returns at which the GPU was still busy."""
+    busy: list[bool] = []
+    step = engine.step
+
+    def watched():
+        outs = step()
+        if sum(len(o.new_token_ids) for o in outs) == len(prompts):  # a whole decode step came back
+            busy.append(not torch.cuda.current_stream().query())
+        return outs
+
+    engine.step = watched
+    try:
+        run = engine_greedy(engine, prompts, batched=True, tag=tag)
+    finally:
+        del engine.step
+    return run, sum(busy) / max(1, len(busy))
+
+
+def test_overlap_schedule_matches_the_plain_loop(setup):
+    """Overlap on (the CUDA default) against off: identical tokens and logits, bs1 and batched.
+    All requests run to the same length, so both loops run the same batches step for step.
+    With overlap the host returns from a step while the GPU computes the next one; without it
+    the GPU is idle whenever the host is."""
+    path, _, prompts, dtype = setup
+    runs, busy = {}, {}
+    for overlap in (False, True):
+        engine = make_engine(path, dtype, enable_prefix_cache=False, overlap_schedule=overlap)
+        try:
+            assert engine.overlap is overlap
+            one = engine_greedy(engine, prompts, batched=False, tag="one")
+            batched, busy[overlap] = _busy_after_step(engine, prompts, "all")
+            runs[overlap] = (one, batched)
+        finally:
+            del engine
+            torch.cuda.empty_cache()
+    for i, name in enumerate(("bs1", "batched")):
+        cmp = compare(runs[False][i], runs[True][i])
+        check(cmp, f"overlap on vs off, {name}", dtype)
+        assert cmp.identical == NUM_PROMPTS and cmp.max_abs_diff == 0, cmp.line(name)
+    print(f"\n[{dtype}] GPU still busy when a decode step returns: overlap off {busy[False]:.0%}, on {busy[True]:.0%}")
+    assert busy[False] == 0  # each step waited for its own tokens: nothing left queued
+    layers = json.loads(Path(path).read_text())["num_hidden_layers"]
+    if layers == 32:  # a 5+ ms step: the host is always ahead of it
+        assert busy[True] >= 0.9

@@ -3,7 +3,7 @@
 The reference is HF's own GGUF loader and `generate`; ketch must produce the same token ids
 and chosen-token logprobs within 1e-4 — with the prefix cache on and off (and on a second pass
 that hits it), all prompts in one batch or one at a time, chunked prefill, and a KV pool small
-enough to force preemption.
+enough to force preemption; and with overlap scheduling (tokens processed one step late).
 """
 from __future__ import annotations
 
@@ -113,6 +113,25 @@ def test_small_pool_forces_preemption(smollm_path, prompt_ids, reference):
     pages = 3 * (-(-longest // 16))  # room for about three requests at a time
     per_page = 2 * 30 * 16 * 3 * 64 * 4
     llm = LLM(smollm_path, dtype="float32", kv_cache_memory=pages * per_page)
+    check(llm.generate(prompt_ids, PARAMS), reference)
+    assert llm.engine.scheduler.stats.preemptions > 0
+    assert_drained(llm.engine)
+
+
+def test_overlap_schedule(smollm_path, prompt_ids, reference):
+    """Tokens processed one step late (the CUDA default), with natural EOS stops in the batch."""
+    llm = LLM(smollm_path, dtype="float32", overlap_schedule=True)
+    assert llm.engine.overlap
+    check(llm.generate(prompt_ids, PARAMS), reference)
+    assert_drained(llm.engine)
+
+
+def test_overlap_schedule_with_chunked_prefill_and_preemption(smollm_path, prompt_ids, reference):
+    longest = max(len(p) for p in prompt_ids) + NEW_TOKENS
+    pages = 3 * (-(-longest // 16))
+    per_page = 2 * 30 * 16 * 3 * 64 * 4
+    llm = LLM(smollm_path, dtype="float32", overlap_schedule=True, kv_cache_memory=pages * per_page,
+              chunked_prefill_size=32, max_num_batched_tokens=64)
     check(llm.generate(prompt_ids, PARAMS), reference)
     assert llm.engine.scheduler.stats.preemptions > 0
     assert_drained(llm.engine)

@@ -85,12 +85,15 @@ def test_triton_kernels_in_the_engine_match_the_torch_path(tiny_config_path, tor
 
 
 @CPU_ONLY
-def test_static_buffer_decode_equals_the_eager_triton_step(tiny_config_path, torch_reference):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_static_buffer_decode_equals_the_eager_triton_step(tiny_config_path, torch_reference, overlap):
     eager = make_tiny_engine(tiny_config_path, device="cpu", attention_backend="triton")
     want_ids, want_lp = _greedy(eager)
-    padded = make_tiny_engine(tiny_config_path, device="cpu", attention_backend="triton")
+    # overlap: each decode row's input id is a placeholder, resolved inside the static forward
+    padded = make_tiny_engine(tiny_config_path, device="cpu", attention_backend="triton", overlap_schedule=overlap)
     r = padded.runner
-    r.graphs = TritonDecodeGraphs(r.model, r.attn, max_bs=8, max_model_len=padded.max_model_len, device=r.device)
+    r.graphs = TritonDecodeGraphs(r.model, r.attn, max_bs=8, max_model_len=padded.max_model_len, device=r.device,
+                                  future=r.future)
     r.graphs.table.fill_(10**6)  # stale columns beyond a row's length must never be read
     sizes = []
     run = r.graphs.run

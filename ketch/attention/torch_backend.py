@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ketch.attention.base import AttentionBackend, SeqChunk
 from ketch.cache.kv_pool import KVPool
+from ketch.transfer import to_device
 
 
 @dataclass
@@ -55,8 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
         if decodes:
             max_pages = max(-(-s.kv_len // ps) for s in decodes)
             table = [s.page_table[: -(-s.kv_len // ps)] + [0] * (max_pages - -(-s.kv_len // ps)) for s in decodes]
-            decode_pages = torch.tensor(table, dtype=torch.long, device=self.device)
-            lens = torch.tensor([s.kv_len for s in decodes], device=self.device)
+            decode_pages = to_device(table, self.device, torch.long)
+            lens = to_device([s.kv_len for s in decodes], self.device, torch.long)
             visible = torch.arange(max_pages * ps, device=self.device)[None, :] < lens[:, None]
             decode_mask = self._additive(visible)[:, None, None, :]
         prefills: list[PrefillMeta] = []
@@ -67,13 +68,13 @@ class TorchAttentionBackend(AttentionBackend):
                 prefills.append(PrefillMeta(lo, hi, None, None))
             else:
                 n_pages = -(-s.kv_len // ps)
-                pages = torch.tensor([s.page_table[:n_pages]], dtype=torch.long, device=self.device)
+                pages = to_device([s.page_table[:n_pages]], self.device, torch.long)
                 q_pos = torch.arange(s.start, s.kv_len, device=self.device)
                 mask = torch.arange(n_pages * ps, device=self.device)[None, :] <= q_pos[:, None]
                 prefills.append(PrefillMeta(lo, hi, pages, self._additive(mask)[None, None]))
             lo = hi
         return TorchAttentionMetadata(
-            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slots=to_device(slots, self.device, torch.long),
             num_decode=num_decode,
             decode_pages=decode_pages,
             decode_mask=decode_mask,

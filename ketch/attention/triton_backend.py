@@ -37,6 +37,7 @@ from ketch.kernels.decode_attention import (
 )
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.kv_store import store_kv
+from ketch.transfer import to_device
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
         pos = np.arange(owner.size) - q_starts[owner] + starts[owner]
         slots = table[owner, pos // ps] * ps + pos % ps
         host = np.concatenate((kv_lens, starts, news, q_starts, slots, table.ravel())).astype(np.int32)
-        buf = torch.from_numpy(host).to(self.device)  # the step's only host→device copy
+        buf = to_device(host, self.device)  # the step's only host→device copy (no sync)
         kv_t, start_t, new_t, qs_t = (buf[i * b : (i + 1) * b] for i in range(4))
         slots_t = buf[4 * b : 4 * b + owner.size]
         table_t = buf[4 * b + owner.size :].view(b, max_pages)

@@ -2,10 +2,12 @@
 
 B random prompts of `input_len` tokens are prefilled in ONE step (the token budget is raised to
 B * input_len), then `output_len - 1` decode steps follow with all B requests in every step.
-Each timed step is a whole `Engine.step()` (schedule, metadata, forward, sample, the host
-copy of the sampled ids), closed by a device synchronize, so the figures are what a serving
-loop without overlap gets. A warm-up round of the same shapes runs first (kernel selection,
-cuBLAS handles, allocator growth).
+A step's time is the interval between the `Engine.step()` calls that return consecutive
+steps' tokens, with no synchronize of its own: without overlap each call waits for its own
+step, so that is the whole step (schedule, metadata, forward, sample, the copy of the ids);
+with overlap (`--overlap-schedule`, the CUDA default) a call launches the next step before it
+waits for the previous one, and the interval is the steady-state step as a server sees it.
+A warm-up round of the same shapes runs first (kernel selection, cuBLAS handles, allocator growth).
 
 `--profile PATH` profiles `--profile-steps` decode steps of a further round (from its middle,
 so the KV length is typical) and writes a chrome trace plus a summary: kernels per step, GPU
@@ -49,12 +51,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_step(engine: Engine) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def _step(engine: Engine) -> int:
+    """One `Engine.step()`; the number of tokens it returned."""
     with torch.profiler.record_function(STEP_ANNOTATION):
         outs = engine.step()
-        _sync(engine.runner.device)
-    return time.perf_counter() - t0, sum(len(o.new_token_ids) for o in outs)
+    return sum(len(o.new_token_ids) for o in outs)
 
 
 def run_round(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
@@ -63,7 +64,12 @@ def run_round(engine: Engine, batch: int, input_len: int, output_len: int, rng: 
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [rng.randrange(engine.vocab_size) for _ in range(input_len)], params)
     _sync(engine.runner.device)
-    prefill_s, first = _timed_step(engine)
+    t0 = time.perf_counter()
+    first = _step(engine)
+    if first == 0 and engine.overlap:
+        first = _step(engine)  # the prefill's tokens come back with the next call
+    last = time.perf_counter()
+    prefill_s = last - t0
     if first != batch:
         raise RuntimeError(f"one-batch: prefill took more than one step ({first} of {batch} first tokens)")
     start = max(0, (output_len - 1 - profile_steps) // 2)  # profile the middle of the decode
@@ -71,12 +77,14 @@ def run_round(engine: Engine, batch: int, input_len: int, output_len: int, rng: 
     while engine.has_unfinished():
         if profiler is not None and len(steps) == start:
             profiler.start()
-        dt, n = _timed_step(engine)
+        n = _step(engine)
+        now = time.perf_counter()
         if profiler is not None and len(steps) == start + profile_steps - 1:
             profiler.stop()
         if n != batch:
             raise RuntimeError(f"one-batch: a decode step served {n} of {batch} requests")
-        steps.append(dt)
+        steps.append(now - last)
+        last = now
     q = statistics.quantiles(steps, n=10) if len(steps) > 1 else steps * 9
     med = statistics.median(steps)
     return OneBatchResult(

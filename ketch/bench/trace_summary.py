@@ -1,7 +1,8 @@
 """Read a torch-profiler chrome trace: what the GPU ran during annotated steps, and how idle it was.
 
-    window   = first annotated step's start → last one's end (each step ends on a host sync,
-               so the GPU has finished the step's work by then)
+    window   = first annotated step's start → last one's end (a host interval: without overlap
+               each step waits for its own GPU work; with overlap the GPU runs one step behind
+               the host, and kernels are clipped to the window at both ends)
     busy     = union of kernel / memcpy / memset intervals inside the window
     idle     = 1 - busy / window
 

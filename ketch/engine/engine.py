@@ -1,12 +1,27 @@
 """The in-process engine: validate and queue requests, run steps, report token deltas.
 
 `ketch.LLM` drives it directly; the engine process (server) drives the same object from its
-ZMQ loop. A step is: schedule → forward → account computed tokens → sample → append tokens,
-check stop conditions, finish requests (which releases their pages exactly once).
+ZMQ loop. A step is launched — schedule → forward → account computed tokens → sample on the
+device, a placeholder appended per sampled token — and later processed: the ids arrive on the
+host, replace the placeholders, stop conditions are checked, requests finish (which releases
+their pages exactly once).
+
+Overlap scheduling (`overlap_schedule`, the CUDA default) processes step N after launching step
+N+1, so the host's scheduling, metadata and stop checks run while the GPU computes; without it
+a step is processed right after its launch. Both run the same code; only the order differs:
+
+    overlap off:  launch N ─ process N ─ launch N+1 ─ process N+1 ...
+    overlap on:   launch N ─ process N-1 ─ launch N+1 ─ process N ...     (N+1 reads N's ids
+                                                                       on the device)
+One step late, the scheduler does not yet know which requests step N finished: a request that
+sampled a stop token runs one extra row in N+1 whose result is dropped (never one at its
+length limit: that is known without the token), and a step whose sampling reads the generated
+ids (grammar, penalties) first processes the step in flight. Greedy output is the same either way.
 """
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
@@ -16,14 +31,22 @@ from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
-from ketch.sampling.sampler import SamplingBatch, SamplingRow, make_generator, sample
+from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
-from ketch.scheduler.scheduler import Scheduler
+from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
 from ketch.weights import detect_format, load_model_config
 from ketch.weights.source import resolve_model_path
 
 
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile; new requests wait at most this
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; its ids arrive later."""
+
+    rows: list[tuple[Request, int]]  # each sampled request and the index in output_ids its token fills
+    result: HostSample
 
 
 class Engine:
@@ -43,6 +66,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
         self._generated_tokens = 0
+        self.overlap = config.use_overlap_schedule
+        self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
 
     @property
     def vocab_size(self) -> int:
@@ -93,7 +118,8 @@ class Engine:
                 self._forget(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted) or bool(self.grammars.parked)
+        return (self.scheduler.has_work() or bool(self._aborted) or bool(self.grammars.parked)
+                or self._in_flight is not None)
 
     def stats(self) -> EngineStats:
         """A snapshot for /metrics: queue sizes, page accounting and token counters."""
@@ -123,47 +149,87 @@ class Engine:
                     outputs.append(self._output(req, [], None, error=str(error)))
                     self._forget(req)
         chunks = self.scheduler.schedule()
-        if not chunks:
-            if not outputs:
-                self.grammars.wait(GRAMMAR_WAIT_S)  # only compiles are pending: don't spin
-            return outputs
+        if self._in_flight is not None and any(c.req.needs_history for c in chunks):
+            # this step's sampling reads ids still in flight: take them first
+            outputs += self._process(self._in_flight)
+            self._in_flight = None
+            chunks = [c for c in chunks if not c.req.is_finished]
+        launched = self._launch(chunks) if chunks else None
+        if self.overlap:
+            launched, self._in_flight = self._in_flight, launched
+        if launched is not None:
+            outputs += self._process(launched)
+        elif not chunks and not outputs and self._in_flight is None:
+            self.grammars.wait(GRAMMAR_WAIT_S)  # only compiles are pending: don't spin
+        return outputs
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
+        """Queue the step's forward and sampling; nothing here waits for the device."""
         sampling = [c.req for c in chunks if c.samples]
         logits = self.runner.forward(chunks)
         self.scheduler.after_forward(chunks)
+        if not sampling:
+            return None  # prefill chunks only: no token this step
         rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
                 for r in sampling]
-        result = sample(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
-        for i, req in enumerate(sampling):
+        result = sample_on_device(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
+        placeholders = self.runner.future.publish(result.token_ids)
+        filled: list[tuple[Request, int]] = []
+        for req, placeholder in zip(sampling, placeholders):
+            filled.append((req, len(req.output_ids)))
+            req.output_ids.append(placeholder)
+            req.num_unresolved += 1
+        return LaunchedStep(filled, result.start_copy())
+
+    def _process(self, step: LaunchedStep) -> list[EngineOutput]:
+        """The launched step's ids are on the host: fill them in, check stops, report."""
+        result = step.result.wait()
+        outputs: list[EngineOutput] = []
+        for i, (req, index) in enumerate(step.rows):
+            if req.is_finished:
+                continue  # aborted, or stopped by its previous token while this one was in flight
             token = result.token_ids[i]
-            req.output_ids.append(token)
+            req.output_ids[index] = token
+            req.num_unresolved -= 1
             self._generated_tokens += 1
             logprobs = None
             if req.params.wants_logprobs:
                 top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
                 logprobs = [TokenLogprob(token, result.logprobs[i], top)]
-            self._check_stop(req, token)
+            self._check_stop(req, token, index + 1)
             outputs.append(self._output(req, [token], logprobs))
             if req.is_finished:
                 self._forget(req)
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> None:
+    def _check_stop(self, req: Request, token: int, num_output: int) -> None:
+        """`token` is output number `num_output`; later ones may be in flight (overlap)."""
         p = req.params
         if req.grammar is not None:
             # The mask allowed only what the grammar accepts, so accept() holds (a False would be
             # a backend bug: the sample ends rather than the engine). Once the grammar is complete
             # it allows only stop tokens, and accepting one terminates it.
             if not req.grammar.accept(token):
-                self.scheduler.finish(req, FinishReason.ABORT)
+                self._finish(req, num_output, FinishReason.ABORT)
                 return
             if req.grammar.is_terminated():
-                self.scheduler.finish(req, FinishReason.STOP, token)
+                self._finish(req, num_output, FinishReason.STOP, token)
                 return
         is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_ids)
-        if is_stop_token and len(req.output_ids) >= p.min_tokens:
-            self.scheduler.finish(req, FinishReason.STOP, token)
-        elif len(req.output_ids) >= p.max_tokens or req.seq_len >= req.max_len:
-            self.scheduler.finish(req, FinishReason.LENGTH)
+        if is_stop_token and num_output >= p.min_tokens:
+            self._finish(req, num_output, FinishReason.STOP, token)
+        elif num_output >= p.max_tokens or len(req.prompt_ids) + num_output >= req.max_len:
+            self._finish(req, num_output, FinishReason.LENGTH)
+
+    def _finish(self, req: Request, num_output: int, reason: FinishReason, stop: int | None = None) -> None:
+        """End `req` after its output number `num_output`. A step launched after that one
+        (overlap) may have run it once more: drop that token and count its K/V as not computed,
+        so pages and the prefix cache end exactly as without overlap."""
+        if len(req.output_ids) > num_output:
+            del req.output_ids[num_output:]
+            req.num_unresolved = 0
+            req.num_computed = min(req.num_computed, req.seq_len - 1)
+        self.scheduler.finish(req, reason, stop)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
                 error: str | None = None) -> EngineOutput:

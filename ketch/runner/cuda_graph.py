@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from ketch.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from ketch.runner.future_tokens import FutureTokens
 from ketch.scheduler.scheduler import ScheduledChunk
+from ketch.transfer import to_device
 
 
 def bucket(n: int) -> int:
@@ -30,8 +32,9 @@ def bucket(n: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, attn: TorchAttentionBackend, max_bs: int, max_pages: int,
-                 device: torch.device) -> None:
+                 device: torch.device, future: FutureTokens | None = None) -> None:
         self.model, self.attn, self.device = model, attn, device
+        self.future = future  # None: the ids are never placeholders
         self.page_size = attn.page_size
         self.max_bs = bucket(max_bs)
         self.max_pages = bucket(max_pages)
@@ -68,14 +71,13 @@ class DecodeGraphs:
             used = req.page_table[: -(-kv_len // ps)]
             rows.append(used + [used[0]] * (pb - len(used)))
         pad = bs - n  # copies of row 0
-        host = torch.tensor([ids + ids[:1] * pad, pos + pos[:1] * pad, slots + slots[:1] * pad,
-                             kv_lens + kv_lens[:1] * pad], dtype=torch.long)
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device([ids + ids[:1] * pad, pos + pos[:1] * pad, slots + slots[:1] * pad,
+                         kv_lens + kv_lens[:1] * pad], self.device, torch.long)
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.slots[:bs].copy_(dev[2])
         self.lens[:bs].copy_(dev[3])
-        self.pages[:bs, :pb].copy_(torch.tensor(rows + rows[:1] * pad, dtype=torch.long).to(self.device, non_blocking=True))
+        self.pages[:bs, :pb].copy_(to_device(rows + rows[:1] * pad, self.device, torch.long))
         if not self.capture:
             return self._forward(bs, pb)[:n]
         key = (bs, pb)
@@ -94,7 +96,8 @@ class DecodeGraphs:
             slots=self.slots[:bs], num_decode=bs, decode_pages=self.pages[:bs, :pb],
             decode_mask=mask[:, None, None, :], prefills=[],
         )
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.attn, meta)
+        ids = self.input_ids[:bs] if self.future is None else self.future.resolve(self.input_ids[:bs])
+        hidden = self.model(ids, self.positions[:bs], self.attn, meta)
         return self.model.compute_logits(hidden)
 
     def _capture(self, bs: int, pb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -8,11 +8,16 @@ Chosen once at init, never per step: the attention backend (`attention_backend`:
 CUDA, torch on the CPU), the layer kernels (`layer_kernels`, same rule) and the decode CUDA
 graphs (`cuda_graph`, on by default on CUDA; the Triton path captures every padded batch size
 up front, the torch path on first use).
+
+On CUDA the KV pool is sized by memory_plan.py (`mem_fraction_static`, measured headroom for
+the graphs and the largest eager step); on the CPU by `kv_cache_fraction` of the memory.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,27 +30,20 @@ from ketch.config import EngineConfig, ModelConfig
 from ketch.layers.ops import layer_ops
 from ketch.models.registry import model_class
 from ketch.runner.cuda_graph import DecodeGraphs
+from ketch.runner.future_tokens import FutureTokens
+from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
 from ketch.scheduler.scheduler import ScheduledChunk
+from ketch.transfer import to_device
 from ketch.weights import detect_format, iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
 from ketch.weights.source import resolve_model_path
 
 
-def device_memory_bytes(device: torch.device) -> int:
-    """CUDA: bytes free now (after the weights, once the allocator's cache is returned);
-    CPU: physical memory."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # blocks freed during loading count as free, not as torch's cache
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def kv_budget_bytes(config: EngineConfig) -> int:
+    """CPU pool: kv_cache_memory, else kv_cache_fraction of the physical memory (CUDA: MemoryPlan)."""
     if config.kv_cache_memory:
         return config.kv_cache_memory
-    fraction = config.gpu_kv_cache_fraction if device.type == "cuda" else config.kv_cache_fraction
-    return int(device_memory_bytes(device) * fraction)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.kv_cache_fraction)
 
 
 @contextlib.contextmanager
@@ -73,23 +71,33 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.attention_backend = config.resolved_attention_backend
         self.ops = layer_ops(config.resolved_layer_kernels)
+        # sampled ids stay on the device; the next step reads them from here (overlap)
+        self.future = FutureTokens(config.max_num_seqs, self.device)
         self.model = self._load_model(max_model_len)
+        # Graphs bake the pool's addresses in, so the pool comes first; its size leaves room for
+        # them and the largest eager step, measured on a scratch pool (memory_plan.py).
+        build_graphs = functools.partial(self._build_graphs, max_model_len=max_model_len) \
+            if config.use_cuda_graph else None  # EngineConfig has checked that the device is CUDA
+        self.memory_plan: MemoryPlan | None = None if self.device.type != "cuda" else \
+            plan_gpu_pool(self.model, config, model_config, max_model_len, build_graphs)
         self.pool = self._allocate_pool()
         self.attn = create_attention_backend(self.attention_backend, self.pool, model_config.num_heads,
                                              model_config.head_dim, self.device, max_model_len=max_model_len)
-        self.graphs: Any = None  # DecodeGraphs | TritonDecodeGraphs
-        if config.use_cuda_graph:  # EngineConfig has checked that the device is CUDA
-            max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
-            if self.attention_backend == "triton":
-                from ketch.runner.triton_graphs import TritonDecodeGraphs  # Triton is imported only on this path
+        self.graphs: Any = build_graphs(self.attn) if build_graphs else None  # DecodeGraphs | TritonDecodeGraphs
+        if self.memory_plan is not None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
+                  file=sys.stderr)
 
-                # The pool exists first: the graphs bake its addresses in. Their own memory (a few
-                # hundred MB of activations and logits) comes out of the 1 - gpu_kv_cache_fraction
-                # of free memory that the pool leaves.
-                self.graphs = TritonDecodeGraphs(self.model, self.attn, max_bs, max_model_len, self.device)
-            else:
-                max_pages = -(-max_model_len // config.page_size)
-                self.graphs = DecodeGraphs(self.model, self.attn, max_bs, max_pages, self.device)
+    def _build_graphs(self, attn: Any, max_model_len: int) -> Any:
+        """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
+        if self.attention_backend == "triton":
+            from ketch.runner.triton_graphs import TritonDecodeGraphs  # Triton is imported only on this path
+
+            return TritonDecodeGraphs(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
+        max_pages = -(-max_model_len // self.config.page_size)
+        return DecodeGraphs(self.model, attn, max_bs, max_pages, self.device, future=self.future)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg = self.model_config
@@ -117,7 +125,7 @@ class ModelRunner:
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
         per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        budget = kv_budget_bytes(ec, self.device)
+        budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
         return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
@@ -137,8 +145,10 @@ class ModelRunner:
             if c.samples:
                 sample_rows.append(len(ids) - 1)
         meta = self.attn.init_metadata(seqs)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, self.attn, meta)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        # one copy for ids, positions and sampling rows; placeholders (overlap) resolve on the device
+        host = to_device([*ids, *positions, *sample_rows], self.device, torch.long)
+        n = len(ids)
+        input_ids = self.future.resolve(host[:n])
+        hidden = self.model(input_ids, host[n : 2 * n], self.attn, meta)
+        rows = host[2 * n :]
         return self.model.compute_logits(hidden.index_select(0, rows))

@@ -30,6 +30,7 @@ import torch
 
 from ketch.attention.triton_backend import DecodeMetadata, TritonAttentionBackend, TritonAttentionMetadata
 from ketch.runner.cuda_graph import bucket
+from ketch.runner.future_tokens import FutureTokens
 from ketch.scheduler.scheduler import ScheduledChunk
 
 PAD = (0, 0, 0, -1)  # token, position, kv_len, slot of a padded row
@@ -43,8 +44,9 @@ def capture_sizes(cap: int) -> list[int]:
 
 class TritonDecodeGraphs:
     def __init__(self, model: torch.nn.Module, attn: TritonAttentionBackend, max_bs: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, future: FutureTokens | None = None) -> None:
         self.model, self.attn, self.device = model, attn, device
+        self.future = future  # None: the ids are never placeholders
         self.page_size = attn.page_size
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
@@ -118,7 +120,8 @@ class TritonDecodeGraphs:
                    self.mid_lse[: bs * h * splits].view(bs, h, splits))
         decode = DecodeMetadata(self.table[:bs], s[2 * bs : 3 * bs], splits, scratch)
         meta = TritonAttentionMetadata(s[3 * bs : 4 * bs], bs, decode, None)
-        hidden = self.model(s[:bs], s[bs : 2 * bs], self.attn, meta)
+        ids = s[:bs] if self.future is None else self.future.resolve(s[:bs])  # inside the graph
+        hidden = self.model(ids, s[bs : 2 * bs], self.attn, meta)
         return self.model.compute_logits(hidden)
 
     def _capture_all(self) -> None:

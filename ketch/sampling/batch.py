@@ -17,6 +17,7 @@ from ketch.sampling.filters import TOP_P_OFF
 from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.penalties import Penalties
+from ketch.transfer import to_device
 
 # Dividing fp32 logits by a smaller temperature can overflow to inf (and inf - inf = NaN in
 # softmax). Rows this cold are effectively greedy anyway.
@@ -116,8 +117,8 @@ class SamplingBatch:
         edits_i = edits_v = None
         if edit_index:
             # accumulate=True at apply time sums duplicates, so bias + ban on one token = -inf.
-            edits_i = torch.tensor(edit_index, dtype=torch.int64, device=device)
-            edits_v = torch.tensor(edit_value, dtype=torch.float32, device=device)
+            edits_i = to_device(edit_index, device, torch.int64)
+            edits_v = to_device(edit_value, device, torch.float32)
 
         grammar_mask, grammar_backend = _grammar_mask(rows)
         return cls(
@@ -160,14 +161,14 @@ def _sampled_rows(
 ) -> SampledRows | None:
     if not positions:
         return None
-    floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32, device=device)
+    floats = to_device([temps, top_ps, min_ps], device, torch.float32)
     floats = floats.unsqueeze(-1)  # [3, S, 1]
     use_top_k = min(top_ks) < vocab_size
     use_top_p = min(top_ps) < TOP_P_OFF
     partial = len(positions) < size
     index = top_k = None
     if use_top_k or partial:
-        ints = torch.tensor([top_ks, positions], dtype=torch.int64, device=device)
+        ints = to_device([top_ks, positions], device, torch.int64)
         top_k = ints[0].unsqueeze(-1) if use_top_k else None
         index = ints[1] if partial else None
     return SampledRows(

@@ -55,6 +55,11 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, frequency or presence penalty: sampling reads the tokens so far."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
 

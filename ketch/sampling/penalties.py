@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ketch.transfer import to_device
+
 if TYPE_CHECKING:
     from ketch.sampling.batch import SamplingRow
 
@@ -68,9 +70,9 @@ class Penalties:
         # gets one copy. (torch.tensor on a long Python list costs ~10x np.asarray.)
         lengths = [len(seg) for seg in segments]
         flat = np.concatenate(segments) + np.repeat(np.asarray(bases, dtype=np.int64), lengths)
-        flat_index = torch.from_numpy(flat).to(device)
+        flat_index = to_device(flat, device)
 
-        values = torch.tensor([rep, freq, pres], dtype=torch.float32, device=device).unsqueeze(-1)
+        values = to_device([rep, freq, pres], device, torch.float32).unsqueeze(-1)
         return cls(
             size=size,
             vocab_size=vocab_size,

@@ -9,8 +9,9 @@
 
 Returned logprobs describe the RAW model distribution (before bias, penalties, temperature
 and truncation), as vLLM does by default: they say what the model thought, not how the
-token was picked. Nothing here syncs with the device until `DeviceSample.to_host`, which is
-the step's single device->host copy, so an overlapped loop can defer it one step.
+token was picked. Nothing here syncs with the device: `DeviceSample.start_copy` queues the
+step's single device->host copy behind the sampling kernels, and `HostSample.wait` waits for
+that copy alone, so an overlapped loop can queue the next step first and read these ids later.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ketch.sampling.generators import make_generator
 
 __all__ = [
     "DeviceSample",
+    "HostSample",
     "edit_logits",
     "SampleResult",
     "SamplingBatch",
@@ -43,18 +45,20 @@ class SampleResult:
 
 
 @dataclass
-class DeviceSample:
-    """The step's results still on the device; `token_ids` can feed the next step directly."""
+class HostSample:
+    """A step's results on their way to the host; `wait` blocks until they are there."""
 
-    token_ids: torch.Tensor  # [B] int64
-    packed: torch.Tensor | None  # [B, 2 + 2k] float64: id, logprob, top ids, top logprobs
+    data: torch.Tensor  # token ids [B], or packed [B, 2 + 2k]; pinned host memory on CUDA
+    packed: bool
     num_top: int
+    copied: torch.cuda.Event | None  # None off CUDA: the data is already there
 
-    def to_host(self) -> SampleResult:
-        """The one device->host transfer of the step."""
-        if self.packed is None:
-            return SampleResult(self.token_ids.tolist(), None, None, None)
-        rows = self.packed.tolist()
+    def wait(self) -> SampleResult:
+        if self.copied is not None:
+            self.copied.synchronize()  # this copy only, not the steps queued after it
+        if not self.packed:
+            return SampleResult(self.data.tolist(), None, None, None)
+        rows = self.data.tolist()
         k = self.num_top
         return SampleResult(
             token_ids=[int(r[0]) for r in rows],
@@ -62,6 +66,29 @@ class DeviceSample:
             top_ids=[[int(t) for t in r[2 : 2 + k]] for r in rows] if k else None,
             top_logprobs=[r[2 + k :] for r in rows] if k else None,
         )
+
+
+@dataclass
+class DeviceSample:
+    """The step's results still on the device; `token_ids` can feed the next step directly."""
+
+    token_ids: torch.Tensor  # [B] int64
+    packed: torch.Tensor | None  # [B, 2 + 2k] float64: id, logprob, top ids, top logprobs
+    num_top: int
+
+    def start_copy(self) -> HostSample:
+        """Queue the one device->host transfer of the step; returns without waiting."""
+        src = self.token_ids if self.packed is None else self.packed
+        if src.device.type != "cuda":
+            return HostSample(src, self.packed is not None, self.num_top, None)
+        host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        host.copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return HostSample(host, self.packed is not None, self.num_top, copied)
+
+    def to_host(self) -> SampleResult:
+        return self.start_copy().wait()
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:

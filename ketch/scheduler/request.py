@@ -44,7 +44,10 @@ class Request:
     eos_ids: tuple[int, ...]
     max_len: int  # prompt + output may not exceed this (context length)
     arrival: int  # admission order for FCFS and preemption priority
+    # Generated ids; the last one or two may be placeholders (< 0) for tokens still being
+    # sampled on the device (runner/future_tokens.py), counted by num_unresolved.
     output_ids: list[int] = field(default_factory=list)
+    num_unresolved: int = 0
     state: RequestState = RequestState.WAITING
     num_computed: int = 0  # tokens whose K/V is in the pool
     page_table: list[int] = field(default_factory=list)  # pages this request holds a reference on
@@ -73,6 +76,23 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_resolved(self) -> int:
+        """Leading tokens whose ids the host knows (all but trailing placeholders)."""
+        return self.seq_len - self.num_unresolved
+
+    @property
+    def at_length_limit(self) -> bool:
+        """Its newest token is its last, whatever that token turns out to be (max_tokens or
+        context length): an overlapped scheduler must not run it again."""
+        return len(self.output_ids) >= self.params.max_tokens or self.seq_len >= self.max_len
+
+    @property
+    def needs_history(self) -> bool:
+        """Its sampling reads the ids generated so far (grammar state, penalties), so a step
+        that samples it must wait for the tokens still in flight."""
+        return self.grammar is not None or self.params.has_penalties
 
     @property
     def num_pending(self) -> int:

@@ -75,8 +75,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.state is not RequestState.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.state is not RequestState.RUNNING or req.at_length_limit:
+                continue  # preempted earlier in this loop; or done once its in-flight token lands
             n = min(req.num_pending, chunk, budget)
             reserved, preempted_now = self._reserve(req, req.num_computed + n)
             preempted |= preempted_now
@@ -196,7 +196,8 @@ class Scheduler:
             self._cache_progress(c.req)
 
     def _cache_progress(self, req: Request) -> None:
-        full = req.num_computed // self.page_size
+        # a page is published once its ids are known, not merely its K/V (overlap: placeholders)
+        full = min(req.num_computed, req.num_resolved) // self.page_size
         if full <= req.num_inserted_pages:
             return
         res = self.cache.insert(req.all_ids[: full * self.page_size], req.page_table[:full])

@@ -1,0 +1,40 @@
+"""Sampled token ids that are still on the device, named on the host by placeholders.
+
+With overlap scheduling the host schedules step N+1 before it has seen step N's tokens. Step
+N's sampler writes its ids into this buffer, and each request's output gets a placeholder
+`-(1 + slot)` in the meantime; step N+1's input ids are resolved on the device (`resolve`,
+inside the decode CUDA graphs too), so the ids never make a round trip through the host. The
+engine replaces a placeholder with the real id when it processes step N, which is always
+before it schedules step N+2; so two halves, used by alternate steps, are enough.
+
+Without overlap the same path runs: the placeholder is resolved right after its step.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def is_placeholder(token: int) -> bool:
+    return token < 0
+
+
+class FutureTokens:
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.ids = torch.zeros(2 * max_rows, dtype=torch.long, device=device)
+        self._half = 0
+
+    def publish(self, token_ids: torch.Tensor) -> list[int]:
+        """Store a step's sampled ids [n] (on the device); returns their placeholders."""
+        n = token_ids.shape[0]
+        if n > self.max_rows:
+            raise ValueError(f"a step sampled {n} rows; the buffer holds {self.max_rows}")
+        base = self._half * self.max_rows
+        self._half ^= 1
+        self.ids[base : base + n].copy_(token_ids)
+        return [-(1 + base + i) for i in range(n)]
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` (int32 or int64, on the device) with placeholders replaced: int64."""
+        slots = (-1 - ids).clamp_(min=0)
+        return torch.where(ids < 0, self.ids.index_select(0, slots.view(-1)).view(ids.shape), ids.long())
