@@ -7,6 +7,8 @@ step's token count; both forms hold the same quantized values.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,11 @@ class Linear(nn.Linear):
     int4: torch.Tensor | None = None  # packed weight for torch's int4 CPU kernel
     int4_scale_zero: torch.Tensor | None = None  # [in / 32, out, 2]
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.dense = dense  # the dense product: F.linear, or LayerOps.linear (ketch/layers/ops.py)
+
     def attach_int4(self, w: Q4Weight) -> None:
         if tuple(w.q.shape) != tuple(self.weight.shape):
             raise ValueError(f"model: 4-bit weight shape {tuple(w.q.shape)} != {tuple(self.weight.shape)}")
@@ -31,7 +38,7 @@ class Linear(nn.Linear):
         if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return self.dense(x, self.weight, self.bias)
 
 
 def concat_q4(parts: list[Q4Weight]) -> Q4Weight:

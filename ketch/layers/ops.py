@@ -2,7 +2,9 @@
 
     torch  : ketch's own torch layers (any device; the CPU path, bit for bit as before)
     triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
-             pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass
+             pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
+             and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
+             skinny-GEMM kernel (F.linear above that)
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -33,6 +35,8 @@ class LayerOps:
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     # [tokens, 2 * inter] -> [tokens, inter]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (x [tokens, in], weight [out, in], bias [out] or None) -> [tokens, out]; dense projections
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,13 +56,26 @@ TORCH_OPS = LayerOps("torch", _torch_rms_norm, _torch_add_rms_norm, apply_rotary
 def triton_ops() -> LayerOps:
     """Imported on demand: the CPU path never loads Triton."""
     from ketch.kernels.activation import silu_and_mul
+    from ketch.kernels.gemv import gemv
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
 
     def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotary(x, cos, sin, out=x)  # one program per token reads all its heads before writing
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul)
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # steps of <= GEMV_MAX_M tokens over a plain dense CUDA weight: the one-kernel skinny
+        # GEMM; larger steps (prefill) and anything else: cuBLAS
+        if (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.is_cuda and weight.is_cuda
+                and weight.dim() == 2 and weight.layout == torch.strided and weight.stride(-1) == 1
+                and weight.dtype == x.dtype):
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear)
+
+
+GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)
 
 
 def layer_ops(name: str) -> LayerOps:

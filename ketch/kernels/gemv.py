@@ -1,0 +1,135 @@
+"""Skinny GEMM / GEMV for small-batch decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 8.
+
+Decoding a few tokens is bound by how fast W streams from HBM. cuBLASLt at M=1 splits K over
+programs and adds a separate reduce kernel on the smaller projections; this is one kernel with
+no cross-program reduction:
+
+    grid: (cdiv(N, BLOCK_N),)  one program = BLOCK_N output columns for all M rows.
+        It walks K in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] tile of W (rows of W are
+        contiguous along K: wide coalesced loads) and the [BLOCK_M, BLOCK_K] chunk of x (tiny,
+        served from L1/L2), accumulates in fp32 and writes y once, in x's dtype.
+
+Two paths, each its own autotuner over the same kernel (the M bucket, BLOCK_M, is a key):
+    M = 1      BLOCK_M = 1: fp32 FMAs into a [BLOCK_N, BLOCK_K] partial, reduced once at the
+               end; long K steps (1024) keep enough bytes in flight per SM.
+    M = 2..8   BLOCK_M = 16: x padded (masked) to one tensor-core tile, tl.dot per K step
+               (fp32 accumulator); loads pipelined through shared memory by num_stages.
+               A per-step FMA + cross-thread reduction was 1.5-4x slower here (shuffle-bound).
+
+Deterministic: no atomics, no split-K, so a fixed config always sums in the same order. Within
+a path the configs differ only where the per-column summation order does not (see _configs),
+so whichever config the autotuner picks, the bits are the same.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import dot_precision, interpreting, last_dim_contiguous
+
+MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
+DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
+
+
+def _configs(dot: bool) -> list[triton.Config]:
+    """Winners of a sweep on an H200 (bf16, Llama-3.1-8B shapes, CUDA graphs; the README).
+    FMA path: BLOCK_K x num_warps fixed (each column's reduction tree depends only on them).
+    Dot path: the fp32 accumulator is chained through the k-steps in order whatever BLOCK_N /
+    BLOCK_K, so every config gives the same bits (tests/test_gemv.py checks both on the GPU)."""
+    if interpreting():  # one config: autotuning would only time the interpreter
+        return [triton.Config({"BLOCK_N": 16 if dot else 4, "BLOCK_K": 32 if dot else 64}, num_warps=4, num_stages=1)]
+    if dot:
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=2, num_stages=s)
+                for bn, bk, s in ((16, 512, 3), (32, 512, 3), (32, 256, 5), (32, 128, 3))]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": 1024}, num_warps=4, num_stages=1) for bn in (1, 2, 4, 8)]
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Bias, Y, M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if BLOCK_M == 1:
+        part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if BLOCK_M == 1:
+            # fp32 FMAs per (n, k) slot, reduced once after the loop (fp32 at once: the
+            # interpreter's bf16 arithmetic is wrong)
+            part += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            if UPCAST:  # fp32 inputs, or the interpreter (whose bf16 is wrong)
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if BLOCK_M == 1:
+        acc = tl.sum(part, axis=1)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# one autotuner per path over the same kernel; each caches its pick per (N, K, BLOCK_M, dtypes)
+_gemv_fma = triton.autotune(configs=_configs(dot=False), key=["N", "K", "BLOCK_M"])(_gemv_kernel)
+_gemv_dot = triton.autotune(configs=_configs(dot=True), key=["N", "K", "BLOCK_M"])(_gemv_kernel)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] with at most MAX_M rows in all; weight: [N, K]; bias: [N] or None.
+    Returns [..., N] in x's dtype (fp32 accumulation). No host sync: CUDA-graph safe once
+    each (N, K, M bucket) has been autotuned outside the capture."""
+    if weight.dim() != 2:
+        raise ValueError(f"gemv: weight must be 2-D, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"gemv: x has {x.shape[-1]} features, weight expects {k}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({n},)")
+    x2 = last_dim_contiguous(x.reshape(-1, k))
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"gemv: {m} rows > MAX_M={MAX_M}; use F.linear")
+    weight = last_dim_contiguous(weight)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        kernel, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
+        kernel[grid](
+            x2, weight, weight if bias is None else bias, y, m, n, k,
+            x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, UPCAST=interpreting() or x.dtype == torch.float32,
+            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m,
+        )
+    return y.view(*x.shape[:-1], n)
+
+
+def picked_config(n: int, k: int, m: int) -> str | None:
+    """The autotuned config for a shape, as text (None before the first call with it)."""
+    tuner, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
+    if len(tuner.configs) == 1:
+        return str(tuner.configs[0])
+    for key, cfg in tuner.cache.items():
+        if key[:3] == (n, k, block_m):
+            return str(cfg)
+    return None
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
