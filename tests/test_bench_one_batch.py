@@ -15,13 +15,15 @@ def _x(name: str, cat: str, ts: float, dur: float) -> dict:
 
 def test_summary_counts_busy_time_inside_the_annotated_steps_only():
     trace = {"traceEvents": [
+        _x(STEP_ANNOTATION, "user_annotation", 0, 100),  # the first step: a warm-in, not counted
+        _x("in_the_first_step", "kernel", 5, 80),
         _x(STEP_ANNOTATION, "user_annotation", 100, 100),  # window 100..300
         _x(STEP_ANNOTATION, "user_annotation", 200, 100),
         _x("ampere_bf16_gemm", "kernel", 110, 40),  # 110..150
         _x("ampere_bf16_gemm", "kernel", 140, 20),  # overlaps: union 110..160 (a second stream)
         _x("vectorized_elementwise_kernel", "kernel", 210, 10),
         _x("Memcpy HtoD", "gpu_memcpy", 290, 20),  # clipped at 300: 10 inside
-        _x("before_the_window", "kernel", 10, 50),  # ignored
+        _x("before_the_window", "kernel", 10, 40),  # ignored
         _x("aten::mm", "cpu_op", 100, 200),  # CPU side: never busy GPU time
         {"ph": "i", "name": STEP_ANNOTATION, "cat": "user_annotation", "ts": 0},  # not a span
     ]}
@@ -38,6 +40,8 @@ def test_summary_counts_busy_time_inside_the_annotated_steps_only():
 def test_summary_without_step_annotations_is_a_clear_error():
     with pytest.raises(ValueError, match="record_function"):
         summarize({"traceEvents": [_x("k", "kernel", 0, 1)]})
+    with pytest.raises(ValueError, match="at least 2"):
+        summarize({"traceEvents": [_x(STEP_ANNOTATION, "user_annotation", 0, 10)]})
 
 
 def test_kernel_families():
@@ -66,10 +70,10 @@ def test_one_batch_prefills_the_whole_batch_in_one_step_and_times_decode(tiny_co
     assert r["prefill_tok_s"] == pytest.approx(3 * 40 / (r["prefill_ms"] / 1e3), rel=1e-2)
     assert r["decode_step_ms_p10"] <= r["decode_step_ms_median"] <= r["decode_step_ms_p90"]
     assert r["decode_tok_s"] == pytest.approx(3 / (r["decode_step_ms_median"] / 1e3), rel=1e-2)
-    assert summarize_file(str(trace)).steps == 4  # exactly the profiled decode steps
+    assert summarize_file(str(trace)).steps == 3  # the profiled decode steps but the first (a warm-in)
     assert res["profile"]["kernels_per_step"] == 0  # CPU run: no GPU kernels
     printed = capsys.readouterr().out
-    assert "batch 3 | in 40 out 9" in printed and "profiled steps: 4" in printed
+    assert "batch 3 | in 40 out 9" in printed and "profiled steps: 3" in printed
 
 
 def test_one_batch_rejects_a_run_without_decode_steps(tiny_config_path, tmp_path, capsys):

@@ -44,6 +44,7 @@ class OneBatchResult:
     decode_step_ms_p90: float
     decode_tok_s: float  # batch_size / median step
     decode_tok_s_per_request: float
+    decode_steps_ms: list[float]  # every decode step, in order (slow outliers, drift)
 
 
 def _sync(device: torch.device) -> None:
@@ -94,6 +95,7 @@ def run_round(engine: Engine, batch: int, input_len: int, output_len: int, rng: 
         decode_step_ms_p90=round(q[-1] * 1e3, 3),
         decode_tok_s=round(batch / med, 1),
         decode_tok_s_per_request=round(1 / med, 1),
+        decode_steps_ms=[round(t * 1e3, 3) for t in steps],
     )
 
 

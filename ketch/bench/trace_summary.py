@@ -1,8 +1,10 @@
 """Read a torch-profiler chrome trace: what the GPU ran during annotated steps, and how idle it was.
 
-    window   = first annotated step's start → last one's end (a host interval: without overlap
-               each step waits for its own GPU work; with overlap the GPU runs one step behind
-               the host, and kernels are clipped to the window at both ends)
+    window   = second annotated step's start → last one's end. The first step is left out: the
+               profiler starts inside it, and with overlap the GPU is then still running a step
+               launched before the profiler, whose kernels the trace does not have (they would
+               count as idle). Without overlap each step waits for its own GPU work; with overlap
+               the GPU runs one step behind the host. Kernels are clipped to the window.
     busy     = union of kernel / memcpy / memset intervals inside the window
     idle     = 1 - busy / window
 
@@ -90,7 +92,11 @@ def summarize(trace: dict, annotation: str = STEP_ANNOTATION) -> TraceSummary:
     steps = [e for e in events if e.get("name") == annotation and e.get("cat") == "user_annotation"]
     if not steps:
         raise ValueError(f"trace: no {annotation!r} annotations; was the step wrapped in record_function?")
-    lo = min(float(e["ts"]) for e in steps)
+    if len(steps) < 2:
+        raise ValueError("trace: one annotated step; the first is only a warm-in, profile at least 2")
+    steps.sort(key=lambda e: float(e["ts"]))
+    steps = steps[1:]
+    lo = float(steps[0]["ts"])
     hi = max(float(e["ts"]) + float(e["dur"]) for e in steps)
     spans: list[tuple[float, float]] = []
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
