@@ -63,7 +63,7 @@ has bs1-torch && bs1 bs1-torch "${TORCH[@]}"
 has bs1-tattn && one bs1-tattn 1 128 128 90 --layer-kernels torch
 has bs1-eager && one bs1-eager 1 128 128 90 --disable-cuda-graph
 has kernels && step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py
-has tests && step tests 330 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
+has tests && step tests 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
 # the memory plan and the GEMV kernel on the GPU (tests/test_gpu.py has the overlap test)
 has tests-new && step tests-new 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_memory_plan.py tests/test_gemv.py
 has gemv && step gemv 120 python3 scripts/gemv_ab.py
