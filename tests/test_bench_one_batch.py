@@ -79,3 +79,24 @@ def test_one_batch_prefills_the_whole_batch_in_one_step_and_times_decode(tiny_co
 def test_one_batch_rejects_a_run_without_decode_steps(tiny_config_path, tmp_path, capsys):
     assert _one_batch(tiny_config_path, tmp_path, "--output-len", "1") == 2
     assert "output_len must be >= 2" in capsys.readouterr().err
+
+
+class _FakeEvent:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return other.t - self.t
+
+
+def test_gpu_timeline_idle_is_the_gaps_between_consecutive_steps(monkeypatch):
+    from ketch.bench.gpu_timeline import StepTimeline
+
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *a: None)
+    tl = StepTimeline(engine=None)
+    # a prefill (0..50, skipped), then steps of 10 ms busy with gaps 0, 2, 0 before the next
+    for start, end in [(0, 50), (50, 60), (60, 70), (72, 82), (82, 92)]:
+        tl.marks.append((_FakeEvent(start), _FakeEvent(end)))
+    s = tl.summary(skip=1)
+    assert s.steps == 3 and s.busy_ms == 10 and s.gap_ms == 0
+    assert s.idle_fraction == pytest.approx(2 / 32)

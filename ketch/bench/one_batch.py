@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ketch.bench.gpu_timeline import StepTimeline
 from ketch.bench.trace_summary import STEP_ANNOTATION, summarize_file
 from ketch.cli_args import engine_kwargs
 from ketch.config import EngineConfig
@@ -45,6 +46,11 @@ class OneBatchResult:
     decode_tok_s: float  # batch_size / median step
     decode_tok_s_per_request: float
     decode_steps_ms: list[float]  # every decode step, in order (slow outliers, drift)
+    # CUDA, from timing events around each step (gpu_timeline.py), no profiler: the GPU's median
+    # time per decode step, the median gap before the next, and Σ gaps / Σ (busy + gaps)
+    gpu_step_busy_ms: float | None = None
+    gpu_gap_ms: float | None = None
+    gpu_idle_fraction: float | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -61,6 +67,18 @@ def _step(engine: Engine) -> int:
 
 def run_round(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
               profiler: torch.profiler.profile | None = None, profile_steps: int = 0) -> OneBatchResult:
+    if engine.runner.device.type != "cuda":
+        return _round(engine, batch, input_len, output_len, rng, tag, profiler, profile_steps)
+    with StepTimeline(engine) as timeline:
+        r = _round(engine, batch, input_len, output_len, rng, tag, profiler, profile_steps)
+    t = timeline.summary(skip=1)  # the first launch is the prefill
+    r.gpu_step_busy_ms, r.gpu_gap_ms = round(t.busy_ms, 3), round(t.gap_ms, 3)
+    r.gpu_idle_fraction = round(t.idle_fraction, 4)
+    return r
+
+
+def _round(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
+           profiler: torch.profiler.profile | None, profile_steps: int) -> OneBatchResult:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", [rng.randrange(engine.vocab_size) for _ in range(input_len)], params)
@@ -132,6 +150,9 @@ def run_one_batch(a: argparse.Namespace) -> OneBatchResult:
         f"p90 {r.decode_step_ms_p90:.3f}) | decode {r.decode_tok_s:,.1f} tok/s "
         f"({r.decode_tok_s_per_request:.1f} per request)"
     )
+    if r.gpu_idle_fraction is not None:
+        print(f"GPU between decode steps (CUDA events, no profiler): busy {r.gpu_step_busy_ms:.3f} ms/step, "
+              f"gap {r.gpu_gap_ms:.3f} ms, idle {r.gpu_idle_fraction:.1%}")
     summary = None
     if a.profile:
         acts = [torch.profiler.ProfilerActivity.CPU]
