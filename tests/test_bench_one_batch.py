@@ -100,3 +100,15 @@ def test_gpu_timeline_idle_is_the_gaps_between_consecutive_steps(monkeypatch):
     s = tl.summary(skip=1)
     assert s.steps == 3 and s.busy_ms == 10 and s.gap_ms == 0
     assert s.idle_fraction == pytest.approx(2 / 32)
+
+
+def test_offline_decode_counts_only_tokens_after_every_first_token(tiny_config_path):
+    """6 requests, 2 running at a time: the 'decode' phase is the last two decoding alone."""
+    import random
+
+    from conftest import make_tiny_engine
+    from ketch.bench.offline import measure
+
+    engine = make_tiny_engine(tiny_config_path, max_num_seqs=2)
+    r = measure(engine, batch=6, input_len=8, output_len=5, rng=random.Random(0), tag="t")
+    assert r["decode_tokens"] == 2 * 4  # not 6 * 4: four requests were done before the last first token

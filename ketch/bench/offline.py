@@ -36,14 +36,21 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", prefix + [rng.randrange(vocab) for _ in range(input_len - len(prefix))], params)
     generated = 0
+    per_step: list[tuple[float, int]] = []  # (when a step's tokens arrived, how many)
     while engine.has_unfinished():
-        for out in engine.step():
-            generated += len(out.new_token_ids)
-            first.setdefault(out.request_id, time.perf_counter())
+        outs = engine.step()
+        now = time.perf_counter()
+        per_step.append((now, sum(len(out.new_token_ids) for out in outs)))
+        generated += per_step[-1][1]
+        for out in outs:
+            first.setdefault(out.request_id, now)
     sync()
     total = time.perf_counter() - t0
-    last_first = max(first.values()) - t0
-    decode_time = total - last_first
+    last_first = max(first.values())
+    decode_time = total - (last_first - t0)
+    # "decode": the tokens that arrived after every request had its first one (all rows decode)
+    decoded = sum(n for t, n in per_step if t > last_first)
+    rows = min(batch, engine.config.max_num_seqs)
     return {
         "batch": batch,
         "input_len": input_len,
@@ -52,8 +59,9 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
         "mean_ttft_ms": round(statistics.mean(v - t0 for v in first.values()) * 1000, 1),
         "output_tok_s": round(generated / total, 1),
         "total_tok_s": round((generated + batch * input_len) / total, 1),
-        "decode_tok_s": round(batch * (output_len - 1) / decode_time, 1) if decode_time > 0 else None,
-        "decode_tok_s_per_request": round((output_len - 1) / decode_time, 1) if decode_time > 0 else None,
+        "decode_tokens": decoded,
+        "decode_tok_s": round(decoded / decode_time, 1) if decode_time > 0 else None,
+        "decode_tok_s_per_request": round(decoded / decode_time / rows, 1) if decode_time > 0 else None,
         "prefix_cache_hit_rate": round((stats.cached_prompt_tokens - cached0) / max(1, stats.prompt_tokens - prompt0), 3),
         "prefill_tokens_saved": stats.cached_prompt_tokens - cached0,
     }
