@@ -4,7 +4,8 @@
 # $OUT as few files (the device tool returns at most 8): session.log, results.jsonl (one line
 # per benchmark), trace_*.json.gz.
 #   usage: bash scripts/h200_bench.sh [steps...]
-#   steps (default all): bs1 bs1-sync bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
+#   steps (default all): bs1 bs1-sync bs1-nopdl bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
+#                        pdl-tests tests-4l kernels-gemv
 #                        bs64 bs64-torch bs256 bs256-sync bs256-torch p8k p8k-torch offline offline-sync
 # The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs + overlap
 # scheduling;
@@ -67,6 +68,13 @@ has tests && step tests 420 python3 -m pytest -q -s -p no:cacheprovider tests/te
 # the memory plan and the GEMV kernel on the GPU (tests/test_gpu.py has the overlap test)
 has tests-new && step tests-new 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_memory_plan.py tests/test_gemv.py
 has gemv && step gemv 120 python3 scripts/gemv_ab.py
+# programmatic dependent launch (on by default on sm_90+): its GPU tests, A/B with KETCH_DISABLE_PDL=1,
+# and the engine's 4-layer bf16 GPU tests with it on
+has pdl-tests && step pdl-tests 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_pdl.py
+has bs1-nopdl && step bs1-nopdl 90 env KETCH_DISABLE_PDL=1 "${BENCH[@]}" --batch-size 1 --input-len 128 --output-len 128 \
+  --output-file "$RES/bs1-nopdl.json"
+has tests-4l && step tests-4l 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "4-layer-bf16"
+has kernels-gemv && step kernels-gemv 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py
 has bs64 && one bs64 64 128 128 90
 has bs64-torch && one bs64-torch 64 128 128 90 "${TORCH[@]}"
 prof() {  # prof NAME BATCH [flags]: decode at BATCH with a profile of 10 steps (GPU idle between steps)

@@ -111,6 +111,7 @@ def test_every_autotune_config_gives_the_same_bits(m: int) -> None:
     """The autotuner may pick any config of a path; the result must not depend on which."""
     import triton
 
+    from ketch.kernels._common import pdl_launch
     from ketch.kernels.gemv import DOT_M, _gemv_dot, _gemv_fma, _gemv_kernel
 
     n, k = LLAMA_8B["down"]
@@ -122,7 +123,7 @@ def test_every_autotune_config_gives_the_same_bits(m: int) -> None:
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         _gemv_kernel[(triton.cdiv(n, cfg.kwargs["BLOCK_N"]),)](
             x, w, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-            HAS_BIAS=False, UPCAST=False, PRECISION="tf32", BLOCK_M=block_m, **cfg.all_kwargs())
+            HAS_BIAS=False, UPCAST=False, PRECISION="tf32", BLOCK_M=block_m, **cfg.all_kwargs(), **pdl_launch())
         outs.append(y)
     assert all(torch.equal(outs[0], y) for y in outs[1:])
 

@@ -200,9 +200,19 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     proc = subprocess.run([sys.executable, "-m", "ketch.kernels.compile_check", "--arch", "90"],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = dict(re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B$", proc.stdout, re.MULTILINE))
-    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "rotary", "silu_and_mul"}
+    found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
+    rows = {name: spill for name, spill, _ in found}
+    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "rotary", "silu_and_mul",
+                         "gemv_m1", "gemv_dot"}
     assert all(v == "0" for v in rows.values()), proc.stdout
+    # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
+    # (the norm weight; the gemv's first W tile, its prefetch); extend attention stays non-PDL
+    wait = {name: re.fullmatch(r"(\d+) loads / (\d+) stores", w) for name, _, w in found}
+    assert wait.pop("extend") is None, proc.stdout
+    assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
+    loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
+    assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["add_rms_norm"] > 0, proc.stdout
+    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "silu_and_mul")), proc.stdout
 
 
 # ---------------------------------------------------------------- backend end to end

@@ -10,17 +10,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import pow2
+from ketch.kernels._common import pdl_launch, pow2
 from ketch.layers.activation import silu_and_mul as _torch_silu_and_mul
 
 
 @triton.jit
-def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
+    if USE_PDL:  # gate_up is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
     g = tl.load(GateUp + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GateUp + row * stride_g + INTER + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     dt = Out.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (act * u).to(dt), mask=mask)
@@ -39,6 +44,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            **pdl_launch(),
         )
     return out.view(*gate_up.shape[:-1], inter)
 

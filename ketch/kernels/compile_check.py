@@ -27,6 +27,8 @@ from ketch.kernels._common import pow2
 from ketch.kernels.activation import _silu_and_mul_kernel
 from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
 from ketch.kernels.extend_attention import _extend_kernel
+from ketch.kernels.gemv import _configs as _gemv_configs
+from ketch.kernels.gemv import _gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel
 from ketch.kernels.rmsnorm import _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
@@ -37,6 +39,8 @@ class Usage:
     name: str
     registers: int
     spill_bytes: int  # stack frame: registers spilled to local memory
+    loads_before_wait: int  # PDL: global loads issued before griddepcontrol.wait (-1: no wait)
+    stores_before_wait: int  # must be 0: a store before the wait races the previous kernel
 
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int) -> Any:
@@ -59,17 +63,24 @@ def _usage(name: str, kernel: Any) -> Usage:
     match = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if match is None:
         raise RuntimeError(f"cuobjdump: no resource line for {name}")
-    return Usage(name, int(match.group(1)), int(match.group(2)))
+    ptx = kernel.asm["ptx"]
+    at = ptx.find("griddepcontrol.wait")
+    head = ptx[:at]
+    loads = -1 if at < 0 else len(re.findall(r"\bld\.global", head))
+    stores = -1 if at < 0 else len(re.findall(r"\b(?:st|red|atom)\.global", head))
+    return Usage(name, int(match.group(1)), int(match.group(2)), loads, stores)
 
 
 def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                hidden: int = 4096, inter: int = 14336, dtype: str = "bf16") -> list[Usage]:
+                hidden: int = 4096, inter: int = 14336, dtype: str = "bf16", pdl: bool = True) -> list[Usage]:
     p = f"*{dtype}"
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
              "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
-             "num_splits": "i32"}
+             "num_splits": "i32", "Bias": p}
+    fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
+    gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim)},
@@ -88,10 +99,16 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if (heads + kv_heads) * head_dim >= 2048 else 2, 3),
         ("silu_and_mul", _silu_and_mul_kernel, {"INTER": inter, "BLOCK": min(1024, pow2(inter))},
          4 if min(1024, pow2(inter)) >= 512 else 1, 3),
+        ("gemv_m1", _gemv_kernel, {**gemv_consts, "BLOCK_M": 1, **fma.kwargs}, fma.num_warps, fma.num_stages),
+        ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
     ]
     out = []
     for name, fn, consts, warps, stages in cases:
+        if "USE_PDL" in fn.arg_names:
+            consts = {**consts, "USE_PDL": pdl}
         sig = {n: fixed.get(n, "i32" if n.startswith("stride") or n == "page_size" else p) for n in fn.arg_names}
+        if fn is _gemv_kernel:  # its M, N, K are sizes (elsewhere K is the key pointer)
+            sig.update(M="i32", N="i32", K="i32")
         out.append(_usage(name, _compile(fn, sig, consts, arch, warps, stages)))
     return out
 
@@ -105,9 +122,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    ap.add_argument("--no-pdl", action="store_true", help="build without the griddepcontrol calls")
     a = ap.parse_args()
-    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype):
-        print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B")
+    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl):
+        pdl = "no wait" if u.loads_before_wait < 0 else f"{u.loads_before_wait} loads / {u.stores_before_wait} stores"
+        print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B  before PDL wait: {pdl}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import dot_precision, last_dim_contiguous, pow2
+from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch, pow2
 
 LOG2E = 1.4426950408889634
 
@@ -36,10 +36,13 @@ def _decode_split_kernel(
     scale_log2, page_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:  # q, seq_lens, the page table and the KV just stored are all this step's
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -73,6 +76,8 @@ def _decode_split_kernel(
         v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     nonempty = hi > lo
     o = tl.where(nonempty, acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
@@ -86,7 +91,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     MidO, MidLse, Out,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -94,12 +99,16 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
+    if USE_PDL:  # the split kernel's partials
+        tl.extra.cuda.gdc_wait()
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
     w = tl.exp2(lse - m)
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     denom = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
@@ -146,6 +155,7 @@ def decode_attention(
     vc = v_cache.view(-1, kv_heads, head_dim)
     group = num_heads // kv_heads
     block_d = pow2(head_dim, 16)
+    pdl = pdl_launch()
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kc, vc, page_table, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), page_table.stride(0),
@@ -153,14 +163,14 @@ def decode_attention(
         scale * LOG2E, page_size, num_splits,
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
-        num_warps=1 if head_dim <= 64 else 2,
+        num_warps=1 if head_dim <= 64 else 2, **pdl,
     )
     return out
 

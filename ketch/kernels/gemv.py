@@ -19,6 +19,9 @@ Two paths, each its own autotuner over the same kernel (the M bucket, BLOCK_M, i
 Deterministic: no atomics, no split-K, so a fixed config always sums in the same order. Within
 a path the configs differ only where the per-column summation order does not (see _configs),
 so whichever config the autotuner picks, the bits are the same.
+
+PDL (ketch/kernels/README.md): K step 0 is peeled so its W tile is loaded before gdc_wait; the
+sums are the same operations in the same order, so PDL on and off give the same bits.
 """
 from __future__ import annotations
 
@@ -27,7 +30,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import dot_precision, interpreting, last_dim_contiguous
+from ketch.kernels._common import (
+    dot_precision,
+    interpreting,
+    last_dim_contiguous,
+    pdl_launch,
+)
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
@@ -47,11 +55,26 @@ def _configs(dot: bool) -> list[triton.Config]:
 
 
 @triton.jit
+def _k_step(acc, w, x, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One K step: acc += x @ w^T for the loaded [BLOCK_N, BLOCK_K] w and [BLOCK_M, BLOCK_K] x."""
+    if BLOCK_M == 1:
+        # fp32 FMAs per (n, k) slot, reduced once after the loop (fp32 at once: the
+        # interpreter's bf16 arithmetic is wrong)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        if UPCAST:  # fp32 inputs, or the interpreter (whose bf16 is wrong)
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     X, W, Bias, Y, M, N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,24 +85,29 @@ def _gemv_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     if BLOCK_M == 1:
-        part = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # per-(n, k) partial sums
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = 0
+    if USE_PDL:
+        # K step 0 peeled: its W tile is requested before waiting for the previous kernel
+        # (weights are never written during a step), so W starts streaming from HBM during the
+        # previous kernel's tail; x (the previous kernel's output) only after the wait.
+        k_mask = offs_k < K
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _k_step(acc, w, x, BLOCK_M, UPCAST, PRECISION)
+        k_lo = BLOCK_K
+    for k0 in range(k_lo, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if BLOCK_M == 1:
-            # fp32 FMAs per (n, k) slot, reduced once after the loop (fp32 at once: the
-            # interpreter's bf16 arithmetic is wrong)
-            part += w.to(tl.float32) * x.to(tl.float32)
-        else:
-            if UPCAST:  # fp32 inputs, or the interpreter (whose bf16 is wrong)
-                w = w.to(tl.float32)
-                x = x.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _k_step(acc, w, x, BLOCK_M, UPCAST, PRECISION)
+    if USE_PDL:  # the main loop is done: let the next kernel launch and prefetch its weights
+        tl.extra.cuda.gdc_launch_dependents()
     if BLOCK_M == 1:
-        acc = tl.sum(part, axis=1)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -115,7 +143,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x2, weight, weight if bias is None else bias, y, m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, UPCAST=interpreting() or x.dtype == torch.float32,
-            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m,
+            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, **pdl_launch(),
         )
     return y.view(*x.shape[:-1], n)
 

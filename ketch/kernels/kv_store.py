@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import last_dim_contiguous, pow2
+from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
 
 
 @triton.jit
@@ -19,8 +19,11 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
+    if USE_PDL:  # slots, k and v are this step's; the pool slots may still be read before us
+        tl.extra.cuda.gdc_wait()
     slot = tl.load(Slots + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -29,6 +32,8 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     dst = safe_slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     tl.store(KCache + dst, k, mask=mask)
     tl.store(VCache + dst, v, mask=mask)
@@ -48,7 +53,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(kv_heads), BLOCK_D=pow2(head_dim),
-        num_warps=4 if kv_heads * head_dim >= 1024 else 1,
+        num_warps=4 if kv_heads * head_dim >= 1024 else 1, **pdl_launch(),
     )
 
 

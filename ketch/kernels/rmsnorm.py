@@ -17,27 +17,32 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import pow2
+from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
 def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut,
     stride_x, stride_r, stride_o, stride_ro, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)  # a parameter: safe before the wait
+    if USE_PDL:  # x / residual come from earlier kernels; ResidualOut may be what they read
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResidualOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
-    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
 
 
@@ -58,7 +63,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2 if r2 is None else r2, weight, out, out if res_out is None else res_out,
             x2.stride(0), 0 if r2 is None else r2.stride(0), out.stride(0), 0 if res_out is None else res_out.stride(0),
-            eps, N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            eps, N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, **pdl_launch(),
             num_warps=min(16, max(1, block // 256)),
         )
     res = None if res_out is None else res_out.view(x.shape)
