@@ -183,3 +183,27 @@ def test_cpu_mask_kernel_equals_xgrammars(vocab):
     _apply_mask_cpu(got, mask, vocab)
     assert torch.equal(got, want) and torch.equal(got[0], logits[0])
     assert torch.isinf(got[1:]).any()
+
+
+def test_overlap_schedule_with_constrained_rows(llm, smollm_path):
+    """Overlap scheduling processes a step one call late, but a grammar row needs its previous
+    token accepted before its next mask: such a step first takes the one in flight. Constrained,
+    penalized and free rows in one batch come out as without overlap, and valid."""
+    prompts = [PERSON, [{"role": "user", "content": "Name three colours."}], [{"role": "user", "content": "Say hi."}]]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, grammar=GrammarSpec.json_schema(SCHEMA)),
+              SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=24)]
+    overlapped = LLM(smollm_path, dtype="float32", num_threads=1, overlap_schedule=True)
+    assert overlapped.engine.overlap and not llm.engine.overlap
+    runs = []
+    for engine_llm in (llm, overlapped):
+        engine, tok = engine_llm.engine, engine_llm.tokenizer
+        for i, (messages, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", engine_llm.encode_chat(messages), p)
+        res = collect(drain(engine))
+        runs.append([(res[(f"r{i}", 0)]["ids"], res[(f"r{i}", 0)]["reason"]) for i in range(3)])
+        _drained(engine_llm)
+    assert runs[0] == runs[1]
+    ids, reason = runs[1][0]
+    assert reason == "stop"
+    jsonschema.validate(json.loads(overlapped.tokenizer.decode(ids[:-1])), SCHEMA)
