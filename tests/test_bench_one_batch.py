@@ -112,3 +112,6 @@ def test_offline_decode_counts_only_tokens_after_every_first_token(tiny_config_p
     engine = make_tiny_engine(tiny_config_path, max_num_seqs=2)
     r = measure(engine, batch=6, input_len=8, output_len=5, rng=random.Random(0), tag="t")
     assert r["decode_tokens"] == 2 * 4  # not 6 * 4: four requests were done before the last first token
+    # request, input, output and total throughput share one clock
+    assert r["input_tok_s"] == pytest.approx(8 * r["request_s"], rel=1e-2)
+    assert r["total_tok_s"] == pytest.approx(r["input_tok_s"] + r["output_tok_s"], rel=1e-2)

@@ -59,7 +59,8 @@ def test_bench_offline_writes_json(tmp_path):
     assert [res["batch"] for res in results] == [1, 2]
     for res in results:
         assert res["input_len"] == 16 and res["output_len"] == 8
-        for key in ("total_s", "mean_ttft_ms", "output_tok_s", "total_tok_s", "decode_tok_s", "decode_tok_s_per_request"):
+        for key in ("total_s", "mean_ttft_ms", "request_s", "input_tok_s", "output_tok_s", "total_tok_s",
+                    "decode_tok_s", "decode_tok_s_per_request"):
             assert isinstance(res[key], (int, float)) and res[key] > 0, (key, res)
         # every request ran to length (ignore_eos): output throughput accounts for batch * 8 tokens
         assert abs(res["output_tok_s"] * res["total_s"] - res["batch"] * 8) <= 0.1 * res["batch"] * 8

@@ -57,6 +57,8 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
         "output_len": output_len,
         "total_s": round(total, 3),
         "mean_ttft_ms": round(statistics.mean(v - t0 for v in first.values()) * 1000, 1),
+        "request_s": round(batch / total, 3),
+        "input_tok_s": round(batch * input_len / total, 1),
         "output_tok_s": round(generated / total, 1),
         "total_tok_s": round((generated + batch * input_len) / total, 1),
         "decode_tokens": decoded,
@@ -87,6 +89,7 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
         print(
             f"batch {b:4d} | in {a.input_len} out {a.output_len} | TTFT {r['mean_ttft_ms']:8.1f} ms | "
             f"decode {r['decode_tok_s']} tok/s ({r['decode_tok_s_per_request']} per request) | "
+            f"{r['request_s']} req/s | input {r['input_tok_s']} tok/s | "
             f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s"
             + (f" | median of {a.repeat}: {r['decode_tok_s_runs']}" if a.repeat > 1 else "")
         )
