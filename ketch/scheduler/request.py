@@ -59,6 +59,13 @@ class Request:
     matched_stop: int | str | None = None
     admitted_once: bool = False
     grammar: Any = None  # GrammarMatcher of a constrained sample, set once its grammar compiled
+    # Its sampling reads the ids generated so far (grammar state, penalties), so a step that
+    # samples it must first wait for the tokens still in flight. Fixed by the params: set once
+    # here, not recomputed for every row of every step.
+    needs_history: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needs_history = self.params.grammar is not None or self.params.has_penalties
 
     @property
     def all_ids(self) -> list[int]:
@@ -87,12 +94,6 @@ class Request:
         """Its newest token is its last, whatever that token turns out to be (max_tokens or
         context length): an overlapped scheduler must not run it again."""
         return len(self.output_ids) >= self.params.max_tokens or self.seq_len >= self.max_len
-
-    @property
-    def needs_history(self) -> bool:
-        """Its sampling reads the ids generated so far (grammar state, penalties), so a step
-        that samples it must wait for the tokens still in flight."""
-        return self.grammar is not None or self.params.has_penalties
 
     @property
     def num_pending(self) -> int:
