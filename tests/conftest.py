@@ -7,6 +7,7 @@ import pytest
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
+from ketch.sampling.params import SamplingParams
 from ketch.weights.source import default_model_path
 
 TINY_LLAMA = {
@@ -84,6 +85,16 @@ def collect(outs: list) -> dict[tuple[str, int], dict]:
             r["reason"] = o.finish_reason
             r["ends"] += 1
     return res
+
+
+def greedy_ids_and_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    """Run `prompts` greedily to `max_tokens` (ignore_eos); per prompt its ids and chosen-token logprobs."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    res = collect(drain(engine))
+    return [res[(f"r{i}", 0)]["ids"] for i in range(len(prompts))], \
+        [[lp.logprob for lp in res[(f"r{i}", 0)]["logprobs"]] for i in range(len(prompts))]
 
 
 def assert_drained(engine: Engine) -> None:

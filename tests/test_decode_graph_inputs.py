@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import collect, drain, make_tiny_engine
+from conftest import greedy_ids_and_logprobs, make_tiny_engine
 from ketch.runner.cuda_graph import DecodeGraphs, bucket
-from ketch.sampling.params import SamplingParams
 
 
 def test_bucket_is_the_next_power_of_two():
@@ -18,12 +17,7 @@ def test_bucket_is_the_next_power_of_two():
 
 
 def _greedy(engine, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    res = collect(drain(engine))
-    return [res[(f"r{i}", 0)]["ids"] for i in range(len(prompts))], \
-        [[lp.logprob for lp in res[(f"r{i}", 0)]["logprobs"]] for i in range(len(prompts))]
+    return greedy_ids_and_logprobs(engine, prompts, max_tokens=12)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

@@ -17,10 +17,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from conftest import collect, drain, make_tiny_engine  # noqa: E402
+from conftest import greedy_ids_and_logprobs, make_tiny_engine  # noqa: E402
 from ketch.config import EngineConfig  # noqa: E402
 from ketch.runner.triton_graphs import TritonDecodeGraphs, capture_sizes  # noqa: E402
-from ketch.sampling.params import SamplingParams  # noqa: E402
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; tests/test_gpu.py covers CUDA")
 PROMPTS = [[5, 9, 11], list(range(3, 40)), [7] * 9]  # 3 rows (padded to 4), 1 to 10 pages of 4
@@ -56,12 +55,7 @@ def test_cuda_graph_required_on_the_cpu_is_a_value_error():
 
 
 def _greedy(engine, prompts=PROMPTS):
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    res = collect(drain(engine))
-    return [res[(f"r{i}", 0)]["ids"] for i in range(len(prompts))], \
-        [[lp.logprob for lp in res[(f"r{i}", 0)]["logprobs"]] for i in range(len(prompts))]
+    return greedy_ids_and_logprobs(engine, prompts, max_tokens=6)
 
 
 def _close(a: list[list[float]], b: list[list[float]], tol: float) -> None:
