@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--repeat", type=int, default=1, help="runs per batch size; the median (by decode tok/s) is reported")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--output-file", default=None, help="write results as JSON")
+    off.add_argument("--profile", default=None, metavar="PREFIX",
+                     help="write chrome traces of --profile-windows steps of each batch size's first run")
+    off.add_argument("--profile-windows", default="", metavar="A:B[,A:B]",
+                     help="engine steps a..b-1 of a run per trace (b - a >= 2; the first is a warm-in)")
     add_engine_args(off)
     off.set_defaults(func=_bench)
     one = bsub.add_parser("one-batch", help="one static batch: prefill latency, then per-step decode latency")

@@ -46,7 +46,11 @@ def test_summary_without_step_annotations_is_a_clear_error():
 
 def test_kernel_families():
     assert family("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm/gemv"
-    assert family("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert family("pytorch_flash::flash_fwd_kernel") == "attention, extend/SDPA"
+    assert family("_decode_split_kernel") == family("_decode_merge_kernel") == "attention, decode"
+    assert family("_extend_kernel") == "attention, extend/SDPA"
+    assert family("_gemv_kernel") == "gemm/gemv"
+    assert family("_rms_norm_kernel") == family("_store_kv_kernel") == "norm/rope/kv store"
     assert family("indexSelectLargeIndex") == "index/gather/scatter"
     assert family("something_else") == "other"
 
@@ -100,6 +104,60 @@ def test_gpu_timeline_idle_is_the_gaps_between_consecutive_steps(monkeypatch):
     s = tl.summary(skip=1)
     assert s.steps == 3 and s.busy_ms == 10 and s.gap_ms == 0
     assert s.idle_fraction == pytest.approx(2 / 32)
+
+
+def test_gpu_timeline_phases_split_busy_time_by_step_kind(monkeypatch):
+    from types import SimpleNamespace
+
+    from ketch.bench.gpu_timeline import StepTimeline, shape_of
+
+    def chunk(num_computed: int, num_new: int):
+        return SimpleNamespace(num_new=num_new, req=SimpleNamespace(num_computed=num_computed))
+
+    prefill = shape_of([chunk(0, 30), chunk(10, 1)])  # a prompt chunk beside one decode row
+    decode = shape_of([chunk(40, 1), chunk(11, 1)])
+    assert (prefill.decode_rows, prefill.new_tokens, prefill.decode_kv_tokens, prefill.decode_only) == (1, 31, 11, False)
+    assert (decode.decode_rows, decode.new_tokens, decode.decode_kv_tokens, decode.decode_only) == (2, 2, 41 + 12, True)
+
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *a: None)
+    tl = StepTimeline(engine=None)
+    for (start, end), shape in zip([(0, 50), (50, 60), (61, 71), (75, 80)], [prefill, decode, decode, prefill]):
+        tl.marks.append((_FakeEvent(start), _FakeEvent(end)))
+        tl.shapes.append(shape)
+    ph = tl.phases()
+    d, p = ph["decode"], ph["prefill"]
+    assert (d.steps, d.busy_s, d.gap_s, d.decode_rows, d.decode_kv_tokens) == (2, 0.020, 0.005, 4, 106)
+    assert (p.steps, p.busy_s, p.gap_s, p.new_tokens) == (2, 0.055, 0.0, 62)
+
+    from ketch.bench.offline import format_phases
+
+    text = format_phases({k: vars(v) for k, v in ph.items()}, kv_bytes_per_token=10**9, total_s=0.1)
+    assert "KV read 0.1 TB = 5.30 TB/s" in text and "60 prompt tokens + 2 decode rows" in text
+
+
+def test_profile_windows_parse_and_reject_bad_input():
+    from ketch.bench.profile_windows import Window, parse_windows
+
+    assert parse_windows("600:606, 10:14") == [Window(10, 14), Window(600, 606)]
+    for bad in ("10", "a:b", "5:6", "-1:4", "0:4,2:6"):
+        with pytest.raises(ValueError, match="profile_windows"):
+            parse_windows(bad)
+
+
+def test_offline_profiles_the_chosen_step_windows(tiny_config_path, tmp_path, capsys):
+    prefix = tmp_path / "t"
+    rc = main(["bench", "offline", "--model", tiny_config_path, "--load-format", "dummy", "--dtype", "float32",
+               "--kv-cache-memory", str(2 << 20), "--page-size", "4", "--num-threads", "1", "--max-num-seqs", "2",
+               "--batch-sizes", "3", "--input-len", "8", "--output-len", "6",
+               "--profile", str(prefix), "--profile-windows", "1:4,6:9"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    from ketch.bench.trace_summary import summarize_file
+
+    for label in ("1-4", "6-9"):
+        path = f"{prefix}.b3.{label}.json"
+        assert summarize_file(path).steps == 2  # three profiled steps, the first a warm-in
+        assert f"profile of steps {label} (run 1): {path}" in printed
 
 
 def test_offline_decode_counts_only_tokens_after_every_first_token(tiny_config_path):

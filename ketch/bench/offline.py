@@ -4,6 +4,12 @@ For each level B it submits B requests at once (random token ids, fixed input/ou
 lengths, ignore_eos so every request runs to length; at most --max-num-seqs run at a time,
 the rest wait as a server's queue would) and reports
 time to first token, decode throughput per request, and aggregate output throughput.
+
+On CUDA every launched step is also bracketed by timing events (gpu_timeline.py), and the run's
+GPU time is split into decode-only steps and steps with prompt tokens, with the KV bytes the
+decode rows read: where a long run's time went without a profiler. `--profile PREFIX
+--profile-windows a:b,...` adds kernel-level traces of chosen step windows of the first run of
+each batch size (profile_windows.py).
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import time
 
 import torch
 
+from ketch.bench.gpu_timeline import Phase, StepTimeline
+from ketch.bench.profile_windows import WindowProfiler, parse_windows
+from ketch.bench.trace_summary import STEP_ANNOTATION
 from ketch.cli_args import engine_kwargs
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
@@ -23,7 +32,17 @@ from ketch.sampling.params import SamplingParams
 
 
 def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
-            shared_prefix: list[int] | None = None) -> dict:
+            shared_prefix: list[int] | None = None, profiler: WindowProfiler | None = None) -> dict:
+    if engine.runner.device.type != "cuda":
+        return _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler)
+    with StepTimeline(engine) as timeline:
+        r = _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler)
+    r["gpu_phases"] = {k: vars(v) for k, v in timeline.phases().items()}
+    return r
+
+
+def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
+             shared_prefix: list[int] | None, profiler: WindowProfiler | None) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     vocab = engine.vocab_size
     prefix = shared_prefix or []
@@ -38,7 +57,13 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
     generated = 0
     per_step: list[tuple[float, int]] = []  # (when a step's tokens arrived, how many)
     while engine.has_unfinished():
-        outs = engine.step()
+        k = len(per_step)
+        if profiler is not None:
+            profiler.before(k)
+        with torch.profiler.record_function(STEP_ANNOTATION):
+            outs = engine.step()
+        if profiler is not None:
+            profiler.after(k)
         now = time.perf_counter()
         per_step.append((now, sum(len(out.new_token_ids) for out in outs)))
         generated += per_step[-1][1]
@@ -46,6 +71,8 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
             first.setdefault(out.request_id, now)
     sync()
     total = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.close()
     last_first = max(first.values())
     decode_time = total - (last_first - t0)
     # "decode": the tokens that arrived after every request had its first one (all rows decode)
@@ -71,6 +98,9 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
 
 def run_offline(a: argparse.Namespace) -> list[dict]:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
+    windows = parse_windows(a.profile_windows) if a.profile else []
+    if a.profile and not windows:
+        raise ValueError("profile_windows: give at least one start:end window with --profile")
     kw = engine_kwargs(a)
     # B requests are submitted at once; --max-num-seqs (default 256) caps how many run at a time
     engine = Engine(EngineConfig(**kw))
@@ -82,7 +112,9 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
     results = []
     for b in sizes:
         # this class of machine is noisy run to run (shared cores): report the median of --repeat runs
-        runs = [measure(engine, b, a.input_len, a.output_len, rng, f"b{b}r{i}", shared) for i in range(a.repeat)]
+        prof = WindowProfiler(f"{a.profile}.b{b}", windows, engine.runner.device.type == "cuda") if a.profile else None
+        runs = [measure(engine, b, a.input_len, a.output_len, rng, f"b{b}r{i}", shared, prof if i == 0 else None)
+                for i in range(a.repeat)]
         r = sorted(runs, key=lambda x: x["decode_tok_s"] or 0)[len(runs) // 2]
         r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in runs]
         results.append(r)
@@ -93,6 +125,13 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
             f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s"
             + (f" | median of {a.repeat}: {r['decode_tok_s_runs']}" if a.repeat > 1 else "")
         )
+        if "gpu_phases" in r:
+            print(format_phases(r["gpu_phases"], _kv_bytes_per_token(engine), r["total_s"]))
+        for w, path, summary in prof.results if prof else []:
+            print(f"profile of steps {w.label} (run 1): {path}\n{summary.format()}")
+            r.setdefault("profiles", {})[w.label] = {"trace": path, "step_ms": summary.step_us / 1e3,
+                                                     "idle_fraction": summary.idle_fraction,
+                                                     "by_family_us_per_step": {k: v / summary.steps for k, v in summary.by_family.items()}}
         if shared:
             print(f"           prefix cache: hit rate {r['prefix_cache_hit_rate']:.1%}, "
                   f"prefill tokens saved {r['prefill_tokens_saved']}")
@@ -105,3 +144,25 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
         with open(a.output_file, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2, default=str)
     return results
+
+
+def _kv_bytes_per_token(engine: Engine) -> int:
+    pool = engine.runner.pool
+    return 2 * len(pool.k) * pool.k[0][0, 0].numel() * pool.k[0].element_size()
+
+
+def format_phases(phases: dict[str, dict], kv_bytes_per_token: int, total_s: float) -> str:
+    """Where the GPU time of a run went, by kind of step (CUDA events)."""
+    d, p = Phase(**phases["decode"]), Phase(**phases["prefill"])
+    kv_tb = d.decode_kv_tokens * kv_bytes_per_token / 1e12
+    gaps = d.gap_s + p.gap_s
+    lines = [
+        f"GPU time by step kind (CUDA events; wall {total_s:.1f} s):",
+        f"  decode-only   {d.steps:6d} steps {d.busy_s:8.2f} s busy  {d.decode_rows:,} tokens, "
+        f"mean {d.decode_rows / max(1, d.steps):.0f} rows x {d.decode_kv_tokens / max(1, d.decode_rows):.0f} KV tokens; "
+        f"KV read {kv_tb:.1f} TB = {kv_tb / max(d.busy_s, 1e-9):.2f} TB/s over the whole step",
+        f"  with prompts  {p.steps:6d} steps {p.busy_s:8.2f} s busy  {p.new_tokens - p.decode_rows:,} prompt tokens "
+        f"+ {p.decode_rows:,} decode rows",
+        f"  gaps between steps {gaps:.2f} s ({gaps / max(d.busy_s + p.busy_s + gaps, 1e-9):.1%} of GPU time)",
+    ]
+    return "\n".join(lines)

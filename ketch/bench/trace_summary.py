@@ -20,13 +20,16 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_ANNOTATION = "ketch_step"
 
 # Coarse kernel families by name, first match wins (names are library-internal; heuristic).
+# ketch's own Triton kernels are named first: their names do not say "gemm" or "attention".
 _FAMILIES = (
+    ("attention, decode", ("_decode_split_kernel", "_decode_merge_kernel")),
+    ("attention, extend/SDPA", ("_extend_kernel", "flash", "fmha", "attention", "_attn", "sdpa")),
     ("gemm/gemv", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
-    ("attention", ("flash", "fmha", "attention", "efficient_attention", "_attn")),
+    ("norm/rope/kv store", ("_rms_norm_kernel", "_rotary_kernel", "_store_kv_kernel")),
     ("index/gather/scatter", ("index", "gather", "scatter")),
     ("reduce/norm/softmax", ("reduce", "norm", "softmax", "argmax", "max_", "sum_")),
     ("copy/cast", ("copy", "memcpy", "memset", "cat", "convert")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "triton")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "triton", "silu")),
 )
 
 
