@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="KV pool element type; fp8_e4m3: half of bf16's bytes, scale 1.0 (auto: the model dtype)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.05, help="CPU: KV pool as a fraction of the memory")
     g.add_argument("--mem-fraction-static", type=float, default=0.9,
                    help="CUDA: fraction of the GPU's total memory for weights + KV pool (the pool also "
@@ -47,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
-        kv_cache_memory=a.kv_cache_memory, kv_cache_fraction=a.kv_cache_fraction,
+        kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, kv_cache_fraction=a.kv_cache_fraction,
         mem_fraction_static=a.mem_fraction_static, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         chunked_prefill_size=a.chunked_prefill_size, enable_prefix_cache=not a.disable_prefix_cache,

@@ -9,6 +9,7 @@ import torch
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]
+KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 
 
@@ -133,6 +134,10 @@ class EngineConfig:
     # "auto": Triton kernels on CUDA, torch on the CPU; "torch" / "triton" force one (A/B runs).
     attention_backend: str = "auto"  # paged attention + KV store (ketch/attention/)
     layer_kernels: str = "auto"  # RMSNorm (+ residual add), RoPE, SiLU·mul (ketch/layers/ops.py)
+    # KV pool element type. "auto": the model dtype. "fp8_e4m3": torch.float8_e4m3fn pages (half
+    # of bf16's bytes: twice the tokens fit, decode reads half the bytes), per-tensor scale 1.0
+    # (ketch/cache/kv_pool.py); any device (the CPU runs it through the torch path).
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -159,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph and self.torch_device.type != "cuda":
             raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto|{'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("attention_backend", "layer_kernels"):
             if getattr(self, name) not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name} must be auto|torch|triton, got {getattr(self, name)!r}")
@@ -196,10 +203,19 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}") from None
 
     @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """Element type of the KV pool's pages ("auto": the model's torch_dtype)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
     def prefill_chunk(self) -> int:
         """Most new tokens one request may take in a step."""
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
         return min(chunk, self.max_num_batched_tokens)
+
+
+# kv_cache_dtype values besides "auto", and the pool dtype each selects
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _resolve_kernels(choice: str, device: torch.device) -> str:

@@ -31,6 +31,14 @@ def test_generate_prints_the_completion():
     assert r.stdout.endswith("\n")
 
 
+def test_generate_with_an_fp8_kv_cache():
+    r = ketch("generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-dtype", "fp8_e4m3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
+    bad = ketch("generate", "Hello", "--kv-cache-dtype", "fp16")
+    assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
+
+
 def test_chat_answers_each_line_until_eof():
     r = ketch("chat", "--max-tokens", "12", stdin="Hi\nWhat is 2+2?\n")
     assert r.returncode == 0, r.stderr[-2000:]

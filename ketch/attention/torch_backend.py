@@ -6,6 +6,10 @@ Per step:   tokens = [ decode-like chunks (1 token each) | prefill chunks (ragge
 - a prefill chunk with nothing cached attends causally to its own K/V;
 - a prefill chunk after a cached prefix gathers its pages and uses an explicit causal mask
   shifted by the prefix length.
+
+A narrower pool (fp8 KV) is read through `KVPool.gather`, which casts up to the model's dtype.
+A prefill chunk attends to its own new tokens at full precision (the K/V it was handed, not
+their fp8 copy), as the Triton extend kernel does; cached tokens and decode read the pool.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ketch.transfer import to_device
 class PrefillMeta:
     lo: int
     hi: int
+    start: int  # tokens cached before the chunk (its first new token's position)
     page_table: torch.Tensor | None  # [1, pages]; None when nothing was cached before the chunk
     mask: torch.Tensor | None  # [1, 1, new, pages * page_size] additive (0 / -inf)
 
@@ -65,13 +70,13 @@ class TorchAttentionBackend(AttentionBackend):
         for s in seqs[num_decode:]:
             hi = lo + s.num_new
             if s.start == 0:
-                prefills.append(PrefillMeta(lo, hi, None, None))
+                prefills.append(PrefillMeta(lo, hi, 0, None, None))
             else:
                 n_pages = -(-s.kv_len // ps)
                 pages = to_device([s.page_table[:n_pages]], self.device, torch.long)
                 q_pos = torch.arange(s.start, s.kv_len, device=self.device)
                 mask = torch.arange(n_pages * ps, device=self.device)[None, :] <= q_pos[:, None]
-                prefills.append(PrefillMeta(lo, hi, pages, self._additive(mask)[None, None]))
+                prefills.append(PrefillMeta(lo, hi, s.start, pages, self._additive(mask)[None, None]))
             lo = hi
         return TorchAttentionMetadata(
             slots=to_device(slots, self.device, torch.long),
@@ -83,7 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """Bool mask → additive float mask, built once per step instead of once per layer."""
-        zeros = torch.zeros(visible.shape, dtype=self.pool.k[0].dtype, device=self.device)
+        zeros = torch.zeros(visible.shape, dtype=self.pool.compute_dtype, device=self.device)
         return zeros.masked_fill_(~visible, float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
@@ -101,6 +106,9 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 kc, vc = self.pool.gather(layer, p.page_table)
+                # the new tokens as handed in (the same values unless the pool is narrower)
+                kc[0, p.start : p.start + p.hi - p.lo] = k[p.lo : p.hi]
+                vc[0, p.start : p.start + p.hi - p.lo] = v[p.lo : p.hi]
                 o = F.scaled_dot_product_attention(
                     qs, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=p.mask, scale=self.scale, enable_gqa=True
                 )

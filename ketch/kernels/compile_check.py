@@ -72,18 +72,22 @@ def _usage(name: str, kernel: Any) -> Usage:
 
 
 def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                hidden: int = 4096, inter: int = 14336, dtype: str = "bf16", pdl: bool = True) -> list[Usage]:
+                hidden: int = 4096, inter: int = 14336, dtype: str = "bf16", pdl: bool = True,
+                kv_dtype: str | None = None) -> list[Usage]:
+    """kv_dtype: the KV pool's Triton type ("fp8e4nv": an fp8 KV cache); None: `dtype`."""
     p = f"*{dtype}"
+    kv = f"*{kv_dtype or dtype}"
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
              "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
-             "num_splits": "i32", "Bias": p}
+             "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
-         {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim)},
+         {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
+          "TO_FP8": kv != p},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
@@ -123,8 +127,9 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--no-pdl", action="store_true", help="build without the griddepcontrol calls")
+    ap.add_argument("--kv-dtype", choices=("fp8e4nv",), default=None, help="KV pool type (default: --dtype)")
     a = ap.parse_args()
-    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl):
+    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl, a.kv_dtype):
         pdl = "no wait" if u.loads_before_wait < 0 else f"{u.loads_before_wait} loads / {u.stores_before_wait} stores"
         print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B  before PDL wait: {pdl}")
 

@@ -14,6 +14,9 @@ ignored by stage 2. `splits` is fixed per launch (not per sequence), so the grid
 on the batch size, which is what CUDA-graph capture needs; it is a runtime argument, so a new
 split count does not compile a new kernel (the merge compiles once per power-of-two bound). A sequence of length 0 (a padded
 row) gets zeros.
+
+The pool may be fp8 e4m3 (EngineConfig.kv_cache_dtype): each K/V tile is cast up to q's dtype
+after its load (exact), so the dot products run as for a pool of q's dtype, on half the bytes.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def _decode_split_kernel(
         slot = page * page_size + offs_n % page_size
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an fp8 pool's tile, cast up exactly; a no-op when the pool is q's dtype
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -74,6 +78,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if USE_PDL:
@@ -136,7 +141,7 @@ def decode_attention(
     *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int = 1, block_n: int = 64,
 ) -> torch.Tensor:
-    """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim];
+    """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim] in q's dtype or fp8;
     page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
     seq_lens: [batch] int32, KV length of each sequence including the current token.
     Returns [batch, heads, dim] (written into `out` when given). No host syncs."""

@@ -9,6 +9,8 @@ the paged pool and `new` tokens whose q/k/v arrive in this step.
     Online softmax in fp32 (base 2); blocks past a sequence's end do no work.
 
 The new tokens' K/V may or may not be in the pool yet: the kernel never reads them from there.
+So with an fp8 e4m3 pool (EngineConfig.kv_cache_dtype) the prefix is read as fp8, cast up to
+q's dtype per tile (exact), and the new tokens attend to each other at full precision.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ def _extend_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_cks + kvh * stride_ckh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(VCache + slot[:, None] * stride_cvs + kvh * stride_cvh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 pool's tiles, cast up exactly; else a no-op
         m_i, l_i, acc = _online_step(q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, PRECISION)
     for start in range(0, new_hi, BLOCK_N):  # this step's tokens: causal
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -135,8 +138,8 @@ def extend_attention_ref(
             continue
         pos = torch.arange(pre, device=q.device)
         slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
-        keys = torch.cat((k_cache.view(-1, kv_heads, head_dim)[slots], k[q0 : q0 + n])).float()
-        vals = torch.cat((v_cache.view(-1, kv_heads, head_dim)[slots], v[q0 : q0 + n])).float()
+        keys = torch.cat((k_cache.view(-1, kv_heads, head_dim)[slots].float(), k[q0 : q0 + n].float()))
+        vals = torch.cat((v_cache.view(-1, kv_heads, head_dim)[slots].float(), v[q0 : q0 + n].float()))
         keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[q0 : q0 + n].float(), keys) * scale
         visible = torch.arange(pre + n, device=q.device)[None, :] <= (pre + torch.arange(n, device=q.device))[:, None]

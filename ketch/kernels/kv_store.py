@@ -3,6 +3,10 @@
 Slot of a token = page_table[pos // page_size] * page_size + pos % page_size (computed once
 per step by the attention backend). A negative slot means "padding, write nothing", so a
 CUDA-graph runner can pad a batch without a scratch page.
+
+An fp8 e4m3 pool (EngineConfig.kv_cache_dtype) stores with scale 1.0: each value is clamped
+to [-448, 448] in fp32 and cast (round to nearest even), exactly as KVPool.store does in torch.
+A pool of K/V's own dtype compiles without the clamp and stores the loaded bits unchanged.
 """
 from __future__ import annotations
 
@@ -10,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ketch.cache.kv_pool import FP8_E4M3_MAX, to_kv_dtype
 from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
+
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
@@ -19,7 +26,7 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     if USE_PDL:  # slots, k and v are this step's; the pool slots may still be read before us
@@ -34,6 +41,9 @@ def _store_kv_kernel(
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if TO_FP8:  # scale 1.0: saturate, then round to e4m3
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX).to(KCache.dtype.element_ty)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX).to(VCache.dtype.element_ty)
     dst = safe_slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     tl.store(KCache + dst, k, mask=mask)
     tl.store(VCache + dst, v, mask=mask)
@@ -53,6 +63,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(kv_heads), BLOCK_D=pow2(head_dim),
+        TO_FP8=k_cache.dtype == torch.float8_e4m3fn and k.dtype != k_cache.dtype,
         num_warps=4 if kv_heads * head_dim >= 1024 else 1, **pdl_launch(),
     )
 
@@ -61,5 +72,5 @@ def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     keep = slots >= 0
     kc = k_cache.view(-1, *k.shape[1:])
     vc = v_cache.view(-1, *v.shape[1:])
-    kc.index_copy_(0, slots[keep].long(), k[keep])
-    vc.index_copy_(0, slots[keep].long(), v[keep])
+    kc[slots[keep].long()] = to_kv_dtype(k[keep], kc.dtype)
+    vc[slots[keep].long()] = to_kv_dtype(v[keep], vc.dtype)

@@ -90,7 +90,7 @@ class DecodeGraphs:
     def _forward(self, bs: int, pb: int) -> torch.Tensor:
         """The decode forward on the static buffers (what the graph records)."""
         visible = torch.arange(pb * self.page_size, device=self.device)[None, :] < self.lens[:bs, None]
-        mask = torch.zeros(visible.shape, dtype=self.attn.pool.k[0].dtype, device=self.device)
+        mask = torch.zeros(visible.shape, dtype=self.attn.pool.compute_dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))  # additive, as the eager path builds it
         meta = TorchAttentionMetadata(
             slots=self.slots[:bs], num_decode=bs, decode_pages=self.pages[:bs, :pb],

@@ -124,9 +124,11 @@ class ModelRunner:
 
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
-        per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        kv_dtype = ec.kv_torch_dtype  # the model dtype, or fp8 (half the bytes: twice the pages)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
-        return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                      self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
