@@ -7,12 +7,14 @@
 #   steps (default all): bs1 bs1-sync bs1-nopdl bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
 #                        pdl-tests tests-4l kernels-gemv
 #                        bs64 bs64-torch bs256 bs256-sync bs256-torch p8k p8k-torch offline offline-sync
+#                        probe tests-fp8 bs256-fp8 offline-fp8 offline-fp8-768
 # The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs + overlap
 # scheduling;
 #   -sync  : --disable-overlap-schedule (each step processed before the next is scheduled)
 #   -torch : --attention-backend torch --layer-kernels torch (the earlier path, graphs on)
 #   -tattn : Triton attention, torch layer kernels (isolates the fused norm/RoPE/SiLU kernels)
 #   -eager : --disable-cuda-graph
+#   -fp8   : --kv-cache-dtype fp8_e4m3
 set -u
 OUT=${OUT:-out}
 RES=$(mktemp -d)
@@ -75,6 +77,9 @@ has bs1-nopdl && step bs1-nopdl 90 env KETCH_DISABLE_PDL=1 "${BENCH[@]}" --batch
   --output-file "$RES/bs1-nopdl.json"
 has tests-4l && step tests-4l 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "4-layer-bf16"
 has kernels-gemv && step kernels-gemv 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gemv.py
+# decode attention vs GEMMs on two streams at once, per layer, and a block/split sweep of decode attention
+has probe && step probe 240 python3 scripts/overlap_probe.py --sweep
+has tests-fp8 && step tests-fp8 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_kv.py tests/test_kernels.py -k "fp8"
 has bs64 && one bs64 64 128 128 90
 has bs64-torch && one bs64-torch 64 128 128 90 "${TORCH[@]}"
 prof() {  # prof NAME BATCH [flags]: decode at BATCH with a profile of 10 steps (GPU idle between steps)
@@ -85,15 +90,24 @@ prof() {  # prof NAME BATCH [flags]: decode at BATCH with a profile of 10 steps 
 }
 has bs256 && prof bs256 256
 has bs256-sync && prof bs256-sync 256 --disable-overlap-schedule
+has bs256-fp8 && prof bs256-fp8 256 --kv-cache-dtype fp8_e4m3
 has bs256-torch && one bs256-torch 256 128 128 100 "${TORCH[@]}"
 has p8k && one p8k 1 8192 16 90
 has p8k-torch && one p8k-torch 1 8192 16 90 "${TORCH[@]}"
 # 1,000 prompts submitted at once; 384 run at a time (384 x 2,000 tokens fit the ~864 K-token pool,
 # so nothing is preempted), decode graphs up to 384
-has offline && step offline 300 python3 -m ketch.cli bench offline --model $M --load-format dummy \
-  --batch-sizes 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 --cuda-graph-max-bs 384 \
-  --max-num-batched-tokens 8192 --output-file "$RES/offline.json"
-has offline-sync && step offline-sync 300 python3 -m ketch.cli bench offline --model $M --load-format dummy \
-  --batch-sizes 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 --cuda-graph-max-bs 384 \
-  --max-num-batched-tokens 8192 --disable-overlap-schedule --output-file "$RES/offline-sync.json"
+OFF=(python3 -m ketch.cli bench offline --model $M --load-format dummy --batch-sizes 1000 --input-len 1000
+     --output-len 1000 --cuda-graph-max-bs 384 --max-num-batched-tokens 8192)
+# offline also profiles two step windows (a prefill burst, then decode-only steps) and prints the run's
+# GPU time by step kind from CUDA events
+has offline && step offline 300 "${OFF[@]}" --max-num-seqs 384 --output-file "$RES/offline.json" \
+  --profile "$OUT/trace_offline" --profile-windows 10:13,500:504
+has offline-sync && step offline-sync 300 "${OFF[@]}" --max-num-seqs 384 --disable-overlap-schedule \
+  --output-file "$RES/offline-sync.json"
+has offline-fp8 && step offline-fp8 300 "${OFF[@]}" --max-num-seqs 384 --kv-cache-dtype fp8_e4m3 \
+  --output-file "$RES/offline-fp8.json"
+# fp8 pages hold twice the tokens: 768 x 2,000 fit
+has offline-fp8-768 && step offline-fp8-768 300 "${OFF[@]}" --max-num-seqs 768 --cuda-graph-max-bs 768 \
+  --kv-cache-dtype fp8_e4m3 --output-file "$RES/offline-fp8-768.json"
+for f in "$OUT"/trace_offline*.json; do [ -f "$f" ] && gzip -f "$f"; done
 echo "=== done ($(date +%T))" | tee -a "$LOG"
