@@ -22,9 +22,11 @@ import torch.nn.functional as F  # noqa: E402
 from ketch.kernels.decode_attention import decode_attention, decode_scratch, num_splits_for  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, DIM, PAGE = 4096, 14336, 32, 8, 128, 16
+SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)]  # block_n, warps, stages
 
 
 def graph_of(fn, reps: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were made on the default stream
     with torch.cuda.stream(stream):
         for _ in range(2):
             fn()  # compile / autotune / cuBLAS handles outside the capture
@@ -109,21 +111,22 @@ def main() -> None:
                 scratch = decode_scratch(rows, HEADS, DIM, splits, dev)
                 it = iter(range(10**9))
 
-                def attn(splits=splits, scratch=scratch, block_n=64):
+                def attn(splits=splits, scratch=scratch, block_n=64, warps=4, stages=2):
                     kc, vc = pools[next(it) % 2]
                     decode_attention(q, kc, vc, table, lens, DIM**-0.5, out=out, scratch=scratch, num_splits=splits,
-                                     block_n=block_n)
+                                     block_n=block_n, num_warps=warps, num_stages=stages)
 
                 contexts = sorted(int(c) for c in a.contexts.split(","))
                 if a.sweep and rows == max(int(r) for r in a.rows.split(",")) and ctx == contexts[len(contexts) // 2]:
-                    for bn in (32, 64, 128):
-                        for sp in (1, 2, 4):
+                    for bn, warps, stages in SWEEP:
+                        for sp in (1, 2):
                             sc = decode_scratch(rows, HEADS, DIM, sp, dev)
-                            g = graph_of(lambda: attn(sp, sc, bn), a.layers, s_attn)
+                            g = graph_of(lambda: attn(sp, sc, bn, warps, stages), a.layers, s_attn)
                             t = timed([(g, s_attn)]) / a.layers
                             kvb = 2 * rows * ctx * KV_HEADS * DIM * pools[0][0].element_size()
-                            print(f"  sweep kv {kv_name} rows {rows} ctx {ctx} block_n {bn:3d} splits {sp} "
-                                  f"(default {splits}): {t:.3f} ms, {kvb / t / 1e9:.2f} TB/s", flush=True)
+                            print(f"  sweep kv {kv_name} rows {rows} ctx {ctx} block_n {bn:3d} warps {warps} "
+                                  f"stages {stages} splits {sp} (default {splits}): {t:.3f} ms, "
+                                  f"{kvb / t / 1e9:.2f} TB/s", flush=True)
                             del g
 
                 g_attn = graph_of(attn, a.layers, s_attn)

@@ -128,6 +128,7 @@ def test_gpu_timeline_phases_split_busy_time_by_step_kind(monkeypatch):
     d, p = ph["decode"], ph["prefill"]
     assert (d.steps, d.busy_s, d.gap_s, d.decode_rows, d.decode_kv_tokens) == (2, 0.020, 0.005, 4, 106)
     assert (p.steps, p.busy_s, p.gap_s, p.new_tokens) == (2, 0.055, 0.0, 62)
+    assert tl.rows() == [(50, 0, 31, 1, 11), (10, 1, 2, 2, 53), (10, 4, 2, 2, 53), (5, 0, 31, 1, 11)]
 
     from ketch.bench.offline import format_phases
 

@@ -95,6 +95,16 @@ class StepTimeline:
         total = sum(busy) + sum(gaps)
         return TimelineSummary(len(gaps), _median(busy), _median(gaps), sum(gaps) / total if total else 0.0)
 
+    def rows(self) -> list[tuple[float, float, int, int, int]]:
+        """Every recorded step: (busy ms, gap ms after it, new tokens, decode rows, decode KV tokens)."""
+        torch.cuda.synchronize()
+        out = []
+        for k, ((start, end), shape) in enumerate(zip(self.marks, self.shapes)):
+            gap = end.elapsed_time(self.marks[k + 1][0]) if k + 1 < len(self.marks) else 0.0
+            out.append((round(start.elapsed_time(end), 3), round(gap, 3), shape.new_tokens, shape.decode_rows,
+                        shape.decode_kv_tokens))
+        return out
+
     def phases(self) -> dict[str, Phase]:
         """GPU time of decode-only steps and of steps with prompt tokens, over every recorded step."""
         torch.cuda.synchronize()

@@ -38,6 +38,7 @@ def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: ra
     with StepTimeline(engine) as timeline:
         r = _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler)
     r["gpu_phases"] = {k: vars(v) for k, v in timeline.phases().items()}
+    r["gpu_steps"] = timeline.rows()  # for the JSON: each step's GPU time and shape
     return r
 
 

@@ -139,7 +139,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int = 1, block_n: int = 64,
+    num_splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim] in q's dtype or fp8;
     page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
@@ -168,7 +168,7 @@ def decode_attention(
         scale * LOG2E, page_size, num_splits,
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2, **pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
