@@ -91,7 +91,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-          "BLOCK_N": 64, "PRECISION": prec}, 4, 2),
+          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}, 4, 2),
         ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
