@@ -34,7 +34,10 @@ from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Per-step values (the page-table width, the split count, where the step's metadata views start
+# in its one buffer) are not specialized on: each new 1 / multiple-of-16 / alignment pattern
+# would compile a kernel variant in the middle of serving (~1 s each on an H200).
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"], do_not_specialize_on_alignment=["PageTable", "SeqLens"])
 def _decode_split_kernel(
     Q, KCache, VCache, PageTable, SeqLens, MidO, MidLse,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
@@ -97,7 +100,7 @@ def _decode_split_kernel(
     tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     MidO, MidLse, Out,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,

@@ -35,7 +35,9 @@ def _online_step(q, k, v, valid, m_i, l_i, acc, scale_log2, PRECISION: tl.conste
     return m_new, l_i, acc
 
 
-@triton.jit
+# Not specialized on per-step values (page-table width, metadata views' offsets): see decode_attention.py.
+@triton.jit(do_not_specialize=["stride_pt"],
+            do_not_specialize_on_alignment=["PageTable", "PrefixLens", "NewLens", "QStarts"])
 def _extend_kernel(
     Q, K, V, KCache, VCache, Out, PageTable, PrefixLens, NewLens, QStarts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

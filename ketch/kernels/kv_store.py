@@ -20,7 +20,7 @@ from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Slots"])  # a view into the step's metadata buffer
 def _store_kv_kernel(
     K, V, KCache, VCache, Slots,
     stride_kt, stride_kh, stride_vt, stride_vh,
