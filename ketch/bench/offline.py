@@ -14,6 +14,7 @@ each batch size (profile_windows.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -110,6 +111,7 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
         raise ValueError(f"shared_prefix_len must be in [0, input_len), got {a.shared_prefix_len}")
     shared = [rng.randrange(engine.vocab_size) for _ in range(a.shared_prefix_len)]
     measure(engine, 1, 16, 8, rng, "warmup")  # first-call allocations and kernel selection
+    gc.freeze()  # as the engine process does after start-up (process.py): no full GC passes over it
     results = []
     for b in sizes:
         # this class of machine is noisy run to run (shared cores): report the median of --repeat runs

@@ -3,6 +3,11 @@
 A window `a:b` profiles the steps a .. b-1 of a round (0 = its first `Engine.step()` call) into
 one chrome trace, then summarizes it (trace_summary.py: the window's first step is its warm-in,
 so b - a >= 2).
+
+Profiling stalls the run it measures: starting the profiler took ~4 s and exporting a trace ~3 s
+on the H200 machine (both with the GPU idle). Each trace is exported as its window ends (a later
+profiler session discards an earlier one's kernel events), so take throughput from a run
+without --profile.
 """
 from __future__ import annotations
 
@@ -41,16 +46,13 @@ def parse_windows(text: str) -> list[Window]:
 
 
 class WindowProfiler:
-    """Call `before(k)` / `after(k)` around step k and `close()` after the round; each window writes
-    `{prefix}.{a}-{b}.json`. Traces are exported in `close()`: an export takes seconds, which in
-    the middle of a run would stall the GPU and show in the run's figures."""
+    """Call `before(k)` / `after(k)` around step k; each window writes `{prefix}.{a}-{b}.json`."""
 
     def __init__(self, prefix: str, windows: list[Window], cuda: bool) -> None:
         self.prefix = prefix
         self.windows = windows
         self.activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         self.active: tuple[Window, torch.profiler.profile] | None = None
-        self.done: list[tuple[Window, torch.profiler.profile]] = []
         self.results: list[tuple[Window, str, TraceSummary]] = []
 
     def before(self, step: int) -> None:
@@ -63,17 +65,15 @@ class WindowProfiler:
     def after(self, step: int) -> None:
         if self.active is None or self.active[0].end - 1 != step:
             return
-        self.active[1].stop()
-        self.done.append(self.active)
+        w, prof = self.active
         self.active = None
+        prof.stop()
+        path = f"{self.prefix}.{w.label}.json"
+        prof.export_chrome_trace(path)
+        self.results.append((w, path, summarize_file(path)))
 
     def close(self) -> None:
-        """Export and summarize the finished windows; one the round ended inside is dropped."""
+        """A window the round ended inside: stop it without a summary."""
         if self.active is not None:
             self.active[1].stop()
             self.active = None
-        for w, prof in self.done:
-            path = f"{self.prefix}.{w.label}.json"
-            prof.export_chrome_trace(path)
-            self.results.append((w, path, summarize_file(path)))
-        self.done = []
