@@ -7,7 +7,7 @@
 #   steps (default all): bs1 bs1-sync bs1-nopdl bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
 #                        pdl-tests tests-4l kernels-gemv
 #                        bs64 bs64-torch bs256 bs256-sync bs256-torch p8k p8k-torch offline offline-sync
-#                        offline-prof probe probe-fp8 probe-384 tests-fp8 bs256-fp8 offline-fp8 offline-fp8-768
+#                        offline-prof probe probe-fp8 tests-fp8 bs256-fp8 offline-fp8 offline-fp8-768
 # The CUDA defaults are Triton attention + Triton layer kernels + decode CUDA graphs + overlap
 # scheduling;
 #   -sync  : --disable-overlap-schedule (each step processed before the next is scheduled)
@@ -80,7 +80,6 @@ has kernels-gemv && step kernels-gemv 120 python3 -m pytest -q -p no:cacheprovid
 # decode attention vs GEMMs on two streams at once, per layer, and a block/split sweep of decode attention
 has probe && step probe 240 python3 scripts/overlap_probe.py --sweep
 has probe-fp8 && step probe-fp8 120 python3 scripts/overlap_probe.py --sweep --kv-dtypes float8_e4m3fn --rows 384 --contexts 1500
-has probe-384 && step probe-384 120 python3 scripts/overlap_probe.py --sweep --rows 384 --contexts 1500
 # (the SmolLM2 tests need the bundled GGUF, which the device machine does not have)
 has tests-fp8 && step tests-fp8 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_kv.py tests/test_kernels.py \
   -k "fp8 and not smollm"

@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from ketch.kernels.decode_attention import decode_attention, decode_scratch, num_splits_for  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, DIM, PAGE = 4096, 14336, 32, 8, 128, 16
-SWEEP = [(64, 4, 2), (128, 4, 2), (64, 8, 2), (128, 8, 2), (128, 4, 3)]  # block_n, warps, stages
+SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)]  # block_n, warps, stages
 
 
 def graph_of(fn, reps: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
@@ -72,8 +72,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layer repetitions per graph")
     ap.add_argument("--kv-dtypes", default="bfloat16,float8_e4m3fn")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time attention alone over block_n x warps x stages x prefetch "
-                         "at the largest rows / middle context")
+                    help="also time attention alone over block_n x splits at the largest rows / middle context")
     a = ap.parse_args()
     dev, bf = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -112,21 +111,21 @@ def main() -> None:
                 scratch = decode_scratch(rows, HEADS, DIM, splits, dev)
                 it = iter(range(10**9))
 
-                def attn(splits=splits, scratch=scratch, block_n=64, warps=4, stages=2, prefetch=None):
+                def attn(splits=splits, scratch=scratch, block_n=64, warps=4, stages=2):
                     kc, vc = pools[next(it) % 2]
                     decode_attention(q, kc, vc, table, lens, DIM**-0.5, out=out, scratch=scratch, num_splits=splits,
-                                     block_n=block_n, num_warps=warps, num_stages=stages, prefetch=prefetch)
+                                     block_n=block_n, num_warps=warps, num_stages=stages)
 
                 contexts = sorted(int(c) for c in a.contexts.split(","))
                 if a.sweep and rows == max(int(r) for r in a.rows.split(",")) and ctx == contexts[len(contexts) // 2]:
                     for bn, warps, stages in SWEEP:
-                        for pf in (False, True):
-                            sp = splits
-                            g = graph_of(lambda: attn(sp, scratch, bn, warps, stages, pf), a.layers, s_attn)
+                        for sp in (1, 2):
+                            sc = decode_scratch(rows, HEADS, DIM, sp, dev)
+                            g = graph_of(lambda: attn(sp, sc, bn, warps, stages), a.layers, s_attn)
                             t = timed([(g, s_attn)]) / a.layers
                             kvb = 2 * rows * ctx * KV_HEADS * DIM * pools[0][0].element_size()
                             print(f"  sweep kv {kv_name} rows {rows} ctx {ctx} block_n {bn:3d} warps {warps} "
-                                  f"stages {stages} splits {sp} prefetch {pf!s:5}: {t:.3f} ms, "
+                                  f"stages {stages} splits {sp} (default {splits}): {t:.3f} ms, "
                                   f"{kvb / t / 1e9:.2f} TB/s", flush=True)
                             del g
 

@@ -45,7 +45,7 @@ def _decode_split_kernel(
     scale_log2, page_size, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,24 +71,13 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # PREFETCH: issue the V tile with the K tile and the next block's page ids before the math, so
-    # a program has twice the bytes in flight (the loop is bound by memory latency, not bandwidth,
-    # once the tiles are narrow: fp8)
-    if PREFETCH:
-        page = tl.load(table + (lo + tl.arange(0, BLOCK_N)) // page_size,
-                       mask=lo + tl.arange(0, BLOCK_N) < hi, other=0).to(tl.int64)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        if not PREFETCH:
-            page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
         slot = page * page_size + offs_n % page_size
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if PREFETCH:
-            v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            nxt = offs_n + BLOCK_N
-            page = tl.load(table + nxt // page_size, mask=nxt < hi, other=0).to(tl.int64)
         k = k.to(q.dtype)  # an fp8 pool's tile, cast up exactly; a no-op when the pool is q's dtype
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -96,8 +85,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH:
-            v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -159,7 +147,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2, prefetch: bool | None = None,
+    num_splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim] in q's dtype or fp8;
     page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
@@ -189,7 +177,6 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        PREFETCH=k_cache.element_size() == 1 if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     _decode_merge_kernel[(batch, num_heads)](
