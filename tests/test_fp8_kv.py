@@ -31,6 +31,7 @@ import pytest
 pytest.importorskip("triton")
 
 from conftest import collect, drain, greedy_ids_and_logprobs, make_tiny_engine
+from test_kernels import page_tables
 
 from ketch.attention.base import SeqChunk
 from ketch.attention.torch_backend import TorchAttentionBackend
@@ -71,19 +72,6 @@ def with_outliers(shape: tuple[int, ...], gen: torch.Generator, scale: float = 1
     flat[idx[:8]] = torch.tensor([600.0, -600.0, 1e4, -1e4, 448.0, -448.0, 460.0, -470.0])
     flat[idx[8:16]] = torch.randn(8, generator=gen) * 1e-3
     return x
-
-
-def page_tables(lens: list[int], page_size: int, num_pages: int, gen: torch.Generator) -> torch.Tensor:
-    """Disjoint shuffled pages per sequence, padded with page 0, [batch, max_pages] int32."""
-    need = [-(-n // page_size) for n in lens]
-    perm = torch.randperm(num_pages, generator=gen)
-    table = torch.zeros(len(lens), max(1, max(need)), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[used : used + n]
-        used += n
-    assert used <= num_pages
-    return table.to(DEVICE)
 
 
 def fp8_pool(num_pages: int, page_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
