@@ -349,3 +349,15 @@ def test_random_requests(page_size: int, seed: int):
     t.reset()
     assert a.num_free == a.num_pages and t.cached_pages == 0
 
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_kv_pool_bytes_per_token_is_a_page_over_its_tokens(dtype_name):
+    import torch
+
+    from ketch.cache.kv_pool import KVPool
+
+    dtype = getattr(torch, dtype_name)
+    pool = KVPool(3, 4, 16, 2, 8, dtype, "cpu")
+    assert pool.bytes_per_token * 16 == KVPool.bytes_per_page(3, 16, 2, 8, dtype)
+    assert pool.bytes_per_token * 16 * 4 == sum(t.numel() * t.element_size() for t in pool.k + pool.v)

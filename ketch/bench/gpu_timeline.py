@@ -107,17 +107,15 @@ class StepTimeline:
 
     def phases(self) -> dict[str, Phase]:
         """GPU time of decode-only steps and of steps with prompt tokens, over every recorded step."""
-        torch.cuda.synchronize()
         out = {"decode": Phase(), "prefill": Phase()}
-        for k, ((start, end), shape) in enumerate(zip(self.marks, self.shapes)):
-            p = out["decode" if shape.decode_only else "prefill"]
+        for busy_ms, gap_ms, new_tokens, decode_rows, decode_kv_tokens in self.rows():
+            p = out["decode" if new_tokens == decode_rows else "prefill"]  # StepShape.decode_only
             p.steps += 1
-            p.busy_s += start.elapsed_time(end) / 1e3
-            if k + 1 < len(self.marks):
-                p.gap_s += end.elapsed_time(self.marks[k + 1][0]) / 1e3
-            p.new_tokens += shape.new_tokens
-            p.decode_rows += shape.decode_rows
-            p.decode_kv_tokens += shape.decode_kv_tokens
+            p.busy_s += busy_ms / 1e3
+            p.gap_s += gap_ms / 1e3
+            p.new_tokens += new_tokens
+            p.decode_rows += decode_rows
+            p.decode_kv_tokens += decode_kv_tokens
         return out
 
 

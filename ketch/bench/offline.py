@@ -129,7 +129,7 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
             + (f" | median of {a.repeat}: {r['decode_tok_s_runs']}" if a.repeat > 1 else "")
         )
         if "gpu_phases" in r:
-            print(format_phases(r["gpu_phases"], _kv_bytes_per_token(engine), r["total_s"]))
+            print(format_phases(r["gpu_phases"], engine.runner.pool.bytes_per_token, r["total_s"]))
         for w, path, summary in prof.results if prof else []:
             print(f"profile of steps {w.label} (run 1): {path}\n{summary.format()}")
             r.setdefault("profiles", {})[w.label] = {"trace": path, "step_ms": summary.step_us / 1e3,
@@ -147,11 +147,6 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
         with open(a.output_file, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2, default=str)
     return results
-
-
-def _kv_bytes_per_token(engine: Engine) -> int:
-    pool = engine.runner.pool
-    return 2 * len(pool.k) * pool.k[0][0, 0].numel() * pool.k[0].element_size()
 
 
 def format_phases(phases: dict[str, dict], kv_bytes_per_token: int, total_s: float) -> str:

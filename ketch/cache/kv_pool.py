@@ -47,6 +47,11 @@ class KVPool:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * element
 
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over every layer, in the pool's element type."""
+        return 2 * len(self.k) * self.k[0][0, 0].numel() * self.k[0].element_size()
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V ([tokens, kv_heads, head_dim]) into their slots."""
         kv_heads, head_dim = k.shape[1], k.shape[2]
