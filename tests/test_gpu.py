@@ -4,23 +4,51 @@ Shapes: a 4-layer slice of Llama-3.1-8B (every dimension real, fewer layers) and
 model, each in fp32 and bf16. Prompts are random token ids; 16 prompts, 32 greedy tokens.
 
 Every comparison is checked step by step while both sides still share their context
-("teacher-forced"): the logits must agree to the dtype's noise, and where the greedy tokens
-part, the reference's top-two gap there must be a near-tie. In fp32 that noise is ~1e-5, so
-the tokens must also be identical for >= 90% of the prompts (issue 4's criterion). In bf16 the
-random model's top two logits over a 128K vocabulary are often closer than its rounding noise,
-so the identical count is reported, not asserted: on an H200 (2026-11-29) ketch vs ketch
-(bs1 vs batched) and ketch vs HF differed alike, by up to 1.9% of the largest logit with 4
-layers and 4.8% / 6.8% with 32, every divergence at a top-two gap of at most 0.22 (7 ulps)
-on the torch path; the Triton path against HF reached 8.3% and a gap of 0.31 (10 ulps), and
-against the torch path 8.0% and 0.22. A token can only flip where the gap is at most twice
-the logit difference at that step, so the near-tie bound is a bound on that difference at the
-divergence points; bf16's is 0.5 (16 ulps, under 10% of the largest logit, ~5.4).
-The figures are printed (pytest -s) for docs/performance.md.
+("teacher-forced"): the logits at a step are compared only while the tokens before it agree,
+and where the greedy tokens part, the reference's logits at that step say how close a call it
+was.
+
+fp32: the noise is ~1e-5, so the bounds are fixed: logits within 1e-3 of the largest logit,
+divergences only at a reference top-two gap of at most 1e-3, and >= 90 % of the prompts
+identical (issue 4's criterion).
+
+bf16: the bound is measured in the same run, never a constant (issue 12). The reference is HF
+transformers in fp32 on the same (bf16-valued) weights; the yardstick is HF transformers in
+bf16 against that reference (`hf_refs`, once per shape). Every bf16 run of ketch (bs1, batched,
+with or without prefix hits, Triton or torch path, graphs or eager) is held to it by
+`check_bf16`:
+- logits: over the steps where ketch, HF bf16 and the reference all share their context,
+  ketch's max |Δlogit| / max |logit| against the reference is at most 1.1 × HF bf16's over the
+  same steps;
+- divergences: where ketch's greedy token first leaves the reference's (prompt p, step s; the
+  context is still shared there), let a be the reference's token, b ketch's, and
+  gap = ref[a] − ref[b] >= 0 in the reference's fp32 logits. The divergence must be one of
+    (H) where HF's own bf16 diverges too: HF bf16 left the reference on prompt p at step s or
+        before it;
+    (T) a tie within one bf16 ulp: gap <= ulp(ref[a]) = 2^(floor(log2 |ref[a]|) − 7), the
+        spacing of bf16 numbers at the top logit, so rounding the two logits alone can swap
+        them;
+    (N) within HF bf16's own rounding noise at that step: gap <= 5 · √2 · σ, where σ is the RMS
+        over the vocabulary of HF bf16's logit error against the reference at (p, s) (HF bf16
+        still shares the context there, else (H) holds). The lm_head rows are random, so a
+        step's logit error is Gaussian across the vocabulary; the error on the difference of
+        two logits has standard deviation √2·σ, and ketch's σ is held near HF's by the logit
+        check. A pure rounding flip beyond 5 of those (~3e-7 a pair) is not noise. Z = 5 is
+        chosen from that tail, not fitted to any run.
+  (H) and (T) alone do not suffice: bf16 rounding in ketch and in HF is independent (ketch vs
+  HF bf16 differ as much as either does from fp32), so ketch flips near-ties at steps where
+  HF's bf16 happens not to (run 12: at 32 layers ketch left fp32 after 5.1 tokens on average,
+  HF bf16 after 7.6, with ketch's logit error the smaller). Each divergence is printed with the
+  clause that explains it, and the count that needed (N).
+Before issue 12, bf16 had fixed bounds (near-tie gap 0.5, logit error 10 %) loosened after
+failures, and a yardstick that let ketch be 1.5× worse than HF's own bf16.
 
 The engine under test is the CUDA default: Triton attention and layer kernels, decode CUDA
 graphs captured at init. It is also compared with the torch path (SDPA over gathered pages,
-torch norms/RoPE/SiLU), each backend's graphs with its own eager decode (identical tokens), and
-overlap scheduling (the CUDA default) with the plain loop (identical tokens).
+torch norms/RoPE/SiLU), each backend's graphs with its own eager decode (bit-identical on the
+Triton path: same kernels, same arguments; identical tokens on the torch path), and overlap
+scheduling (the CUDA default) with the plain loop (bit-identical). The figures are printed
+(pytest -s) for docs/performance.md.
 
 Skips cleanly without CUDA.
 """
@@ -30,6 +58,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import random
 from pathlib import Path
 
@@ -50,18 +79,13 @@ NUM_PROMPTS = 16
 NEW_TOKENS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    logit_rel: float  # max |Δlogit| on a shared context over the largest |logit| of that step
-    near_tie: float  # a divergence must happen where the reference's top-two logits are this close
-    min_identical: float | None  # fraction of prompts whose 32 tokens must be identical
-
-
-TOLERANCE = {
-    "float32": Tolerance(logit_rel=1e-3, near_tie=1e-3, min_identical=0.9),
-    # one bf16 ulp at |logit| in [4, 8) is 0.03; 32 random layers of bf16 rounding reach ~10 ulps
-    "bfloat16": Tolerance(logit_rel=0.1, near_tie=0.5, min_identical=None),
-}
+# fp32 (fixed: its noise is ~1e-5): max |Δlogit| on a shared context over the largest |logit| of
+# that step; the reference's top-two gap at a divergence; the fraction of prompts identical
+FP32_LOGIT_REL, FP32_NEAR_TIE, FP32_MIN_IDENTICAL = 1e-3, 1e-3, 0.9
+# bf16 (module docstring): ketch's logit error at most this times HF bf16's, measured in the same run
+BF16_VS_HF = 1.1
+# bf16 (N): a divergence within this many standard deviations of HF bf16's noise on a logit difference
+NOISE_Z = 5.0
 
 
 @dataclasses.dataclass
@@ -199,9 +223,9 @@ class Comparison:
 def compare(ref: Run, other: Run) -> Comparison:
     identical, max_abs, max_rel, first = 0, 0.0, 0.0, 0.0
     divergences = []
-    for p, (rt, ot) in enumerate(zip(ref.tokens, other.tokens)):
+    for p, (rt, ot) in enumerate(zip(ref.tokens, other.tokens, strict=True)):
         assert len(rt) == len(ot) == NEW_TOKENS
-        diverge = next((s for s, (a, b) in enumerate(zip(rt, ot)) if a != b), None)
+        diverge = next((s for s, (a, b) in enumerate(zip(rt, ot, strict=True)) if a != b), None)
         identical += diverge is None
         shared = NEW_TOKENS if diverge is None else diverge + 1  # logits at the divergence share context too
         for s in range(shared):
@@ -216,56 +240,22 @@ def compare(ref: Run, other: Run) -> Comparison:
     return Comparison(identical, max_abs, max_rel, first, divergences)
 
 
-def check(cmp: Comparison, name: str, dtype: str) -> None:
-    tol = TOLERANCE[dtype]
-    print(f"\n[{dtype}] " + cmp.line(name))
-    assert cmp.max_rel_diff <= tol.logit_rel, cmp.line(name)
-    assert all(gap <= tol.near_tie for _, _, gap in cmp.divergences), cmp.line(name)
-    if tol.min_identical is not None:
-        assert cmp.identical >= tol.min_identical * NUM_PROMPTS, cmp.line(name)
+def check_fp32(cmp: Comparison, name: str) -> None:
+    print("\n[float32] " + cmp.line(name))
+    assert cmp.max_rel_diff <= FP32_LOGIT_REL, cmp.line(name)
+    assert all(gap <= FP32_NEAR_TIE for _, _, gap in cmp.divergences), cmp.line(name)
+    assert cmp.identical >= FP32_MIN_IDENTICAL * NUM_PROMPTS, cmp.line(name)
 
 
-SHAPES = [(4, "float32"), (4, "bfloat16"), (32, "bfloat16"), (32, "float32")]
-
-
-@pytest.fixture(scope="module", params=SHAPES, ids=["4-layer-fp32", "4-layer-bf16", "full-8B-bf16", "full-8B-fp32"])
-def setup(request, tmp_path_factory):
-    layers, dtype = request.param
-    path = sliced_config(tmp_path_factory.mktemp("cfg"), layers)
-    engine = make_engine(path, dtype)
-    prompts = make_prompts(engine.vocab_size)
-    yield path, engine, prompts, dtype
-    del engine
-    gc.collect()  # the full model in fp32 is 32 GB: free it before the next shape loads
-    torch.cuda.empty_cache()
-
-
-def test_weights_and_kv_live_on_the_gpu(setup):
-    _, engine, _, dtype = setup
-    want = getattr(torch, dtype)
-    assert all(p.device.type == DEVICE and p.dtype == want for p in engine.runner.model.parameters())
-    assert engine.runner.model.rotary.cos.dtype == torch.float32  # rotary tables stay fp32
-    assert engine.runner.pool.k[0].device.type == DEVICE and engine.runner.pool.k[0].dtype == want
-    # the CUDA defaults: Triton kernels, decode graphs captured at init for every padded size
-    assert engine.runner.attention_backend == "triton" and engine.runner.ops.name == "triton"
-    assert engine.runner.graphs.captured_sizes() == [1, 2, 4, 8, 16]
-
-
-def test_greedy_matches_hf_transformers(setup):
-    path, engine, prompts, dtype = setup
-    ours = engine_greedy(engine, prompts, batched=False, tag="hf-parity")
-    hf = build_hf(path, engine, DEVICE)
-    try:
-        ref = hf_greedy(hf, prompts, DEVICE)
-    finally:
-        del hf
-        torch.cuda.empty_cache()
-    check(compare(ref, ours), f"ketch vs HF transformers ({engine.model_config.num_layers} layers, bs1)", dtype)
+def bit_identical(a: Run, b: Run) -> bool:
+    return a.tokens == b.tokens and all(
+        len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
+        for x, y in zip(a.logits, b.logits, strict=True))
 
 
 def _tokens_before_divergence(ref: Run, other: Run) -> list[int]:
-    return [next((s for s, (a, b) in enumerate(zip(rt, ot)) if a != b), NEW_TOKENS)
-            for rt, ot in zip(ref.tokens, other.tokens)]
+    return [next((s for s, (a, b) in enumerate(zip(rt, ot, strict=True)) if a != b), NEW_TOKENS)
+            for rt, ot in zip(ref.tokens, other.tokens, strict=True)]
 
 
 def _agreed(ref: Run, other: Run) -> list[int]:
@@ -279,54 +269,136 @@ def _rel_error(ref: Run, other: Run, horizon: list[int]) -> float:
                for p in range(len(horizon)) for s in range(horizon[p]))
 
 
-def test_bf16_is_as_close_to_fp32_as_hf_transformers_bf16(setup):
-    """The yardstick for bf16: HF transformers in fp32 on the same (bf16-valued) weights is the
-    reference; ketch in bf16 must be no further from it than HF transformers in bf16 is. Random
-    weights have near-ties that bf16 rounding flips (module docstring), so "identical tokens" is
-    reported for both, and the assertion is on the logit error over the steps where all three
-    runs still share their context."""
+def bf16_ulp(x: float) -> float:
+    """The spacing of bf16 numbers (8 significant bits) at |x|: 2^(floor(log2 |x|) - 7)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 0.0
+
+
+def check_bf16(run: Run, name: str, refs: dict[torch.dtype, Run]) -> None:
+    """Hold a bf16 run of ketch to HF transformers' bf16, both against HF fp32 on the same weights
+    (the bounds and clauses H, T, N are defined in the module docstring)."""
+    fp32, hf16 = refs[torch.float32], refs[torch.bfloat16]
+    ours_at, hf_at = _tokens_before_divergence(fp32, run), _tokens_before_divergence(fp32, hf16)
+    horizon = [min(a, b) for a, b in zip(_agreed(fp32, run), _agreed(fp32, hf16), strict=True)]
+    mine, theirs = _rel_error(fp32, run, horizon), _rel_error(fp32, hf16, horizon)
+    notes, unexplained, only_noise = [], [], 0
+    for p, s in enumerate(ours_at):
+        if s == NEW_TOKENS:
+            continue
+        ref = fp32.logits[p][s]
+        a, b = fp32.tokens[p][s], run.tokens[p][s]
+        gap = float(ref[a] - ref[b])
+        if hf_at[p] <= s:
+            why = "H"
+        elif gap <= bf16_ulp(float(ref[a])):
+            why = "T"
+        else:  # HF bf16 still shares the context at step s: its error there is its noise on this context
+            sigma = float((hf16.logits[p][s] - ref).pow(2).mean().sqrt())
+            bound = NOISE_Z * math.sqrt(2.0) * sigma
+            why = f"N<={bound:.3g}" if gap <= bound else f"UNEXPLAINED>{bound:.3g}"
+            only_noise += gap <= bound
+            if gap > bound:
+                unexplained.append((p, s, gap))
+        notes.append(f"p{p}@{s}:{gap:.3g}({why})")
+    identical = sum(n == NEW_TOKENS for n in ours_at)
+    line = (f"{name} vs HF fp32: identical {identical}/{NUM_PROMPTS} (HF bf16 "
+            f"{sum(n == NEW_TOKENS for n in hf_at)}/{NUM_PROMPTS}); mean tokens before the first "
+            f"divergence {sum(ours_at) / NUM_PROMPTS:.1f} (HF bf16 {sum(hf_at) / NUM_PROMPTS:.1f}); "
+            f"max |Δlogit| / max |logit| on steps all three share: {mine:.2%}, HF bf16 {theirs:.2%}, "
+            f"ratio {mine / theirs:.3f} (bound {BF16_VS_HF}); divergences (prompt@step:fp32 gap(clause)) "
+            f"{', '.join(notes) or 'none'}; needed (N): {only_noise} of {len(notes)}")
+    print("\n[bfloat16] " + line)
+    assert mine <= BF16_VS_HF * theirs, line
+    assert not unexplained, line
+
+
+SHAPES = [(4, "float32"), (4, "bfloat16"), (32, "bfloat16"), (32, "float32")]
+
+
+def release() -> None:
+    gc.collect()  # engines hold reference cycles (graph runners, patched methods): free them now
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=["4-layer-fp32", "4-layer-bf16", "full-8B-bf16", "full-8B-fp32"])
+def setup(request, tmp_path_factory):
+    layers, dtype = request.param
+    path = sliced_config(tmp_path_factory.mktemp("cfg"), layers)
+    engine = make_engine(path, dtype)
+    prompts = make_prompts(engine.vocab_size)
+    yield path, engine, prompts, dtype
+    del engine
+    release()  # the full model in fp32 is 32 GB: free it before the next shape loads
+
+
+@pytest.fixture(scope="module")
+def hf_refs(setup) -> dict[torch.dtype, Run]:
+    """HF transformers' greedy runs on the engine's exact weights, once per shape: in fp32 (the
+    reference; the bf16 weights cast exactly) and, for bf16 shapes, in bf16 (the yardstick)."""
     path, engine, prompts, dtype = setup
-    if dtype != "bfloat16":
-        pytest.skip("a bf16 yardstick")
-    ours = engine_greedy(engine, prompts, batched=False, tag="yardstick")
     refs = {}
-    for ref_dtype in (torch.float32, torch.bfloat16):
+    for ref_dtype in (torch.float32, torch.bfloat16) if dtype == "bfloat16" else (torch.float32,):
         hf = build_hf(path, engine, DEVICE, dtype=ref_dtype)
         try:
             refs[ref_dtype] = hf_greedy(hf, prompts, DEVICE)
         finally:
             del hf
-            torch.cuda.empty_cache()
-    fp32, hf16 = refs[torch.float32], refs[torch.bfloat16]
-    horizon = [min(a, b) for a, b in zip(_agreed(fp32, ours), _agreed(fp32, hf16))]
-    mine, theirs = _rel_error(fp32, ours, horizon), _rel_error(fp32, hf16, horizon)
-    layers = engine.model_config.num_layers
-    for name, run in (("HF bf16", hf16), ("ketch bf16", ours)):
-        before = _tokens_before_divergence(fp32, run)
-        print(f"\n[yardstick, {layers} layers] {name} vs HF fp32: identical {compare(fp32, run).identical}/"
-              f"{NUM_PROMPTS}, mean tokens before the first divergence {sum(before) / NUM_PROMPTS:.1f}")
-    print(f"[yardstick, {layers} layers] max |Δlogit| / max |logit| vs HF fp32 on shared steps: "
-          f"ketch bf16 {mine:.2%}, HF bf16 {theirs:.2%}; " + compare(hf16, ours).line("ketch bf16 vs HF bf16"))
-    assert mine <= 1.5 * theirs, (mine, theirs)
+            release()
+    yield refs
+    refs.clear()
+    release()
 
 
-def test_batching_and_prefix_cache_do_not_change_greedy_output(setup):
+def test_weights_and_kv_live_on_the_gpu(setup):
+    _, engine, _, dtype = setup
+    want = getattr(torch, dtype)
+    assert all(p.device.type == DEVICE and p.dtype == want for p in engine.runner.model.parameters())
+    assert engine.runner.model.rotary.cos.dtype == torch.float32  # rotary tables stay fp32
+    assert engine.runner.pool.k[0].device.type == DEVICE and engine.runner.pool.k[0].dtype == want
+    # the CUDA defaults: Triton kernels, decode graphs captured at init for every padded size
+    assert engine.runner.attention_backend == "triton" and engine.runner.ops.name == "triton"
+    assert engine.runner.graphs.captured_sizes() == [1, 2, 4, 8, 16]
+
+
+def test_greedy_matches_hf_transformers(setup, hf_refs):
+    """fp32: ketch against HF fp32. bf16: ketch against HF fp32, held to HF's own bf16 (the yardstick)."""
+    _, engine, prompts, dtype = setup
+    ours = engine_greedy(engine, prompts, batched=False, tag="hf-parity")
+    name = f"ketch ({engine.model_config.num_layers} layers, bs1)"
+    if dtype == "float32":
+        check_fp32(compare(hf_refs[torch.float32], ours), f"{name} vs HF transformers")
+        return
+    check_bf16(ours, name, hf_refs)
+    print("[bfloat16] (reported) " + compare(hf_refs[torch.bfloat16], ours).line(f"{name} vs HF bf16"))
+
+
+def test_batching_and_prefix_cache_do_not_change_greedy_output(setup, hf_refs):
     path, engine, prompts, dtype = setup
     one = engine_greedy(engine, prompts, batched=False, tag="bs1")  # odd prompts hit the shared prefix
     batched = engine_greedy(engine, prompts, batched=True, tag="batched")  # every full prompt page hits
     assert engine.scheduler.stats.cached_prompt_tokens > 0
-    check(compare(one, batched), "ketch bs1 vs batched (prefix cache on)", dtype)
     off = make_engine(path, dtype, enable_prefix_cache=False)
     try:
         no_cache = engine_greedy(off, prompts, batched=True, tag="nocache")
         assert off.scheduler.stats.cached_prompt_tokens == 0
     finally:
         del off
-        torch.cuda.empty_cache()
-    check(compare(no_cache, batched), "ketch batched: prefix cache off vs on (hits)", dtype)
+        release()
+    pairs = [(one, batched, "ketch bs1 vs batched (prefix cache on)"),
+             (no_cache, batched, "ketch batched: prefix cache off vs on (hits)")]
+    if dtype == "float32":
+        for ref, other, name in pairs:
+            check_fp32(compare(ref, other), name)
+        return
+    # bf16: two ketch runs differ by rounding as ketch and HF do; each is held to the yardstick
+    for run, name in ((one, "ketch bs1, prefix hits"), (batched, "ketch batched, prefix hits"),
+                      (no_cache, "ketch batched, prefix cache off")):
+        check_bf16(run, name, hf_refs)
+    for ref, other, name in pairs:
+        print("[bfloat16] (reported) " + compare(ref, other).line(name))
 
 
-def test_triton_path_matches_torch_path(setup):
+def test_triton_path_matches_torch_path(setup, hf_refs):
     """Default engine (Triton kernels, graphs) against the torch reference path, eager."""
     path, engine, prompts, dtype = setup
     ours = engine_greedy(engine, prompts, batched=True, tag="triton")
@@ -335,12 +407,21 @@ def test_triton_path_matches_torch_path(setup):
         ref = engine_greedy(ref_engine, prompts, batched=True, tag="torch")
     finally:
         del ref_engine
-        torch.cuda.empty_cache()
-    check(compare(ref, ours), "Triton kernels + graphs vs torch path (batched)", dtype)
+        release()
+    name = "Triton kernels + graphs vs torch path (batched)"
+    if dtype == "float32":
+        check_fp32(compare(ref, ours), name)
+        return
+    check_bf16(ours, "ketch Triton kernels + graphs (batched)", hf_refs)
+    check_bf16(ref, "ketch torch path, eager (batched)", hf_refs)
+    print("[bfloat16] (reported) " + compare(ref, ours).line(name))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_cuda_graph_decode_matches_eager(setup, backend):
+def test_cuda_graph_decode_matches_eager(setup, hf_refs, backend):
+    """Triton: bit-identical tokens and logits (the decode split count depends on the batch size
+    only, so a graph of n rows and an eager step of n rows launch the same kernels with the same
+    arguments). torch: identical tokens (its GEMMs may pick other algorithms under capture)."""
     path, _, prompts, dtype = setup
     runs = {}
     for graph in (False, True):  # prefix cache off: both sides prefill every prompt the same way
@@ -355,12 +436,21 @@ def test_cuda_graph_decode_matches_eager(setup, backend):
                            engine_greedy(engine, prompts, batched=True, tag="all"))
         finally:
             del engine
-            torch.cuda.empty_cache()
+            release()
     assert {1, NUM_PROMPTS} <= set(calls)  # both runs really decoded through graphs
-    for i, name in enumerate(("bs1", "batched")):
-        cmp = compare(runs[False][i], runs[True][i])
-        check(cmp, f"{backend}: CUDA graph vs eager decode, {name}", dtype)
-        assert cmp.identical == NUM_PROMPTS, cmp.line(name)  # same kernels, same split counts: same tokens
+    for i, size in enumerate(("bs1", "batched")):
+        eager, graph = runs[False][i], runs[True][i]
+        cmp = compare(eager, graph)
+        name = f"{backend}: CUDA graph vs eager decode, {size}"
+        print(f"\n[{dtype}] " + cmp.line(name))
+        assert cmp.identical == NUM_PROMPTS, cmp.line(name)
+        if backend == "triton":
+            assert bit_identical(eager, graph), cmp.line(name)
+        elif dtype == "float32":
+            check_fp32(cmp, name)
+        else:
+            check_bf16(eager, f"ketch torch path, eager, {size}", hf_refs)
+            check_bf16(graph, f"ketch torch path, graphs, {size}", hf_refs)
 
 
 def _busy_after_step(engine: Engine, prompts: list[list[int]], tag: str) -> tuple[Run, float]:
@@ -398,11 +488,11 @@ def test_overlap_schedule_matches_the_plain_loop(setup):
             runs[overlap] = (one, batched)
         finally:
             del engine
-            torch.cuda.empty_cache()
-    for i, name in enumerate(("bs1", "batched")):
+            release()
+    for i, size in enumerate(("bs1", "batched")):
         cmp = compare(runs[False][i], runs[True][i])
-        check(cmp, f"overlap on vs off, {name}", dtype)
-        assert cmp.identical == NUM_PROMPTS and cmp.max_abs_diff == 0, cmp.line(name)
+        print(f"\n[{dtype}] " + cmp.line(f"overlap on vs off, {size}"))
+        assert bit_identical(runs[False][i], runs[True][i]), cmp.line(size)
     print(f"\n[{dtype}] GPU still busy when a decode step returns: overlap off {busy[False]:.0%}, on {busy[True]:.0%}")
     assert busy[False] == 0  # each step waited for its own tokens: nothing left queued
     layers = json.loads(Path(path).read_text())["num_hidden_layers"]
