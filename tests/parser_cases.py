@@ -1,7 +1,8 @@
 """Model outputs for tests/test_parsers.py: realistic ones per parser, then malformed ones.
 
 Each case: (id, parser kwargs, output text, expected final message). Expected content None means
-"no content"; calls are (name, arguments as a Python object).
+"no content"; calls are (name, arguments as a Python object). Cut cases end inside a call (as
+max_tokens leaves them): `cut_call` is then the last call, (name, its unfinished argument text).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Case:
     reasoning: str | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     malformed: bool = False  # a call may have been announced on the stream before it broke
+    cut_call: tuple[str, str] | None = None  # a last call cut in its arguments (not in `calls`)
 
 
 def _j(obj: Any) -> str:
@@ -254,12 +256,29 @@ GOOD: list[Case] = [
     Case("no-parsers", {}, " <tool_call> as text\n", " <tool_call> as text\n"),
 ]
 
-_CUT = "Sure <tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par"
 _GOOD_LLAMA = _j({"name": "get_time", "parameters": {}})
+_DS_RUN = DS_CALL_BEGIN + "function" + DS_SEP + "run\n```json\n"
+
+# The output ends inside a call (max_tokens): once its name was read (the stream announced it), the
+# call stays with what was read of its arguments; before that, its text is content.
+CUT: list[Case] = [
+    Case("hermes-cut-in-args", H, 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "Par', "Sure",
+         cut_call=("get_weather", '{"city": "Par')),
+    Case("hermes-second-cut", H, hermes("get_weather", WEATHER) + "\n" + hermes("get_time", {"tz": "CET"}).split("ET")[0], None,
+         calls=[("get_weather", WEATHER)], cut_call=("get_time", '{"tz": "C')),
+    Case("hermes-cut-after-name", H, '<tool_call>{"name": "get_time", ', None, cut_call=("get_time", "")),
+    Case("hermes-cut-in-name", H, 'Sure <tool_call>{"name": "get_wea', 'Sure <tool_call>{"name": "get_wea'),
+    Case("hermes-no-close", H, '<tool_call>{"name": "get_time", "arguments": {}}', None, calls=[("get_time", {})]),
+    Case("llama3-cut-in-args", L, '{"name": "get_weather", "parameters": {"city": "Pa', None, cut_call=("get_weather", '{"city": "Pa')),
+    Case("mistral-cut-in-args", M, '[TOOL_CALLS]run[ARGS]{"code": "x', None, cut_call=("run", '{"code": "x')),
+    Case("mistral-list-cut", M, '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "run", "argu', None,
+         calls=[("get_time", {})], cut_call=("run", "")),
+    Case("deepseek-cut-in-close", D, DS_CALLS_BEGIN + ds_call("get_time", {})[:-12], None, calls=[("get_time", {})]),
+    Case("deepseek-good-then-cut", D, DS_CALLS_BEGIN + ds_call("get_time", {}) + "\n" + _DS_RUN + '{"a"', None,
+         calls=[("get_time", {})], cut_call=("run", '{"a"')),
+]
 
 BAD: list[Case] = [
-    Case("hermes-truncated", H, _CUT, _CUT, malformed=True),
-    Case("hermes-no-close", H, '<tool_call>{"name": "get_time", "arguments": {}}', '<tool_call>{"name": "get_time", "arguments": {}}', malformed=True),
     Case("hermes-bad-json", H, '<tool_call>{"name": "run", "arguments": {a: 1}}</tool_call> x', '<tool_call>{"name": "run", "arguments": {a: 1}}</tool_call> x', malformed=True),
     Case("hermes-unknown-name", H, "\n" + hermes("launch", {}), "\n" + hermes("launch", {}), malformed=True),
     Case("hermes-junk-before-close", H, '<tool_call>{"name": "run", "arguments": {}} !</tool_call>', '<tool_call>{"name": "run", "arguments": {}} !</tool_call>', malformed=True),
@@ -271,28 +290,11 @@ BAD: list[Case] = [
         calls=[("get_time", {})],
         malformed=True,
     ),
-    Case("llama3-truncated", L, '{"name": "get_weather", "parameters": {"city": "Pa', '{"name": "get_weather", "parameters": {"city": "Pa', malformed=True),
     Case("llama3-no-parameters", L, '{"name": "get_time"}', '{"name": "get_time"}', malformed=True),
     Case("llama3-unknown-name", L, '{"name": "launch", "parameters": {}}', '{"name": "launch", "parameters": {}}', malformed=True),
     Case("llama3-bad-separator", L, _GOOD_LLAMA + "; hello", "; hello", calls=[("get_time", {})], malformed=True),
-    Case("mistral-truncated-args", M, "[TOOL_CALLS]run[ARGS]{\"code\": \"x", "[TOOL_CALLS]run[ARGS]{\"code\": \"x", malformed=True),
     Case("mistral-bad-marker", M, "[TOOL_CALLS]get_time[FOO]{}", "[TOOL_CALLS]get_time[FOO]{}", malformed=True),
-    Case(
-        "mistral-list-cut",
-        M,
-        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "run", "argu',
-        ', {"name": "run", "argu',
-        calls=[("get_time", {})],
-        malformed=True,
-    ),
     Case("mistral-bad-json", M, '[TOOL_CALLS]run[ARGS]{"a": tru}', '[TOOL_CALLS]run[ARGS]{"a": tru}', malformed=True),
-    Case(
-        "deepseek-truncated",
-        D,
-        DS_CALLS_BEGIN + ds_call("get_time", {})[:-12],
-        DS_CALLS_BEGIN + ds_call("get_time", {})[:-12],
-        malformed=True,
-    ),
     Case(
         "deepseek-wrong-type",
         D,
@@ -300,14 +302,6 @@ BAD: list[Case] = [
         DS_CALLS_BEGIN + ds_call("get_time", {}).replace("function", "procedure"),
         malformed=True,
     ),
-    Case(
-        "deepseek-good-then-cut",
-        D,
-        DS_CALLS_BEGIN + ds_call("get_time", {}) + "\n" + DS_CALL_BEGIN + "function" + DS_SEP + "run\n```json\n{\"a\"",
-        "\n" + DS_CALL_BEGIN + "function" + DS_SEP + "run\n```json\n{\"a\"",
-        calls=[("get_time", {})],
-        malformed=True,
-    ),
 ]
 
-ALL = GOOD + BAD
+ALL = GOOD + CUT + BAD

@@ -9,6 +9,7 @@ import pytest
 from parser_cases import (
     ALL,
     BAD,
+    CUT,
     DS_CALL_BEGIN,
     DS_CALL_END,
     DS_CALLS_BEGIN,
@@ -89,6 +90,9 @@ def check_expected(case: Case, msg: dict) -> None:
     assert msg["content"] == case.content
     assert msg["reasoning_content"] == case.reasoning
     calls = msg.get("tool_calls", [])
+    if case.cut_call is not None:  # the last call keeps its unfinished arguments as they were read
+        *calls, cut = calls
+        assert (cut["function"]["name"], cut["function"]["arguments"]) == case.cut_call
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == case.calls
     for c in calls:
         assert c["type"] == "function" and isinstance(json.loads(c["function"]["arguments"]), dict)
@@ -172,7 +176,43 @@ def test_cut_anywhere_never_raises_and_does_not_depend_on_chunking(case: Case) -
         whole = comparable(run(case.kwargs, [prefix])[1])
         deltas, msg = run(case.kwargs, random_chunks(prefix, cut, most=4))
         assert comparable(msg) == whole, prefix
-        check_stream(Case(case.id, case.kwargs, prefix, None, malformed=True), deltas, msg)
+        # A cut is not malformed output: the stream and the message hold exactly the same calls.
+        check_stream(Case(case.id, case.kwargs, prefix, None), deltas, msg)
+
+
+def test_call_cut_by_max_tokens_is_reported_alike_streamed_and_whole() -> None:
+    # tool_choice "required" with parallel calls: a second call cut inside its arguments.
+    full = hermes("get_weather", {"city": "Paris"}) + "\n" + hermes("get_weather", {"city": "London"})
+    text = full[: full.index("ndon")]
+    kwargs = {"tool_parser": "hermes", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    whole = ChatOutputParser(**kwargs)
+    whole.feed(text)
+    whole.finish()
+    want = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lo')]
+    assert comparable(whole.message()) == {"content": None, "reasoning": None, "calls": want}
+    for chunks in (list(text), random_chunks(text, 7, most=5)):
+        stream = ChatOutputParser(**kwargs)
+        deltas = [d for d in [*(stream.feed(c) for c in chunks), stream.finish()] if d]
+        seen = accumulate(deltas)
+        assert seen["content"] == "" and [(c["name"], c["arguments"]) for c in seen["calls"]] == want
+        assert comparable(stream.message()) == comparable(whole.message())
+        assert stream.truncated and stream.finish_reason("length") == "length"
+    # Cut, the arguments are unfinished: never "tool_calls", even when a stop string ended it.
+    assert whole.finish_reason("stop") == "stop"
+    complete = ChatOutputParser(**kwargs)
+    complete.feed(full)
+    complete.finish()
+    assert not complete.truncated and complete.finish_reason("stop") == "tool_calls"
+    assert complete.finish_reason("length") == "length"
+
+
+def test_call_cut_after_its_arguments_is_whole() -> None:
+    # Only the close tag is missing (a stop string, or the model's end): the call is complete.
+    parser = ChatOutputParser(tool_parser="hermes")
+    parser.feed('<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_')
+    parser.finish()
+    assert not parser.truncated and parser.finish_reason("stop") == "tool_calls"
+    assert comparable(parser.message())["calls"] == [("get_time", '{"tz": "CET"}')]
 
 
 FRAGMENTS = [
@@ -226,10 +266,10 @@ def test_absurd_nesting_is_content_not_a_crash() -> None:
     assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": ' + deep + "}"
 
 
-def test_cut_calls_keep_every_character_as_content() -> None:
-    # An unfinished call (here: cut inside it) gives back its text untouched.
-    for case in BAD:
-        if not case.calls:
+def test_broken_calls_keep_every_character_as_content() -> None:
+    # A call that breaks, or is cut before its name was read, gives back its text untouched.
+    for case in BAD + CUT:
+        if not case.calls and case.cut_call is None:
             assert ChatOutputParser.parse(case.text, **case.kwargs)["content"] == case.text
 
 
@@ -278,7 +318,7 @@ def test_without_tool_list_any_name_is_a_call() -> None:
 # --- the OpenAI SDK's own stream accumulation -------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [c for c in GOOD if c.calls], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in GOOD + CUT if c.calls or c.cut_call], ids=lambda c: c.id)
 def test_openai_sdk_accumulates_the_stream_into_the_final_message(case: Case) -> None:
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
@@ -295,9 +335,10 @@ def test_openai_sdk_accumulates_the_stream_into_the_final_message(case: Case) ->
         }
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     last = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
-            "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length" if case.cut_call else "tool_calls"}]}
     state.handle_chunk(ChatCompletionChunk.model_validate(last))
-    got = state.get_final_completion().choices[0].message
+    # the snapshot: get_final_completion() refuses a "length" finish (it would parse the content)
+    got = state.current_completion_snapshot.choices[0].message
     assert [(c.id, c.function.name, c.function.arguments) for c in got.tool_calls] == [
         (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
     ]

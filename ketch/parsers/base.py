@@ -50,6 +50,9 @@ class ToolDelta:
 class ToolResult:
     content: str
     calls: tuple[ToolCall, ...] = field(default_factory=tuple)
+    # The output ended inside the last call's arguments: they are an unfinished JSON prefix
+    # (possibly empty), exactly as streamed.
+    truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,9 @@ class ReasoningParser(abc.ABC):
 
 class ToolParser(abc.ABC):
     """Pulls tool calls out of the content part of model output. Never raises on model output:
-    text that does not complete a well-formed call (bad JSON, a missing close tag at the end, an
-    unknown function name when tools were given) is released as plain content."""
+    text that does not complete a well-formed call (bad JSON, an unknown function name when tools
+    were given, a call cut by the end of the output before its name was read) is released as plain
+    content. A call cut by the end after it was announced stays a call (see ToolResult.truncated)."""
 
     def __init__(self, tool_names: frozenset[str] | None = None) -> None:
         # None: any name is accepted (no tool list to check against).

@@ -2,7 +2,8 @@
 
 Streaming: `feed(text)` per detokenized delta returns a `choices[i].delta` dict (or None when the
 text was held back or was only layout), `finish()` the last one. Non-streaming: `parse(text)`.
-Either way `message()` is the final assistant message, the same whatever the chunking.
+Either way `message()` is the final assistant message, the same whatever the chunking, and
+`finish_reason(engine_reason)` the choice's finish reason.
 
 Delta dict keys, each present only when non-empty:
     reasoning_content: str
@@ -112,8 +113,21 @@ class ChatOutputParser:
 
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
-        """The completed calls (after finish(); a finish_reason of "tool_calls" when non-empty)."""
+        """The calls, as streamed (after finish()); the last one may be cut (see `truncated`)."""
         return self._tools.result().calls if self._tools is not None and self._finished else ()
+
+    @property
+    def truncated(self) -> bool:
+        """The output ended inside the last call's arguments (after finish())."""
+        return self._tools is not None and self._finished and self._tools.result().truncated
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """The choice's finish reason from the engine's ("stop", "length", ...): "tool_calls" when it
+        stopped on its own after whole calls. A cut keeps the engine's reason ("length" for
+        max_tokens, as OpenAI reports it), so a client knows the last arguments are unfinished."""
+        if engine_reason == "stop" and self.tool_calls and not self.truncated:
+            return "tool_calls"
+        return engine_reason
 
     def message(self) -> dict[str, Any]:
         """{"role": "assistant", "content", "reasoning_content", "tool_calls"?}; after finish().

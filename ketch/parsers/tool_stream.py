@@ -11,8 +11,11 @@ gives content "Sure."); content with no call around it is passed through exactly
 
 Failure: whatever breaks a call (bad JSON, end of input before the call closed, an unknown name)
 raises `_Malformed`; the call's raw text from its trigger on, and everything after it, becomes plain
-content. Calls completed before stay. A call already announced on the stream before it broke cannot
-be taken back: it is the only way the stream and the final message can differ (see README).
+content. Calls completed before stay. One exception, the end of the output (max_tokens, a stop
+string) inside a call that was already announced: the stream has sent that call, so the result keeps
+it too, with the argument text read so far (`truncated` when that is not a whole JSON object). A
+call announced and then broken by bad text cannot be taken back: it is the only way the stream and
+the final message can differ (see README).
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class StreamingToolParser(ToolParser):
         self._content: list[str] = []
         self._out_content: list[str] = []
         self._out_calls: list[ToolCallDelta] = []
+        self._truncated = False  # the output ended inside the last call's arguments
         self._gen = self._main()
         self._done = False
 
@@ -104,7 +108,7 @@ class StreamingToolParser(ToolParser):
     def result(self) -> ToolResult:
         if not self._eof:
             raise RuntimeError("tool parser: result() before finish()")
-        return ToolResult("".join(self._content), tuple(self._calls))
+        return ToolResult("".join(self._content), tuple(self._calls), self._truncated)
 
     # --- driver ----------------------------------------------------------------------------------
 
@@ -131,7 +135,11 @@ class StreamingToolParser(ToolParser):
             yield from self._parse()
             return None
         except _Malformed:
-            pass
+            # At the end of input no new characters arrived: the call was cut, not malformed. Once
+            # announced it is the stream's, so the message keeps it (the same whole or streamed).
+            if self._eof and self._cur is not None:
+                self._keep_cut_call()
+                return None
         start = self._seg if self._seg is not None else self._pos
         self._raw_content(self._seg_ws + self._text[start:])
         self._seg, self._seg_ws, self._cur = None, "", None
@@ -277,6 +285,14 @@ class StreamingToolParser(ToolParser):
         self._calls.append(ToolCall(cur.id, cur.name, "".join(cur.pieces)))
         self._cur = None
         self._close_segment(reopen)
+
+    def _keep_cut_call(self) -> None:
+        """The output ended inside the announced call: it ends with the arguments sent so far (for
+        object arguments all that was read of them: the scanner consumes every valid character).
+        The rest of its raw text is the format's markup, which the call stands for, not content."""
+        assert self._cur is not None
+        self._truncated = not _is_json_object("".join(self._cur.pieces))
+        self._complete()
 
     def _close_segment(self, reopen: bool = False) -> None:
         self._seg, self._seg_ws = (self._pos if reopen else None), ""

@@ -2,7 +2,9 @@
 
 Each choice's text goes through a ChatOutputParser (one state machine for stream and whole; with
 no tool or reasoning parser it passes text through): `reasoning_content`, `content` and
-`tool_calls` come out of it, and a choice that called tools finishes with "tool_calls".
+`tool_calls` come out of it, and so does the finish reason: "tool_calls" for a choice that called
+tools and stopped, "length" when max_tokens cut it, even inside a call (both paths then report that
+call alike, with the arguments read so far).
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ketch.parsers import ChatOutputParser
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
@@ -35,10 +36,6 @@ def encode_messages(state: ServerState, messages: Any, **template_kwargs: Any) -
     except ValueError as e:
         raise bad_value(e) from None
     return tok.encode(text, add_special_tokens=False)
-
-
-def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
-    return "tool_calls" if reason == "stop" and parser.tool_calls else reason
 
 
 async def chat_completions(state: ServerState, body: Any):
@@ -79,7 +76,7 @@ async def chat_completions(state: ServerState, body: Any):
         parser.feed(text)
         parser.finish()
         c["message"] = {k: v for k, v in parser.message().items() if v is not None or k == "content"}
-        c["finish_reason"] = _finish_reason(c["finish_reason"], parser)
+        c["finish_reason"] = parser.finish_reason(c["finish_reason"])
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": gen.usage.as_dict()})
 
 
@@ -107,6 +104,6 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
                 logprobs = None
         if ev.finish_reason is not None:
             yield chunk([{"index": ev.index, "delta": {}, "logprobs": None,
-                          "finish_reason": _finish_reason(ev.finish_reason, parser), "matched_stop": ev.matched_stop}])
+                          "finish_reason": parser.finish_reason(ev.finish_reason), "matched_stop": ev.matched_stop}])
     if include_usage:
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage.as_dict()}
