@@ -98,10 +98,16 @@ def greedy_ids_and_logprobs(engine: Engine, prompts: list[list[int]], max_tokens
 
 
 def assert_drained(engine: Engine) -> None:
+    """Nothing is left to run, and every page comes back: after emptying the prefix cache each
+    one is free (a reference leaked on a cached page would keep it allocated)."""
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
     engine.check_invariants()
     total = engine.allocator.num_pages
     assert engine.allocator.num_free + engine.cache.evictable_pages == total
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    engine.cache.reset()
+    assert engine.cache.cached_pages == 0, "a cached page is still locked"
+    assert engine.allocator.num_free == total, f"{total - engine.allocator.num_free} pages still referenced"
+    engine.check_invariants()
 
 
 # ---------------------------------------------------------------- server tests

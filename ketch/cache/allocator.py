@@ -26,6 +26,7 @@ class PageAllocator:
         # Stack popped from the end; reversed so a fresh allocator hands out 0, 1, 2, ...
         # (deterministic ids make tests and traces readable).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._num_refs = 0  # sum of all refcounts, kept as it changes (stats read it per scrape)
 
     @property
     def num_pages(self) -> int:
@@ -39,9 +40,18 @@ class PageAllocator:
     def num_used(self) -> int:
         return self._num_pages - len(self._free)
 
+    @property
+    def num_refs(self) -> int:
+        """References held on all pages together (a page held by two holders counts twice)."""
+        return self._num_refs
+
     def refcount(self, page: int) -> int:
         self._check_id(page)
         return self._ref[page]
+
+    def refcounts(self) -> list[int]:
+        """Every page's refcount, indexed by page id (a copy: for checks, not the hot loop)."""
+        return list(self._ref)
 
     def alloc(self, n: int) -> list[int]:
         """n pages with refcount 1; all or nothing (raises OutOfPages, allocating none)."""
@@ -57,17 +67,22 @@ class PageAllocator:
         ref = self._ref
         for p in pages:
             ref[p] = 1
+        self._num_refs += n
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
         """Take one more reference on pages that are already held by someone."""
-        ref, n = self._ref, self._num_pages
-        for p in pages:
-            if not 0 <= p < n:
-                raise IndexError(f"page id {p} out of range [0, {n})")
-            if ref[p] <= 0:
-                raise RuntimeError(f"incref of free page {p}: it has no owner to share it with")
-            ref[p] += 1
+        ref, n, taken = self._ref, self._num_pages, 0
+        try:
+            for p in pages:
+                if not 0 <= p < n:
+                    raise IndexError(f"page id {p} out of range [0, {n})")
+                if ref[p] <= 0:
+                    raise RuntimeError(f"incref of free page {p}: it has no owner to share it with")
+                ref[p] += 1
+                taken += 1
+        finally:  # the pages before a bad one keep their new reference: count them
+            self._num_refs += taken
 
     def decref(self, pages: Iterable[int]) -> int:
         """Drop one reference on each page; returns how many pages became free.
@@ -76,18 +91,35 @@ class PageAllocator:
         pages before it in `pages` stay released.
         """
         ref, n, free = self._ref, self._num_pages, self._free
-        freed = 0
-        for p in pages:
-            if not 0 <= p < n:
-                raise IndexError(f"page id {p} out of range [0, {n})")
-            c = ref[p]
-            if c <= 0:
-                raise RuntimeError(f"page {p} released twice (refcount already 0)")
-            ref[p] = c - 1
-            if c == 1:
-                free.append(p)
-                freed += 1
+        freed = dropped = 0
+        try:
+            for p in pages:
+                if not 0 <= p < n:
+                    raise IndexError(f"page id {p} out of range [0, {n})")
+                c = ref[p]
+                if c <= 0:
+                    raise RuntimeError(f"page {p} released twice (refcount already 0)")
+                ref[p] = c - 1
+                dropped += 1
+                if c == 1:
+                    free.append(p)
+                    freed += 1
+        finally:  # the pages before a bad one stay released: count them
+            self._num_refs -= dropped
         return freed
+
+    def check_invariants(self) -> None:
+        """The free list holds exactly the pages with refcount 0, once each; num_refs is the sum."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        zero = {p for p, c in enumerate(self._ref) if c == 0}
+        if free != zero:
+            raise AssertionError(f"free list {sorted(free ^ zero)[:8]} disagrees with refcount 0")
+        if any(c < 0 for c in self._ref):
+            raise AssertionError("negative refcount")
+        if sum(self._ref) != self._num_refs:
+            raise AssertionError(f"num_refs {self._num_refs} != sum of refcounts {sum(self._ref)}")
 
     def _check_id(self, page: int) -> None:
         # Negative ids would silently index from the end of the list.

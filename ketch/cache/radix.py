@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
@@ -320,8 +320,21 @@ class RadixCache:
 
     # ---- debugging -----------------------------------------------------------------------
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the tree is inconsistent (cheap enough for idle checks)."""
+    def check_invariants(self, refs: Mapping[int, int] | None = None,
+                         locks: Mapping[Node, int] | None = None) -> None:
+        """Raise AssertionError if the tree is inconsistent (cheap enough for idle checks).
+
+        `refs` (page → references held outside the tree, e.g. mentions in requests' page tables)
+        turns the page check into a shadow count over the whole allocator:
+
+            allocator.refcount(page) == (1 if the tree stores page) + refs.get(page, 0)
+
+        so a leaked reference (a cached page still held once too often, which would otherwise
+        look evictable) or a missing one (two holders of a page that counts once) fails.
+        `locks` (node → locks its users took on it) does the same for lock_ref: each node's own
+        locks, lock_ref minus its children's, must equal locks.get(node, 0). Without them only
+        refcount >= 1 is checked for tree pages and lock_ref >= the children's sum.
+        """
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise AssertionError(msg)
@@ -335,8 +348,10 @@ class RadixCache:
             need(p is not None and p.children.get(n.key[:ps]) is n, f"bad child key {n!r}")
             need(len(n.pages) > 0 and len(n.key) == len(n.pages) * ps, f"bad edge {n!r}")
             need(n.start == p.end, f"start {n.start} != parent end {p.end} in {n!r}")
-            need(n.lock_ref >= sum(c.lock_ref for c in n.children.values()),
-                 f"lock_ref below children's sum in {n!r}")
+            own = n.lock_ref - sum(c.lock_ref for c in n.children.values())
+            need(own >= 0, f"lock_ref below children's sum in {n!r}")
+            need(locks is None or own == locks.get(n, 0),
+                 f"{n!r} holds {own} own locks, its users took {locks and locks.get(n, 0)}")
             need(p is root or p.last_access >= n.last_access, f"LRU order broken at {n!r}")
             need((n in self._leaves) == (not n.children), f"leaf set wrong for {n!r}")
             for pg in n.pages:
@@ -348,6 +363,15 @@ class RadixCache:
         need(all(n.parent is not None for n in self._leaves), "evicted node in leaf set")
         need(cached == self._cached, f"cached_pages {self._cached} != {cached}")
         need(evictable == self._evictable, f"evictable_pages {self._evictable} != {evictable}")
+        if locks is not None:
+            gone = [n for n, k in locks.items() if k and n is not root and n.parent is None]
+            need(not gone, f"locks taken on evicted nodes {gone}")
+        if refs is not None:
+            for pg, count in enumerate(self.allocator.refcounts()):
+                want = (pg in seen) + refs.get(pg, 0)
+                need(count == want, f"page {pg}: refcount {count}, but the tree "
+                     f"{'stores' if pg in seen else 'does not store'} it and others hold "
+                     f"{refs.get(pg, 0)} (a leaked or a missing reference)")
 
     def pretty(self) -> str:
         lines = [f"root (cached={self._cached}, evictable={self._evictable})"]

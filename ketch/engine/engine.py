@@ -21,10 +21,11 @@ ids (grammar, penalties) first processes the step in flight. Greedy output is th
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
-from ketch.cache.radix import RadixCache
+from ketch.cache.radix import Node, RadixCache
 from ketch.config import EngineConfig
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
@@ -136,6 +137,8 @@ class Engine:
             computed_tokens=s.computed_tokens,
             generated_tokens=self._generated_tokens,
             preemptions=s.preemptions,
+            kv_page_refs=alloc.num_refs,
+            kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
         )
 
     # ---------------------------------------------------------------- step
@@ -253,18 +256,28 @@ class Engine:
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:
-        """free + evictable + in_use == total; no page table names a free page; idle ⇒ in_use == 0."""
-        held: set[int] = set()
+        """A shadow count of every page's holders (see cache/README.md, "Ownership"):
+
+            allocator.refcount(page) == (1 if the radix tree stores page)
+                                        + (mentions of page in running requests' page tables)
+
+        A request holds one reference per page-table entry, the pages of its prefix-cache hit
+        included (admission increfs them); its hold on the tree node is a lock, not a reference,
+        so each node's own locks must equal the running requests whose `cache_node` it is.
+        Requests in any other state hold neither. Idle: every page is free or evictable.
+        """
+        refs: Counter[int] = Counter()
+        locks: Counter[Node] = Counter()
         for req in self.scheduler.running:
-            assert req.state is RequestState.RUNNING
-            for page in req.page_table:
-                assert self.allocator.refcount(page) >= 1, f"request {req.rid} holds free page {page}"
-            held.update(req.page_table)
-        for req in self.scheduler.waiting:
-            assert not req.page_table and req.cache_node is None, f"waiting request {req.rid} holds pages"
-        # no leak: every allocated page is named by a request or by the tree
-        allocated = self.allocator.num_pages - self.allocator.num_free
-        assert allocated == len(held | self.cache.cached_page_set()), "a page is allocated but nobody holds it"
-        self.cache.check_invariants()
+            assert req.state is RequestState.RUNNING, f"{req.rid} is {req.state} in the running list"
+            refs.update(req.page_table)
+            locks[req.cache_node] += 1
+        running = set(self.scheduler.running)  # requests hash by identity
+        for req in itertools.chain(self.scheduler.waiting, *self.requests.values()):
+            if req not in running:
+                assert not req.page_table and req.cache_node is None, f"{req.rid} ({req.state}) holds pages"
+        self.allocator.check_invariants()
+        self.cache.check_invariants(refs, locks)
+        assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
         if not self.scheduler.running:  # idle: in_use == 0, i.e. free + evictable == total
             assert self.allocator.num_free + self.cache.evictable_pages == self.allocator.num_pages

@@ -31,7 +31,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     """Engine state for /metrics (a msgspec struct: it travels inside the Pong message as is).
 
     Pages: free + evictable + in_use == total, where in_use are pages a running request holds
-    (cached pages that a request has locked count as in use).
+    (cached pages that a request has locked count as in use). References: the tree holds one on
+    each cached page and a running request one per page-table entry, so
+    `kv_page_refs_unaccounted` is 0 at all times; a leaked reference makes it positive even
+    when the page it pins looks evictable (which the page counts cannot show).
     """
 
     num_running: int
@@ -45,7 +48,15 @@ class EngineStats(msgspec.Struct, frozen=True):
     computed_tokens: int  # tokens run through the model, recomputation included
     generated_tokens: int
     preemptions: int
+    kv_page_refs: int  # references on KV pages, all holders together (a shared page counts per holder)
+    kv_page_table_refs: int  # of which running sequences hold: one per page-table entry
 
     @property
     def kv_pages_in_use(self) -> int:
         return self.kv_pages_total - self.kv_pages_free - self.kv_pages_evictable
+
+    @property
+    def kv_page_refs_unaccounted(self) -> int:
+        """References that neither the prefix cache (one per cached page) nor a running
+        sequence's page table accounts for: 0 unless a reference leaked (or one is missing: < 0)."""
+        return self.kv_page_refs - self.kv_pages_cached - self.kv_page_table_refs
