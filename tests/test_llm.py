@@ -178,6 +178,37 @@ def test_stop_string_across_a_token_boundary(llm, tok):
     assert_drained(llm.engine)
 
 
+def _unique_suffix(text: str, shortest: int = 2) -> str:
+    """The shortest tail of `text` (at least `shortest` characters) found nowhere earlier in it."""
+    k = next(k for k in range(shortest, len(text) + 1) if text.find(text[-k:]) == len(text) - k)
+    return text[-k:]
+
+
+def test_stop_string_completed_by_the_last_token_at_max_tokens(llm, tok):
+    base = llm.generate(P_STORY, greedy(max_tokens=16))[0]
+    assert base.finish_reason == "length" and _token_texts(tok, base.token_ids)[-1].strip()
+    stop = _unique_suffix(base.text)  # it completes in the 16th token, the one that finishes the sample
+    [out] = llm.generate(P_STORY, greedy(max_tokens=16, stop=[stop]))
+    c = out.outputs[0]
+    assert (c.finish_reason, c.matched_stop, c.text) == ("stop", stop, base.text[: -len(stop)])
+    assert c.token_ids == base.token_ids
+    assert "".join(llm.stream(P_STORY, greedy(max_tokens=16, stop=[stop]))) == base.text[: -len(stop)]
+    assert_drained(llm.engine)
+
+
+def test_stop_string_completed_by_the_token_before_eos(llm, tok):
+    """Here the engine's deltas hold one token, so the stop completes one delta before the finishing
+    one; test_text covers a finishing delta that carries both the stop's last token and EOS."""
+    base = llm.chat(SHORT_ANSWER, greedy(max_tokens=16))[0]
+    assert base.finish_reason == "stop" and base.token_ids[-1] in llm.engine.eos_ids
+    stop = _unique_suffix(base.text, shortest=1)  # completes in the token right before EOS
+    [out] = llm.chat(SHORT_ANSWER, greedy(max_tokens=16, stop=[stop]))
+    c = out.outputs[0]
+    assert (c.finish_reason, c.matched_stop, c.text) == ("stop", stop, base.text[: -len(stop)])
+    assert c.token_ids == base.token_ids[:-1]  # ended by the stop string, before EOS was sampled
+    assert_drained(llm.engine)
+
+
 def test_stop_token_ids(llm, tok):
     base = llm.generate(P_STORY, greedy(max_tokens=16))[0].token_ids
     k = next(i for i in range(2, len(base)) if base[i] not in base[:i])
@@ -227,7 +258,7 @@ def test_seeded_request_alone_equals_in_batch(llm):
 def test_logprobs_top5_sorted_and_chosen_is_top1(llm):
     [out] = llm.generate(P_FRANCE, greedy(max_tokens=6, logprobs=True, top_logprobs=5))
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
-    for token, lp in zip(out.token_ids, out.logprobs):
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert isinstance(lp, TokenLogprob) and lp.token_id == token
         assert len(lp.top) == 5 and len({t for t, _ in lp.top}) == 5
         values = [v for _, v in lp.top]
@@ -390,4 +421,4 @@ def test_stop_strings_wait_for_min_tokens(llm, tok):
 def test_top_logprobs_alone_returns_logprobs(llm):
     [out] = llm.generate(P_FRANCE, greedy(max_tokens=3, top_logprobs=2))
     assert out.logprobs is not None and len(out.logprobs) == 3
-    assert all(len(lp.top) == 2 and lp.top[0][0] == t for lp, t in zip(out.logprobs, out.token_ids))
+    assert all(len(lp.top) == 2 and lp.top[0][0] == t for lp, t in zip(out.logprobs, out.token_ids, strict=True))

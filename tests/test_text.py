@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from ketch.engine.outputs import EngineOutput
+from ketch.sampling.params import SamplingParams
 from ketch.text import (
     ChatTemplate,
     IncrementalDetokenizer,
@@ -14,6 +16,7 @@ from ketch.text import (
     TokenizerUnavailable,
     render_chat,
 )
+from ketch.text.sample_text import SampleText
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +293,40 @@ def test_stop_result_does_not_depend_on_delta_boundaries():
         ends = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
         expected = text[: min(ends)[0] + min(ends)[1]] if ends else text
         assert "".join(whole[0]) == expected and whole[1] == (min(ends)[2] if ends else None)
+
+
+# --- one sample's text: detokenizer + stop strings over engine deltas -----------------------------
+
+
+def _delta(ids: list[int], finished: bool = False, reason: str | None = None,
+           stop_id: int | None = None) -> EngineOutput:
+    return EngineOutput("r", 0, ids, None, finished=finished, finish_reason=reason, matched_stop=stop_id)
+
+
+def _sample_text(tok, prompt: str, deltas: list[EngineOutput], stop: list[str]) -> tuple[str, str | None]:
+    text = SampleText(tok, tok.encode(prompt), SamplingParams(stop=stop, max_tokens=64))
+    out = ""
+    for d in deltas:
+        piece, hit = text.push(d)
+        out += piece
+        if hit is not None:
+            return out, hit  # the caller ends the sample here
+    return out, None
+
+
+def test_stop_string_completed_by_the_finishing_delta(tok):
+    """The last delta (max_tokens reached, or the token before EOS arriving with EOS) can complete
+    a stop string: it must match there, not leak into the text as the stream is flushed."""
+    ids = tok.encode(" The cat sat on the mat. The end")
+    text = tok.decode(ids)
+    assert text.endswith("The end")
+    head = [_delta([t]) for t in ids[:-1]]
+    for stop in ("end", "e end", ". The end"):  # inside the last token; across the last two, three
+        at_length = head + [_delta(ids[-1:], True, "length")]
+        assert _sample_text(tok, "Once", at_length, [stop]) == (text[: -len(stop)], stop)
+        eos = tok.eos_token_ids[0]  # a delta may carry several ids (a step that accepts several)
+        with_eos = [_delta([t]) for t in ids[:-2]] + [_delta([ids[-2], ids[-1], eos], True, "stop", eos)]
+        assert _sample_text(tok, "Once", with_eos, [stop]) == (text[: -len(stop)], stop)
+    # and when the stop never completes, the finishing delta flushes what was held back
+    never = head + [_delta(ids[-1:], True, "length")]
+    assert _sample_text(tok, "Once", never, ["end!"]) == (text, None)
