@@ -96,20 +96,29 @@ def test_params_normalization() -> None:
 def test_greedy_is_exact_argmax_and_top_k_1_is_greedy(device: str) -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 500, device=device)
+    top = logits.argmax(-1).tolist()
     rows = [
         SamplingRow(SamplingParams(temperature=0)),
         SamplingRow(SamplingParams(top_k=1, temperature=0.9), generator=make_generator(1, device)),
         seeded_row(2, device, temperature=1.0),  # sampled batch mate
-        SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3), output_ids=[5, 6]),
+        # greedy after an edit: each one aimed at the row's top token (or the one it should become)
+        SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3), prompt_ids=[top[3]], output_ids=[5]),
         SamplingRow(SamplingParams(temperature=0, logit_bias={3: 5.0})),
-        SamplingRow(SamplingParams(temperature=0, frequency_penalty=1.0), output_ids=[9]),
+        SamplingRow(SamplingParams(temperature=0, frequency_penalty=1.0), output_ids=[top[5]] * 2),
     ]
     before = logits.clone()
     out = run(logits, rows)
     assert torch.equal(logits, before), "sample must not modify its input"
-    expected = logits.argmax(-1).tolist()
-    assert out.token_ids[0] == expected[0]
-    assert out.token_ids[1] == expected[1]
+    # The edited rows' argmax, from the formulas applied by hand (penalties.py's docstring).
+    edited = logits.cpu().clone()
+    for t in (top[3], 5):
+        edited[3, t] = edited[3, t] / 1.3 if edited[3, t] > 0 else edited[3, t] * 1.3
+    edited[4, 3] += 5.0
+    edited[5, top[5]] -= 1.0 * 2
+    expected = top[:3] + edited[3:].argmax(-1).tolist()
+    assert all(e != t for e, t in zip(expected[3:], top[3:], strict=True)), "an edit that changes no pick tests nothing"
+    assert out.token_ids[:2] == expected[:2]
+    assert out.token_ids[3:] == expected[3:]
     assert out.logprobs is None and out.top_ids is None
 
 
@@ -323,7 +332,7 @@ def test_sampling_distribution(config: dict) -> None:
 
 def test_sampling_distribution_mixed_batch() -> None:
     # Every config in one batch, seeded rows: per-row knobs must not leak between rows.
-    for config, freq in zip(CONFIGS, empirical("cpu", CONFIGS, 20_000, seed0=10**6)):
+    for config, freq in zip(CONFIGS, empirical("cpu", CONFIGS, 20_000, seed0=10**6), strict=True):
         expected = expected_probs(**config)
         assert np.abs(freq - expected).max() < 0.015, (config, freq.round(3), expected.round(3))
         assert np.all(freq[expected == 0] == 0)
