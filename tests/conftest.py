@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
@@ -26,6 +28,17 @@ TINY_LLAMA = {
     "eos_token_id": 2,
     "bos_token_id": 1,
 }
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_given_back() -> Iterator[None]:
+    """A test that changes torch's global thread count (LLM(num_threads=...) sets it) gives it
+    back, or every later test runs with it. Module fixtures that set it are in place before this
+    snapshot and restore it at module teardown, after it."""
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    assert after == before, f"the test left torch at {after} threads (it found {before})"
 
 
 @pytest.fixture(scope="session")

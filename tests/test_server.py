@@ -11,6 +11,7 @@ import os
 
 import openai
 import pytest
+import torch
 from server_util import health, open_stream, post, running_server
 
 MATH = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
@@ -94,6 +95,13 @@ def test_n_and_seed(client, model):
     b = client.chat.completions.create(n=2, **kw)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert a.usage.completion_tokens > 0
+    sampled = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    assert sampled[0] != sampled[1]  # each choice draws from its own stream (seed + index)
+    greedy = client.chat.completions.create(n=2, **{**kw, "temperature": 0})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content  # nothing random left
+    # temperature shapes the draws: the same seed at another temperature gives another text
+    hotter = client.chat.completions.create(n=1, **{**kw, "temperature": 1.6})
+    assert hotter.choices[0].message.content != sampled[0]
 
 
 @pytest.mark.parametrize("kw, param", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature")])
@@ -132,8 +140,12 @@ def test_greedy_chat_matches_llm(client, model):
     from ketch import LLM, SamplingParams
 
     served = client.chat.completions.create(model=model, messages=STORY, max_tokens=32, temperature=0)
-    llm = LLM(dtype="float32", num_threads=1)
-    offline = llm.chat(STORY, SamplingParams(temperature=0, max_tokens=32))[0]
+    threads = torch.get_num_threads()  # num_threads sets torch's global count: give it back after
+    try:
+        llm = LLM(dtype="float32", num_threads=1)
+        offline = llm.chat(STORY, SamplingParams(temperature=0, max_tokens=32))[0]
+    finally:
+        torch.set_num_threads(threads)
     assert served.choices[0].message.content == offline.text
     assert served.choices[0].finish_reason == offline.finish_reason
 

@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from server_util import connect, health, metrics, open_stream, post, running_server, wait_for
+from server_util import connect, health, metrics, open_stream, pages_all_back, post, running_server, wait_for
 
 MAX_BODY = 200_000
 LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
@@ -99,9 +99,23 @@ def test_oversized_body_without_content_length_is_413(server):
 
 
 def test_all_errors_left_every_page_free(server):
+    """The bad input above is turned away before the engine; these requests end early inside it:
+    a stream whose client goes away (the engine aborts it) and a stop string that ends one. Then
+    the engine has every page back, and a normal request runs."""
     _, base = server
-    m = metrics(base)
-    assert m["ketch_num_requests_running"] == 0 and m["ketch_kv_pages_used"] == 0
+    abort = 'ketch_requests_finished_total{finish_reason="abort"}'
+    before = metrics(base)
+    assert pages_all_back(before), before
+    conn, _ = open_stream(base, CMPL, LONG)  # its first token is out: the engine holds its pages
+    assert metrics(base)["ketch_kv_pages_used"] > 0
+    conn.close()
+    status, body = post(base, CMPL, {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0,
+                                     "stop": ["France", " is", "."]})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+    wait_for(lambda: pages_all_back(metrics(base)), "the early-ended requests' pages to return")
+    after = metrics(base)
+    assert after[abort] - before.get(abort, 0) == 1
+    assert after["ketch_prompt_tokens_total"] > before.get("ketch_prompt_tokens_total", 0)  # they reached the engine
     status, body = post(base, CMPL, {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
 

@@ -1,6 +1,6 @@
 """`ketch serve` under load: many concurrent streaming clients, clients that drop mid-stream, and
 the page accounting seen through /metrics afterwards (every KV page back: none held by a request,
-free + evictable == total)."""
+free + cached == total, no reference beyond the cache's own: server_util.pages_all_back)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ import random
 
 import openai
 import pytest
-from server_util import metrics, open_stream, running_server, wait_for
+from server_util import metrics, open_stream, pages_all_back, running_server, wait_for
 
 CLIENTS = 64
 REQUESTS = 320
@@ -19,12 +19,6 @@ SYSTEM = "You are a terse assistant. Answer in a few words. " * 4  # a shared pr
 def server():
     with running_server() as running:
         yield running
-
-
-def _pages_all_back(m: dict[str, float]) -> bool:
-    return (m["ketch_num_requests_running"] == 0 and m["ketch_num_requests_waiting"] == 0
-            and m["ketch_kv_pages_used"] == 0
-            and m["ketch_kv_pages_free"] + m["ketch_kv_pages_cached"] == m["ketch_kv_pages_total"])
 
 
 def test_64_concurrent_streaming_clients_lose_nothing(server):
@@ -67,7 +61,7 @@ def test_64_concurrent_streaming_clients_lose_nothing(server):
     assert sorted(i for i, _ in done) == list(range(REQUESTS))  # none lost
 
     after = metrics(base)
-    assert _pages_all_back(after), after
+    assert pages_all_back(after), after
     finished = after['ketch_requests_finished_total{finish_reason="length"}'] - before.get(
         'ketch_requests_finished_total{finish_reason="length"}', 0)
     assert finished == REQUESTS
@@ -95,7 +89,7 @@ def test_clients_that_disconnect_mid_stream_are_aborted_and_freed(server):
     assert mid["ketch_kv_pages_used"] > 0
     for conn, _ in streams:
         conn.close()  # mid-stream: the server notices and aborts the samples in the engine
-    wait_for(lambda: _pages_all_back(metrics(base)), "the aborted requests' pages to return")
+    wait_for(lambda: pages_all_back(metrics(base)), "the aborted requests' pages to return")
     after = metrics(base)
     aborted = after['ketch_requests_finished_total{finish_reason="abort"}'] - before.get(
         'ketch_requests_finished_total{finish_reason="abort"}', 0)
