@@ -110,13 +110,17 @@ class Engine:
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request (or one of its samples) in any state; a no-op once it has ended."""
-        for req in self.requests.get(request_id, ()):
+        samples = self.requests.get(request_id, [])
+        if index is not None:  # stored in index order: one sample is a lookup, not a scan of n
+            samples = samples[index:index + 1] if index >= 0 else []
+        for req in samples:
             pending = req.state is RequestState.PENDING
-            if (index is None or req.index == index) and self.scheduler.finish(req, FinishReason.ABORT):
+            if self.scheduler.finish(req, FinishReason.ABORT):
                 if pending:
                     self.grammars.forget(req)
                 self._aborted.append(self._output(req, [], None))
-                self._forget(req)
+        if samples:
+            self._forget(samples[0])  # once for the group, not once per sample (n × n)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._aborted) or bool(self.grammars.parked)

@@ -1,7 +1,7 @@
 """Typed messages between the API process and the engine process (msgspec + msgpack, never pickle).
 
     API ──(GenerateRequest | AbortRequest | Ping | Shutdown)──▶ engine
-    API ◀──(EngineReady | EngineError | TokenOutputs | RequestError | Pong)── engine
+    API ◀──(EngineReady | EngineError | TokenOutputs | RequestError | Pong | Heartbeat)── engine
 
 Each message is a tagged msgspec Struct, so one Union decodes any of them and the tag says which.
 SamplingParams is a dataclass whose __post_init__ normalises and validates; it travels as a map
@@ -27,7 +27,7 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
-    index: int | None = None  # one of the n samples, or all of them
+    index: int | None = None  # one of the n samples, or all of them (one message for the request)
 
 
 class Ping(msgspec.Struct, tag=True, frozen=True):
@@ -92,8 +92,18 @@ class Pong(msgspec.Struct, tag=True, frozen=True):
     stats: EngineStats  # a ping doubles as the stats query behind /metrics
 
 
+class Heartbeat(msgspec.Struct, tag=True, frozen=True):
+    """Sent by the engine process's own thread every HEARTBEAT_S: the process is alive, and
+    `steps` tells the API's watchdog whether a busy step loop still makes progress."""
+
+    steps: int
+    busy: bool
+
+
+HEARTBEAT_S = 0.5
+
 ToEngine = GenerateRequest | AbortRequest | Ping | Shutdown
-FromEngine = EngineReady | EngineError | TokenOutputs | RequestError | Pong
+FromEngine = EngineReady | EngineError | TokenOutputs | RequestError | Pong | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

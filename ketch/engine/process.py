@@ -6,6 +6,10 @@ When requests are running the loop drains its input without blocking and steps; 
 blocks on the input socket (with a timeout, to notice a parent that died without a word). Aborts
 and new requests are applied between steps only. A bad request (ValueError from add_request) is
 answered with a RequestError for its id; anything else that escapes is fatal: EngineError, exit 1.
+
+A thread of its own sends a Heartbeat every HEARTBEAT_S with the number of steps run so far, so
+the API process's watchdog can tell a live engine from a frozen process (no beats) or a step
+loop stuck in one step (beats, busy, and the count does not move) without asking the loop.
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ import gc
 import multiprocessing
 import os
 import sys
+import threading
 import traceback
+from dataclasses import dataclass
 
 import zmq
 
@@ -34,6 +40,28 @@ def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], i
     return proc
 
 
+@dataclass
+class _Progress:
+    """What the heartbeat thread reports; written by the loop, read by the thread (plain ints
+    and bools: each assignment is atomic under the GIL)."""
+
+    steps: int = 0
+    busy: bool = False
+
+
+def _beat(zctx: zmq.Context, output_addr: str, progress: _Progress, stop: threading.Event) -> None:
+    sock = zctx.socket(zmq.PUSH)  # a socket per thread: ZMQ sockets are not thread-safe
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(output_addr)
+    try:
+        while not stop.wait(m.HEARTBEAT_S):
+            sock.send(m.encode(m.Heartbeat(progress.steps, progress.busy)), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass  # the context is closing
+    finally:
+        sock.close()
+
+
 def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr: str, output_addr: str,
                parent_pid: int) -> None:
     zctx = zmq.Context()
@@ -42,6 +70,10 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr:
     outbox = zctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (e.g. EngineError) leave before exit
     outbox.connect(output_addr)
+    progress, stop = _Progress(), threading.Event()
+    beat = threading.Thread(target=_beat, args=(zctx, output_addr, progress, stop), name="ketch-heartbeat",
+                            daemon=True)
+    code = 0
     try:
         from ketch.engine.engine import Engine
 
@@ -52,21 +84,25 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr:
         gc.freeze()
         capacity = engine.runner.pool.num_pages * config.page_size
         outbox.send(m.encode(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity)))
-        _loop(engine, inbox, outbox, parent_pid)
+        beat.start()  # after EngineReady: start-up has its own deadline in the API process
+        _loop(engine, inbox, outbox, parent_pid, progress)
     except Exception as e:
         traceback.print_exc()
         outbox.send(m.encode(m.EngineError(f"{type(e).__name__}: {e}")))
-        outbox.close()
-        zctx.term()
-        sys.exit(1)
+        code = 1
+    stop.set()
+    if beat.is_alive():
+        beat.join()
     outbox.close()
     inbox.close()
     zctx.term()
+    if code:
+        sys.exit(code)
 
 
-def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progress: _Progress) -> None:
     while True:
-        busy = engine.has_unfinished()
+        busy = progress.busy = engine.has_unfinished()
         if not busy and not inbox.poll(_IDLE_POLL_MS):
             if os.getppid() != parent_pid:  # orphaned: the API process is gone
                 return
@@ -86,7 +122,9 @@ def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> Non
         for reply in replies:
             outbox.send(m.encode(reply))
         if engine.has_unfinished():
+            progress.busy = True
             outputs = engine.step()
+            progress.steps += 1
             if outputs:
                 outbox.send(m.encode(m.TokenOutputs([m.TokenDelta.from_output(o) for o in outputs])))
 
