@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ketch.bench.one_batch_args import add_one_batch_args
@@ -56,6 +57,8 @@ def _serve(a: argparse.Namespace) -> int:
         chat_template=read_chat_template(a.chat_template) if a.chat_template else None,
         max_queued_requests=a.max_queued_requests, max_request_bytes=a.max_request_bytes,
         shutdown_timeout=a.shutdown_timeout, tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+        max_n=a.max_n, request_timeout=a.request_timeout, watchdog_timeout=a.watchdog_timeout,
+        max_connections=a.max_connections, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
     )
     return run(EngineConfig(**engine_kwargs(a)), server)
 
@@ -101,12 +104,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=30000)
     s.add_argument("--served-model-name", default=None, help="the model id clients send; default: the model file's name")
     s.add_argument("--chat-template", default=None, help="a Jinja chat template file that replaces the model's")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on every route but /health")
+    s.add_argument("--api-key", default=os.environ.get("KETCH_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                        "(default: $KETCH_API_KEY, which keeps the key out of `ps`)")
     s.add_argument("--max-queued-requests", type=int, default=None,
                    help="sequences that may wait beyond --max-running-requests; more get a 429 (default: no limit)")
     s.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, help="larger bodies get a 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    s.add_argument("--max-n", type=int, default=128, help="the largest n (samples per prompt) a request may ask for")
+    s.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run before it is aborted (408; a request's `timeout` field wins)")
+    s.add_argument("--watchdog-timeout", type=float, default=300.0,
+                   help="seconds the engine may go without a heartbeat, or busy without finishing a step, "
+                        "before the server fails in-flight requests and exits 1")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open HTTP connections at most; more are answered 503 and closed (default: no cap)")
+    s.add_argument("--header-timeout", type=float, default=30.0, help="seconds a client may take to send headers")
+    s.add_argument("--body-timeout", type=float, default=60.0, help="seconds a client may take to send a body")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "deepseek-v3"],
                    help="the model's tool-call format (templates without tool support always use hermes)")
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek-r1", "qwen3"],

@@ -5,7 +5,6 @@ the server can turn it into an OpenAI-style 400 without parsing.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ketch.sampling.grammar.spec import GrammarSpec
@@ -13,6 +12,12 @@ from ketch.sampling.grammar.spec import GrammarSpec
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0  # frequency/presence, OpenAI's range
+MAX_TEMPERATURE = 100.0  # far above any useful value (OpenAI stops at 2), but finite
+MAX_REPETITION_PENALTY = 100.0
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; every stop string is checked against every new token
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # integers must fit the wire (msgpack) and torch
 
 
 @dataclass
@@ -68,8 +73,8 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if not self.temperature >= 0:  # written this way so NaN fails too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # written this way so NaN fails too
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
@@ -77,14 +82,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0 or math.isinf(self.repetition_penalty):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None and (type(self.seed) is not int):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None:
+            if type(self.seed) is not int:
+                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            # sample i of n uses seed + i: every one of them must be an int64
+            if not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+                raise ValueError(f"seed must be in [-2**63, 2**63 - n] = [{INT64_MIN}, {INT64_MAX - (self.n - 1)}], "
+                                 f"got {self.seed}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -98,9 +109,16 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+            if len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop: a stop string may have at most {MAX_STOP_LENGTH} characters, got {len(s)}")
+            _check_encodable("stop", s)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for token_id in self.stop_token_ids:
             _check_token_id("stop_token_ids", token_id, vocab_size)
         for token_id, bias in (self.logit_bias or {}).items():
@@ -126,6 +144,16 @@ def _normalize_logit_bias(bias: dict) -> dict[int, float]:
 def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got {value!r}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, got an integer of {value.bit_length()} bits")
+
+
+def _check_encodable(name: str, text: str) -> None:
+    """Lone surrogates (JSON's "\\ud800") cannot be encoded as UTF-8: refuse them here, by name."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: contains a lone surrogate (not valid Unicode text)") from None
 
 
 def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None:

@@ -1,7 +1,7 @@
 """The FastAPI app: routes, and every error as an OpenAI error body."""
 from __future__ import annotations
 
-import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -10,40 +10,26 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ketch.server.body import parse_json
+from ketch.server.body import read_body as read_raw_body
 from ketch.server.chat import chat_completions, encode_messages
 from ketch.server.completions import completions
 from ketch.server.errors import APIError, engine_unavailable
+from ketch.server.front_door import REQUEST_ID_KEY, internal_error
+from ketch.server.openapi import openapi_schema
+from ketch.server.protocol import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from ketch.server.state import ServerState
 
-_HEALTH_TIMEOUT_S = 10.0
+_STATS_TIMEOUT_S = 10.0
+log = logging.getLogger("ketch.server")
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-
-
-async def _json_body(request: Request, limit: int) -> Any:
-    """The parsed body; 413 beyond `limit` bytes, whether announced by Content-Length or not."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 60.0) -> FastAPI:
+    """The routes; wrap the result in FrontDoor (request ids, API key) before serving it."""
     app = FastAPI(title="ketch", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def read_body(request: Request) -> Any:
-        return await _json_body(request, max_request_bytes)
+        return parse_json(await read_raw_body(request, max_request_bytes, body_timeout))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -57,29 +43,35 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return APIError(400, str(e)).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # every route but /health
-        if request.url.path != "/health":
-            try:
-                state.check_api_key(request.headers.get("authorization"))
-            except APIError as e:
-                return e.response()
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        request_id = request.scope.get(REQUEST_ID_KEY)
+        log.error("unexpected error in %s %s (request id %s)", request.method, request.url.path, request_id,
+                  exc_info=e)
+        return internal_error(request_id).response()
 
     def _require_engine() -> None:
+        if state.shutting_down:
+            raise APIError(503, "the server is shutting down", type="service_unavailable", code="server_shutdown")
         if not state.client.alive:
-            raise engine_unavailable()
+            raise engine_unavailable(state.client.failure or "the engine is not running")
+
+    schema = openapi_schema(state.model_name, state.max_n, state.client.ready.vocab_size if state.client.ready else 1)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        return schema
 
     @app.get("/health")
     async def health() -> Response:
-        if await state.client.ping(_HEALTH_TIMEOUT_S):
-            return Response(status_code=200)
-        return engine_unavailable().response()
+        problem = state.client.healthy()  # the watchdog's verdict: no round trip through the step loop
+        return Response(status_code=200) if problem is None else engine_unavailable(problem).response()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await state.client.stats(_HEALTH_TIMEOUT_S)
-        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+        stats = await state.client.stats(_STATS_TIMEOUT_S)
+        state.metrics.admitted.set(state.admission.in_flight)
+        return Response(state.metrics.render(stats, state.client), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -92,20 +84,23 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:
         _require_engine()
-        return await completions(state, await read_body(request))
+        return await completions(state, await read_body(request), request)
 
     @app.post("/v1/chat/completions")
     async def v1_chat_completions(request: Request) -> Response:
         _require_engine()
-        return await chat_completions(state, await read_body(request))
+        return await chat_completions(state, await read_body(request), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = await read_body(request)
+        body = check_fields(await read_body(request), TOKENIZE_FIELDS)
+        state.check_model(body.get("model"))
         tok = state.require_tokenizer("prompt")
-        if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-            ids = tok.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
-        elif isinstance(body, dict) and "messages" in body:
+        if "prompt" in body and "messages" in body:
+            raise APIError(400, "prompt: send either prompt or messages, not both", param="prompt")
+        if "prompt" in body:
+            ids = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        elif "messages" in body:
             ids = encode_messages(state, body["messages"])
         else:
             raise APIError(400, "prompt: send {'prompt': str} or {'messages': [...]}", param="prompt")
@@ -114,9 +109,10 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = await read_body(request)
+        body = check_fields(await read_body(request), DETOKENIZE_FIELDS)
+        state.check_model(body.get("model"))
         tok = state.require_tokenizer("tokens")
-        ids = body.get("tokens") if isinstance(body, dict) else None
+        ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise APIError(400, "tokens: must be a list of token ids", param="tokens")
         if ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):

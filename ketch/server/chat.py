@@ -11,14 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
 from ketch.server.logprobs import chat_logprobs
 from ketch.server.protocol import CHAT_FIELDS, check_fields, sampling_params
-from ketch.server.sse import sse_stream
+from ketch.server.disconnect import unless_disconnected
+from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
 from ketch.server.structured import grammar_spec
 from ketch.server.tools import ChatPlan, plan_chat
@@ -38,7 +40,7 @@ def encode_messages(state: ServerState, messages: Any, **template_kwargs: Any) -
     return tok.encode(text, add_special_tokens=False)
 
 
-async def chat_completions(state: ServerState, body: Any):
+async def chat_completions(state: ServerState, body: Any, request: Request):
     fields = check_fields(body, CHAT_FIELDS)
     state.check_model(fields.get("model"))
     if "messages" not in fields:
@@ -49,17 +51,25 @@ async def chat_completions(state: ServerState, body: Any):
     grammar = plan.grammar(answer, field)
     prompt_ids = encode_messages(state, plan.messages, **plan.template_kwargs)
     ready = state.client.ready
-    params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar)
+    params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar,
+                             state.max_n)
     params = plan.adjust(params, fields)
     check_context(prompt_ids, params, state.client, "messages")
     rid = new_request_id("chatcmpl")
-    gen = Generation(state, rid, [prompt_ids], params)
+    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"))
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage, plan)),
-                                 media_type="text/event-stream")
+        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, plan))
+    try:
+        return await unless_disconnected(request, _whole(state, gen, head, plan))
+    finally:
+        gen.close()
+
+
+async def _whole(state: ServerState, gen: Generation, head: dict, plan: ChatPlan) -> JSONResponse:
+    params = gen.params
     texts = [""] * params.n
     choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None, "matched_stop": None} for i in range(params.n)]

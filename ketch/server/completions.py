@@ -4,14 +4,16 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError
 from ketch.server.generation import Generation, check_context
 from ketch.server.logprobs import completion_logprobs
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, sampling_params
-from ketch.server.sse import sse_stream
+from ketch.server.disconnect import unless_disconnected
+from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
 from ketch.server.structured import grammar_spec
 
@@ -37,26 +39,33 @@ def _echoes(state: ServerState, fields: dict, raw: list[str | list[int]]) -> lis
             for p in raw]
 
 
-async def completions(state: ServerState, body: Any):
+async def completions(state: ServerState, body: Any, request: Request):
     fields = check_fields(body, COMPLETION_FIELDS)
     state.check_model(fields.get("model"))
     raw = completion_prompts(fields.get("prompt"))
     prompts = [_encode(state, p) for p in raw]
     grammar, _ = grammar_spec(fields)
-    params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar)
+    params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar, state.max_n)
     echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     for ids in prompts:
         check_context(ids, params, state.client, "prompt")
     rid = new_request_id("cmpl")
-    gen = Generation(state, rid, prompts, params)
+    gen = Generation(state, rid, prompts, params, fields.get("timeout"))
     gen.start()
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(sse_stream(gen, lambda g: _chunks(state, g, head, usage, echoes)),
-                                 media_type="text/event-stream")
+        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, echoes))
+    try:
+        return await unless_disconnected(request, _whole(state, gen, head, echoes))
+    finally:
+        gen.close()
+
+
+async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[str]) -> JSONResponse:
+    params = gen.params
     choices = [{"index": i, "text": echoes[i], "logprobs": None, "finish_reason": None, "matched_stop": None}
-               for i in range(len(prompts) * params.n)]
+               for i in range(len(gen.prompts) * params.n)]
     for_logprobs: dict[int, list] = {i: [] for i in range(len(choices))}
     async for ev in gen.events():
         c = choices[ev.index]

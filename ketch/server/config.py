@@ -17,6 +17,12 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
     tool_call_parser: str | None = None  # hermes | llama3 | mistral | deepseek-v3
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3
+    max_n: int = 128  # samples per prompt a request may ask for
+    request_timeout: float | None = None  # default deadline of a request (its `timeout` field wins)
+    watchdog_timeout: float = 300.0  # an engine silent (or stuck in a step) this long is declared hung
+    max_connections: int | None = None  # open HTTP connections; more are answered 503 and closed
+    header_timeout: float = 30.0  # seconds a connection may take to send a request's headers
+    body_timeout: float = 60.0  # seconds a request may take to send its body
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -31,3 +37,13 @@ class ServerConfig:
             reasoning_parser_class(self.reasoning_parser)
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
+        for name in ("request_timeout", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        if not 2.0 <= self.watchdog_timeout < float("inf"):  # several heartbeats must fit in it
+            raise ValueError(f"watchdog_timeout: must be >= 2 seconds, got {self.watchdog_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")

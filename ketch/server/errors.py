@@ -31,3 +31,8 @@ def bad_value(e: ValueError | str) -> APIError:
 
 def engine_unavailable(message: str = "the engine is not running") -> APIError:
     return APIError(503, message, type="service_unavailable", code="engine_unavailable")
+
+
+def server_shutdown() -> APIError:
+    return APIError(503, "the server is shutting down; the request was cut at the shutdown deadline",
+                    type="service_unavailable", code="server_shutdown")

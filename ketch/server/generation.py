@@ -4,8 +4,10 @@
 
 Text (detokenization, stop strings) is made here with ketch.text.SampleText. A sample that hits a
 stop string is aborted in the engine at once and reported as finish_reason "stop". Leaving early
-(client gone, error, cancellation) aborts every unfinished sample, so the engine frees its pages.
-Each sample holds one admission slot until it ends, and its timing feeds the metrics.
+(client gone, error, cancellation, deadline, shutdown) aborts the unfinished samples with one
+message per prompt, so the engine frees their pages. Each sample holds one admission slot until it
+ends; `close()` (idempotent, called from every exit path) releases whatever is still held.
+An exception put on the request's queue (engine gone, deadline, shutdown) ends it with that error.
 """
 from __future__ import annotations
 
@@ -69,39 +71,60 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
 
 
 class Generation:
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams) -> None:
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 timeout: float | None = None) -> None:
         self.client, self.params = state.client, params
+        self.timeout = timeout if timeout is not None else state.request_timeout
         self._admission, self._metrics = state.admission, state.metrics
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
         self.prompts = dict(zip(self.rids, prompts))
         self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params))
                         for rid, ids in self.prompts.items() for j in range(params.n)}
         self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue = asyncio.Queue()
         self._started_at = 0.0
+        self._admitted = False
+        self._deadline: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
+        # encode first: a value the wire cannot carry fails here, before a slot is taken
+        messages = [(rid, self.client.encode_request(rid, ids, self.params)) for rid, ids in self.prompts.items()]
         try:
             self._admission.acquire(len(self.samples))
         except APIError as e:
             if e.status == 429:
                 self._metrics.rejected.labels(e.code).inc()
             raise
+        self._admitted = True
         self._started_at = time.monotonic()
         try:
-            for rid, ids in self.prompts.items():
-                self.client.add(rid, ids, self.params, self._queue)
-        except EngineGone:
+            for rid, message in messages:
+                self.client.add(rid, message, self._queue)
+        except BaseException as e:
             self.close()
-            raise engine_unavailable() from None
+            if isinstance(e, EngineGone):
+                raise engine_unavailable(str(e)) from None
+            raise
+        if self.timeout is not None:
+            self._deadline = asyncio.get_running_loop().call_later(
+                self.timeout, self._queue.put_nowait,
+                APIError(408, f"the request ran past its deadline of {self.timeout:g} s and was aborted",
+                         param="timeout", code="request_timeout"))
 
     def close(self) -> None:
-        """Abort what is unfinished and stop listening; safe to call more than once."""
-        for (rid, j), sample in self.samples.items():
-            if self._started_at and not sample.finished:
-                self.client.abort(rid, j)
-                self._end(sample, "abort")
+        """Abort what is unfinished (one message per prompt), release its slots and stop
+        listening; safe to call more than once, and before start()."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._admitted:
+            open_rids = {rid for (rid, _), sample in self.samples.items() if not sample.finished}
+            for rid in open_rids:
+                self.client.abort(rid)  # the engine skips samples that already ended
+            for sample in self.samples.values():
+                if not sample.finished:
+                    self._end(sample, "abort")
         for rid in self.rids:
             self.client.release(rid)
 
@@ -128,6 +151,8 @@ class Generation:
                 item = await self._queue.get()
                 if isinstance(item, EngineGone):
                     raise engine_unavailable(str(item))
+                if isinstance(item, APIError):  # deadline, shutdown
+                    raise item
                 if isinstance(item, RequestError):
                     raise bad_value(item.message)
                 event = self._apply(item)
@@ -150,7 +175,7 @@ class Generation:
         sample.num_tokens += len(d.new_token_ids)
         self.usage.completion_tokens += len(d.new_token_ids)
         text, stopped = sample.text.push(d)
-        choice = self.rids.index(d.request_id) * self.params.n + d.index
+        choice = self._prompt_index[d.request_id] * self.params.n + d.index
         event = ChoiceEvent(choice, text, list(d.new_token_ids), list(d.new_logprobs or []))
         if stopped is not None:
             self.client.abort(d.request_id, d.index)

@@ -10,13 +10,17 @@ Each server has its own registry (several apps can live in one test process).
 """
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ketch.engine.outputs import EngineStats
+
+if TYPE_CHECKING:
+    from ketch.server.client import EngineClient
 
 # seconds; decode steps on a CPU take tens of ms, prefill of long prompts seconds
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -38,6 +42,9 @@ class _EngineCollector(Collector):
             "ketch_kv_pages_used": ("KV pages held by running sequences", s.kv_pages_in_use),
             "ketch_kv_pages_cached": ("KV pages in the prefix cache", s.kv_pages_cached),
             "ketch_kv_pages_free": ("KV pages neither held nor cached", s.kv_pages_free),
+            "ketch_kv_page_refs_unaccounted": (
+                "References on KV pages that neither the prefix cache nor a running sequence explains "
+                "(always 0; above 0 a reference leaked)", s.kv_page_refs_unaccounted),
             "ketch_prefix_cache_hit_rate": (
                 "Share of admitted prompt tokens served from the prefix cache",
                 s.cached_prompt_tokens / s.prompt_tokens if s.prompt_tokens else 0.0),
@@ -70,8 +77,18 @@ class ServerMetrics:
         self.finished = Counter("ketch_requests_finished", "Samples finished, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("ketch_requests_rejected", "Requests turned away, by reason", ["reason"], registry=r)
+        self.engine_healthy = Gauge("ketch_engine_healthy", "1 while the engine is up and its watchdog is content",
+                                    registry=r)
+        self.admitted = Gauge("ketch_admitted_sequences",
+                              "Sequences the API process has admitted and not yet seen end (running or queued)",
+                              registry=r)
+        self.heartbeat_age = Gauge("ketch_engine_heartbeat_age_seconds",
+                                   "Seconds since the engine process's last heartbeat", registry=r)
 
-    def render(self, stats: EngineStats | None) -> bytes:
+    def render(self, stats: EngineStats | None, client: "EngineClient | None" = None) -> bytes:
         """The exposition text; engine metrics are left out when the engine did not answer."""
         self._engine.stats = stats
+        if client is not None:
+            self.engine_healthy.set(1 if client.healthy() is None else 0)
+            self.heartbeat_age.set(client.watchdog.age(time.monotonic()))
         return generate_latest(self.registry)

@@ -13,6 +13,7 @@ from ketch.sampling.params import SamplingParams
 from ketch.server.errors import APIError, bad_value
 
 _NUM = (int, float)
+MAX_TIMEOUT_S = 24 * 3600.0
 # field → (accepted types, SamplingParams field it feeds or None)
 _SAMPLING: dict[str, tuple[tuple[type, ...], str | None]] = {
     "n": ((int,), "n"),
@@ -32,7 +33,8 @@ _SAMPLING: dict[str, tuple[tuple[type, ...], str | None]] = {
     "min_tokens": ((int,), "min_tokens"),
     "skip_special_tokens": ((bool,), "skip_special_tokens"),
 }
-_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,)}
+_COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,),
+           "timeout": _NUM}  # seconds: the request's own deadline (ketch's extension)
 _GRAMMAR = {"response_format": (dict,), "regex": (str,), "ebnf": (str,)}
 CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR, "messages": (list,),
                "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,),
@@ -40,6 +42,10 @@ CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR,
                "chat_template_kwargs": (dict,)}
 COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR,
                      "prompt": (str, list), "logprobs": (int,), "echo": (bool,)}
+TOKENIZE_FIELDS = {"model": (str,), "prompt": (str,), "messages": (list,), "add_special_tokens": (bool,)}
+DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
+# the chat template's own arguments: a chat_template_kwargs key may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
 
 def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, Any]:
@@ -64,11 +70,22 @@ def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, An
         unknown = set(opts) - {"include_usage"}
         if unknown or not isinstance(opts.get("include_usage", False), bool):
             raise APIError(400, "stream_options: only include_usage (a bool) is supported", param="stream_options")
+    reserved = RESERVED_TEMPLATE_KWARGS.intersection(out.get("chat_template_kwargs") or ())
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {sorted(reserved)} are set by the server, not the request",
+                       param="chat_template_kwargs")
+    timeout = out.get("timeout")
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise APIError(400, f"timeout: must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}", param="timeout")
     return out
 
 
-def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: GrammarSpec | None = None) -> SamplingParams:
+def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: GrammarSpec | None = None,
+                    max_n: int | None = None) -> SamplingParams:
     """SamplingParams from checked fields (the prompt is tokenized first: chat's default depends on it)."""
+    n = fields.get("n", 1)
+    if max_n is not None and n > max_n:  # before anything is built per sample
+        raise APIError(400, f"n: at most {max_n} samples per prompt on this server (--max-n), got {n}", param="n")
     kwargs: dict[str, Any] = {}
     for key, (_, target) in _SAMPLING.items():
         if key in fields and target is not None:
@@ -89,7 +106,11 @@ def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: Gr
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        raise bad_value(e) from None
+        error = bad_value(e)
+        if error.param == "max_tokens" and "max_completion_tokens" in fields:  # name the field the client sent
+            error.param = "max_completion_tokens"
+            error.message = error.message.replace("max_tokens", "max_completion_tokens", 1)
+        raise error from None
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:

@@ -53,12 +53,17 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    max_n: int = 128  # --max-n
+    request_timeout: float | None = None  # --request-timeout: a request's deadline unless it sets one
+    shutting_down: bool = False  # SIGTERM received: new generation requests get a 503
 
     def check_api_key(self, authorization: str | None) -> None:
         if self.api_key is None:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        # bytes, not str: compare_digest refuses non-ASCII str (a header may carry any latin-1 byte)
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key.encode("utf-8")):
             raise APIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                            type="authentication_error", code="invalid_api_key")
 
