@@ -194,4 +194,6 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero(server, model):
     os.kill(engine[0], 9)
     rest = stream.read().decode()  # the stream ends with an error event, not a hang
     assert '"code": "engine_unavailable"' in rest and rest.rstrip().endswith("data: [DONE]")
+    assert "(code -9)" in rest  # the exit code is collected before it is reported (not "code None")
     assert proc.wait(timeout=30) != 0
+    assert "the engine process exited (code -9)" in proc.stdout.read()

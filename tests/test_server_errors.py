@@ -3,9 +3,9 @@ status, the server serving on afterwards; a full queue is a 429; SIGTERM drains 
 within --shutdown-timeout and exits 0; a dead engine means 503."""
 from __future__ import annotations
 
-import http.client
 import json
 import signal
+import threading
 import time
 
 import pytest
@@ -121,41 +121,43 @@ def test_all_errors_left_every_page_free(server):
 
 
 def test_full_queue_is_429_and_sigterm_drains(tmp_path):
-    """Two running sequences at most, none queued: a third request is turned away with a 429.
-    Then SIGTERM with a short request and a long one in flight: the short one finishes, the long
-    one is cut at --shutdown-timeout, and the server exits 0."""
+    """Three running sequences at most, none queued: a fourth request is turned away with a 429.
+    Then SIGTERM with a short request and two long ones in flight (a stream and a whole answer):
+    the short one finishes; at --shutdown-timeout the long stream ends with a `server_shutdown`
+    error event and [DONE], the whole answer is a 503; the server exits 0."""
     timeout = 10
-    with running_server("--max-running-requests", "2", "--max-queued-requests", "0",
+    with running_server("--max-running-requests", "3", "--max-queued-requests", "0",
                         "--shutdown-timeout", str(timeout)) as (proc, base):
-        first = open_stream(base, CMPL, LONG)
-        second = open_stream(base, CMPL, LONG)
+        streams = [open_stream(base, CMPL, LONG) for _ in range(3)]
         status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2})
         _assert_error(status, body, 429, code="queue_full")
         assert body["error"]["type"] == "rate_limit_error"
-        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2, "n": 3})
+        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2, "n": 4})
         _assert_error(status, body, 400, param="n")  # could never fit: not a retry-later
         assert metrics(base)['ketch_requests_rejected_total{reason="queue_full"}'] == 1
 
-        first[0].close()  # a slot frees once the server has aborted the dropped stream
-        short_body = {"prompt": "The capital of France is", "max_tokens": 24, "ignore_eos": True}
+        def in_engine() -> float:
+            m = metrics(base)
+            return m["ketch_num_requests_running"] + m["ketch_num_requests_waiting"]
 
-        opened = []
+        streams[0][0].close()  # a slot frees once the server has aborted the dropped stream
+        wait_for(lambda: in_engine() == 2, "the dropped stream's slot")
+        short = open_stream(base, CMPL, {"prompt": "The capital of France is", "max_tokens": 24, "ignore_eos": True})
+        streams[1][0].close()
+        wait_for(lambda: in_engine() == 2, "the second dropped stream's slot")
+        whole: list[tuple[int, dict]] = []
+        waiting = threading.Thread(target=lambda: whole.append(post(base, CMPL, LONG, timeout=timeout + 30)))
+        waiting.start()
+        wait_for(lambda: in_engine() == 3, "the whole-answer request in the engine")
 
-        def admitted() -> bool:
-            try:
-                opened.append(open_stream(base, CMPL, short_body))
-                return True
-            except AssertionError:
-                return False  # still 429: the server has not noticed the dropped stream yet
-
-        wait_for(admitted, "a slot after the dropped stream")
-        short = opened[0]
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rest = short[1].read().decode()
         assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]")
-        with pytest.raises(http.client.IncompleteRead):  # cut when the drain timeout ran out
-            second[1].read()
+        cut = streams[2][1].read().decode()  # not a truncated body: an error event, then [DONE]
+        assert '"code": "server_shutdown"' in cut and cut.rstrip().endswith("data: [DONE]"), cut[-300:]
+        waiting.join(timeout=timeout + 30)
+        _assert_error(*whole[0], 503, code="server_shutdown")
         assert proc.wait(timeout=timeout + 30) == 0
         assert time.monotonic() - t0 >= timeout - 1
         out = proc.stdout.read()
@@ -171,7 +173,10 @@ def test_dead_engine_is_503():
     from ketch.server.state import ServerState
 
     class DeadEngine:
-        alive, ready = False, None
+        alive, ready, failure = False, None, "the engine process exited (code 1)"
+
+        def healthy(self) -> str:
+            return self.failure
 
         async def stats(self, timeout: float):
             return None
