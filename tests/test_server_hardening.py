@@ -283,3 +283,15 @@ def test_watchdog_verdicts():
     dog.beat(6.8, steps=9, busy=False)  # idle is never stuck
     assert dog.verdict(9.7) is None
     assert "no heartbeat" in dog.verdict(9.9)
+
+
+def test_an_engine_whose_api_process_died_stops_working():
+    """SIGKILL the API process mid-stream: its engine, orphaned with work in hand, exits instead
+    of generating for nobody (it checked for its parent only when idle)."""
+    with running_server() as (proc, base):
+        open_stream(base, CMPL, {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True})
+        engine = engine_pid(proc.pid)
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not os.path.exists(f"/proc/{engine}") or
+                 open(f"/proc/{engine}/stat").read().split(") ")[1].startswith("Z"), "the orphaned engine to exit")

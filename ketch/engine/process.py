@@ -102,10 +102,10 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr:
 
 def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progress: _Progress) -> None:
     while True:
+        if os.getppid() != parent_pid:  # orphaned: the API process is gone, and nobody reads our work
+            return
         busy = progress.busy = engine.has_unfinished()
         if not busy and not inbox.poll(_IDLE_POLL_MS):
-            if os.getppid() != parent_pid:  # orphaned: the API process is gone
-                return
             continue
         replies: list[m.FromEngine] = []
         while True:  # drain whatever has arrived, without blocking
