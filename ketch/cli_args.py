@@ -10,6 +10,8 @@ from ketch.sampling.params import SamplingParams
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, HF directory or config.json (dummy); default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--tokenizer", default=None,
+                   help="a GGUF file or HF directory whose tokenizer to use (e.g. real text for a dummy model)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "hf", "dummy"])
@@ -48,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
-        model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
+        model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, load_format=a.load_format, page_size=a.page_size,
         kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, kv_cache_fraction=a.kv_cache_fraction,
         mem_fraction_static=a.mem_fraction_static, max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

@@ -102,6 +102,9 @@ class EngineConfig:
     """Everything the engine needs to start; the step loop reads, never branches on, these."""
 
     model: str | None = None  # GGUF file, HF directory, or config.json (dummy); None: bundled SmolLM2
+    # where the tokenizer comes from when not from the model (a GGUF file or an HF directory): gives
+    # a dummy-weight model real text (benchmarks of real shapes), or replaces a model's own
+    tokenizer: str | None = None
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     load_format: LoadFormat = "auto"

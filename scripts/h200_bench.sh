@@ -24,17 +24,8 @@
 # `suite` in the step list runs it regardless. The smaller test steps (kernels, tests, tests-new,
 # pdl-tests, tests-4l, kernels-gemv, tests-fp8) are skipped in a session that ran the suite.
 set -u
-OUT=${OUT:-out}
 RES=$(mktemp -d)
-mkdir -p "$OUT"
-LOG="$OUT/session.log"
-if compgen -G ".whl/*.whl" >/dev/null; then  # packages the image lacks (gguf, msgspec), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+source scripts/device_env.sh  # carried wheels (gguf, msgspec, ...), PYTHONPATH, $OUT, $LOG
 M=configs/llama-3.1-8b
 BENCH=(python3 -m ketch.cli bench one-batch --model $M --load-format dummy)
 TORCH=(--attention-backend torch --layer-kernels torch)

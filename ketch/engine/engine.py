@@ -35,8 +35,8 @@ from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
-from ketch.weights import detect_format, load_model_config
-from ketch.weights.source import resolve_model_path
+from ketch.weights import load_model_config
+from ketch.weights.source import tokenizer_source
 
 
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile; new requests wait at most this
@@ -60,8 +60,7 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.cache = RadixCache(config.page_size, self.allocator, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.allocator, self.cache)
-        tokenizer_path = None if detect_format(resolve_model_path(config.model), config.load_format) == "dummy" \
-            else resolve_model_path(config.model)
+        tokenizer_path = tokenizer_source(config.model, config.load_format, config.tokenizer)
         self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids, self.runner.device)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import msgspec
+
 from ketch.engine.messages import RequestError, TokenDelta, WireLogprob
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
@@ -86,6 +88,10 @@ class Generation:
         self._started_at = 0.0
         self._admitted = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._open = len(self.samples)  # samples not yet ended
+        # joining a sample's queued deltas is exact unless a stop string may end it inside the
+        # joined run: its tokens after the stop would then count in usage
+        self._coalesce = not params.stop
 
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
@@ -130,6 +136,7 @@ class Generation:
 
     def _end(self, sample: _Sample, reason: str) -> None:
         sample.finished = True
+        self._open -= 1
         self._admission.release()
         self._metrics.finished.labels(reason).inc()
         if reason != "abort":
@@ -146,18 +153,25 @@ class Generation:
         sample.last_token_at = now
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Choice events until every sample has ended. What queued up while this request's
+        consumer was busy (a slow client, a loaded event loop) is taken at once, a sample's
+        deltas joined into one event: a client that falls behind gets several tokens per frame,
+        and the per-event costs (detokenizing, parsing, framing) are paid once for them."""
         try:
-            while not all(s.finished for s in self.samples.values()):
-                item = await self._queue.get()
-                if isinstance(item, EngineGone):
-                    raise engine_unavailable(str(item))
-                if isinstance(item, APIError):  # deadline, shutdown
-                    raise item
-                if isinstance(item, RequestError):
-                    raise bad_value(item.message)
-                event = self._apply(item)
-                if event is not None:
-                    yield event
+            while self._open:
+                batch = [await self._queue.get()]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                for item in coalesce(batch) if self._coalesce else batch:
+                    if isinstance(item, EngineGone):
+                        raise engine_unavailable(str(item))
+                    if isinstance(item, APIError):  # deadline, shutdown
+                        raise item
+                    if isinstance(item, RequestError):
+                        raise bad_value(item.message)
+                    event = self._apply(item)
+                    if event is not None:
+                        yield event
         finally:
             self.close()
 
@@ -185,3 +199,32 @@ class Generation:
         if event.finish_reason is not None:
             self._end(sample, event.finish_reason)
         return event
+
+
+def coalesce(items: list) -> list:
+    """Join each sample's consecutive token deltas in `items` into one (ids, logprobs in order;
+    the last one's finish); anything else (an error, an exception) stays where it was, with the
+    deltas before it emitted first."""
+    out: list = []
+    joined: dict[tuple[str, int], TokenDelta] = {}
+    for item in items:
+        if not isinstance(item, TokenDelta):
+            out.extend(joined.values())
+            joined.clear()
+            out.append(item)
+            continue
+        key = (item.request_id, item.index)
+        prev = joined.get(key)
+        if prev is None:
+            joined[key] = item
+        elif prev.finished or prev.error is not None:
+            out.extend(joined.values())  # nothing follows an end; keep the order as it came
+            joined.clear()
+            joined[key] = item
+        else:
+            logprobs = None if prev.new_logprobs is None and item.new_logprobs is None else \
+                [*(prev.new_logprobs or ()), *(item.new_logprobs or ())]
+            joined[key] = msgspec.structs.replace(
+                item, new_token_ids=[*prev.new_token_ids, *item.new_token_ids], new_logprobs=logprobs)
+    out.extend(joined.values())
+    return out

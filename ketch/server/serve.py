@@ -29,7 +29,7 @@ from ketch.server.http_protocol import GuardedHttpProtocol
 from ketch.server.state import Admission, ServerState
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
-from ketch.weights.source import default_model_path, detect_format
+from ketch.weights.source import default_model_path, tokenizer_source
 
 
 _ANSWER_GRACE_S = 5.0  # after our deadline, time for the shutdown answers to leave before uvicorn cancels
@@ -63,12 +63,14 @@ class _Server(uvicorn.Server):
 
 
 def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    path = config.model or default_model_path()
-    if detect_format(path, config.load_format) == "dummy":
+    source = tokenizer_source(config.model, config.load_format, config.tokenizer)
+    if source is None:
         return None
     try:
-        return Tokenizer.load(path)
+        return Tokenizer.load(source)
     except TokenizerUnavailable:
+        if config.tokenizer is not None:
+            raise ValueError(f"tokenizer: no tokenizer found in {config.tokenizer!r}") from None
         return None
 
 

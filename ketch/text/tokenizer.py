@@ -29,6 +29,12 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
         self.all_special_ids: tuple[int, ...] = tuple(hf_tokenizer.all_special_ids)
         self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
+        # decode runs twice per streamed token (incremental detokenization): call the Rust
+        # tokenizer itself where transformers' wrapper adds nothing (no space clean-up); its
+        # Python layers cost ~3x the decode
+        backend = getattr(hf_tokenizer, "_tokenizer", None)
+        fast = backend is not None and not getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
+        self._fast_decode = backend.decode if fast else None
 
     @classmethod
     def load(cls, path: str | None = None) -> "Tokenizer":
@@ -65,7 +71,8 @@ class Tokenizer:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        decode = self._fast_decode or self._hf.decode
+        return decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._hf.convert_ids_to_tokens(list(ids))

@@ -66,3 +66,14 @@ def detect_format(path: str, load_format: str = "auto") -> WeightFormat:
             )
         return "dummy"
     raise ValueError(f"model: {path!r} is neither a .gguf file, a Hugging Face directory nor a config.json")
+
+
+def tokenizer_source(model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> str | None:
+    """Where the tokenizer comes from: `tokenizer` when given, else the model itself, except that
+    dummy weights have none (None)."""
+    if tokenizer is not None:
+        if not os.path.exists(tokenizer):
+            raise ValueError(f"tokenizer: path {tokenizer!r} does not exist")
+        return os.fspath(tokenizer)
+    path = resolve_model_path(model)
+    return None if detect_format(path, load_format) == "dummy" else path

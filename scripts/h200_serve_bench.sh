@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 13 on a GPU: the offline engine vs `ketch serve` + `ketch bench serve` on the same work
+# (N requests of 256 random input tokens / 128 output tokens, ignore_eos) at each concurrency;
+# dummy weights of a real shape, with the bundled SmolLM2's tokenizer (saved from the GGUF into the
+# git-ignored carry/smollm2-tokenizer: scripts/save_tokenizer.py) so the server sees real text.
+# While `bench serve` runs at the highest concurrency, py-spy samples the server (API and engine
+# processes) and the benchmark client; their summaries go to the session log.
+#   usage: bash scripts/h200_serve_bench.sh MODEL NAME [CONCURRENCY:REQUESTS ...]
+#   e.g.   bash scripts/h200_serve_bench.sh configs/llama-3.1-8b-smollm2-vocab 8b 64:1024 256:2048
+set -u
+source scripts/device_env.sh
+M=$1 NAME=$2; shift 2
+RUNS=${*:-64:1024 256:2048}
+TOK=${TOKENIZER:-carry/smollm2-tokenizer}
+PORT=${PORT:-30000}
+SPY=$(command -v py-spy || true)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+  echo "commit ${KETCH_COMMIT:-unknown}; model $M; tokenizer $TOK; runs $RUNS; cpus $(nproc)"
+  date -u +"date %F %T UTC"; } 2>&1 | tee -a "$LOG"
+log() { echo "=== $NAME $*" | tee -a "$LOG"; }
+
+for run in $RUNS; do  # the offline engine: all N submitted at once, at most C running
+  c=${run%%:*} n=${run##*:}
+  log "offline c=$c n=$n ($(date +%T))"
+  timeout 300 python3 -m ketch.cli bench offline --model "$M" --load-format dummy --batch-sizes "$n" \
+    --max-num-seqs "$c" --input-len 256 --output-len 128 --output-file "$OUT/$NAME-offline-c$c.json" 2>&1 \
+    | grep -v -E "Loading weights|^\s*$" | tee -a "$LOG"
+done
+
+log "serve start ($(date +%T))"
+python3 -m ketch.cli serve --model "$M" --load-format dummy --tokenizer "$TOK" --port "$PORT" > "$OUT/$NAME-server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
+curl -sf "localhost:$PORT/health" >/dev/null || { log "server not healthy"; tail -30 "$OUT/$NAME-server.log" | tee -a "$LOG"; kill $SERVER; exit 1; }
+last=${RUNS##* }
+for run in $RUNS; do
+  c=${run%%:*} n=${run##*:}
+  BENCH=(python3 -m ketch.cli bench serve --port "$PORT" --tokenizer "$TOK" --random-input-len 256
+         --random-output-len 128 --random-range-ratio 1.0 --num-prompts "$n" --max-concurrency "$c"
+         --ignore-eos --disable-tqdm --output-file "$OUT/$NAME-serve-c$c.json")
+  log "serve c=$c n=$n ($(date +%T))"
+  if [ "$run" = "$last" ] && [ -n "$SPY" ]; then
+    "$SPY" record --subprocesses -p $SERVER -d 20 -r 50 -f raw -o /tmp/spy-server.txt > /tmp/spy-server.log 2>&1 &
+    "$SPY" record -r 50 -f raw -o /tmp/spy-client.txt -- "${BENCH[@]}" 2>&1 | grep -v "py-spy>" | tee -a "$LOG"
+    wait %1 2>/dev/null
+    for who in server client; do
+      log "py-spy $who"; tail -2 /tmp/spy-$who.log 2>/dev/null | tee -a "$LOG"
+      [ -s /tmp/spy-$who.txt ] && python3 scripts/pyspy_summary.py /tmp/spy-$who.txt --top 20 | tee -a "$LOG"
+    done
+  else
+    timeout 400 "${BENCH[@]}" 2>&1 | tee -a "$LOG"
+  fi
+done
+kill -TERM $SERVER; wait $SERVER
+log "done ($(date +%T))"
