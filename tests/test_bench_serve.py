@@ -1,19 +1,29 @@
-"""`ketch bench serve`: metric math, prompt datasets, and a CLI run against a stub OpenAI server."""
+"""`ketch bench serve`: metric math, prompt datasets, the client's SSE framing, splitting and merging client
+processes, CLI runs against a stub OpenAI server and against the fake server started for real."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 from typing import Callable
+from urllib.parse import urlsplit
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ketch.bench import fake_server as fake_server_module
 from ketch.bench.datasets import random_requests, sharegpt_requests
+from ketch.bench.serve_http import _Exchange
+from ketch.bench.serve_load import Load, LoadRun
 from ketch.bench.serve_metrics import RequestResult, compute_metrics
+from ketch.bench.serve_procs import merge, split
 from ketch.cli import main
 from ketch.text.tokenizer import Tokenizer
 
@@ -240,7 +250,7 @@ def test_cli_against_stub(stub_server, tmp_path, capsys, tok):
     by_prompt = {b["prompt"]: b for b in stub.bodies}
     assert set(by_prompt) == {q.prompt for q in sent}
     ok = [r for r in reqs if r["success"]]
-    for r, q in zip(reqs, sent):
+    for r, q in zip(reqs, sent, strict=True):
         body = by_prompt[q.prompt]
         assert r["requested_output_len"] == q.output_len == body["max_tokens"]
         if not r["success"]:
@@ -289,3 +299,170 @@ def test_cli_warns_when_outputs_stop_short_of_max_tokens(stub_server, capsys, to
     out = capsys.readouterr().out
     assert "warning: 2 of 2 requests got fewer tokens than max_tokens" in out
     assert _printed(out)["Total generated tokens"] == "6"
+
+
+# ---------------------------------------------------------------- SSE framing of the client
+
+def _payloads(stream: bytes, cuts: list[int]) -> list[bytes]:
+    """The `data:` payloads the client's framing hands on when `stream` arrives cut at `cuts`."""
+    got: list[bytes] = []
+    ex = _Exchange(lambda payload, now: got.append(payload) and False, asyncio.Future(loop=asyncio.new_event_loop()))
+    for a, b in zip([0] + cuts, cuts + [len(stream)]):
+        ex.feed_events(stream[a:b], 0.0)
+    if ex.tail:
+        ex.feed_events(b"\n", 0.0)  # what the end of the body does with a last unterminated line
+    return got
+
+
+def test_sse_lines_survive_any_cut_and_any_line_end():
+    stream = (b'data: {"a": 1}\n\n: a comment\r\n\r\ndata:{"b": 2}\r\n\r\nevent: x\rdata: {"c": 3}\r\r'
+              b'data: [DONE]')
+    want = [b'{"a": 1}', b'{"b": 2}', b'{"c": 3}', b"[DONE]"]
+    assert _payloads(stream, []) == want
+    for cut in range(1, len(stream)):  # one cut anywhere, a CRLF split across reads included
+        assert _payloads(stream, [cut]) == want, cut
+    assert _payloads(stream, list(range(1, len(stream)))) == want  # a byte per read
+
+
+# ---------------------------------------------------------------- splitting and merging client processes
+
+def test_split_divides_requests_concurrency_and_rate():
+    shares = split(10, Load(max_concurrency=5, request_rate=4.0, seed=7), 2)
+    assert [idx for idx, _ in shares] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    assert [s for _, s in shares] == [Load(3, 2.0, 7), Load(2, 2.0, 8)]
+    assert [s.max_concurrency for _, s in split(4, Load(None, float("inf"), 0), 3)] == [None] * 3
+    with pytest.raises(ValueError, match="max_concurrency"):
+        split(10, Load(1, 1.0, 0), 2)
+    with pytest.raises(ValueError, match="more than the 1 requests"):
+        split(1, Load(None, 1.0, 0), 2)
+
+
+def test_merge_puts_records_back_in_request_order_over_the_union_window():
+    def rec(i: int) -> RequestResult:
+        return RequestResult(success=True, prompt_len=i, output_len=2, ttft=0.1, latency=0.5, itl=[0.4])
+
+    first = LoadRun([rec(0), rec(2), rec(4)], start=10.0, end=13.0, cpu_s=1.5)
+    second = LoadRun([rec(1), rec(3)], start=10.5, end=14.0, cpu_s=1.0)
+    results, duration, cpu = merge([[0, 2, 4], [1, 3]], [first, second])
+    assert [r.prompt_len for r in results] == [0, 1, 2, 3, 4]
+    assert duration == pytest.approx(4.0)  # 10.0 (first start) to 14.0 (last end), not either window
+    assert cpu == [(1.5, 3.0), (1.0, 3.5)]
+    with pytest.raises(ValueError, match="cover"):
+        merge([[0, 2, 4], [1, 1]], [first, second])
+
+
+# ---------------------------------------------------------------- the fake server, for real
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """`fake_server.py --port 0 --workers 2` in a subprocess; its first line says where it listens."""
+    proc = subprocess.Popen([sys.executable, fake_server_module.__file__, "--port", "0", "--workers", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # printed once both workers listen
+    match = re.search(r"http://[\d.]+:\d+", line)
+    assert match, f"fake server did not start: {line!r}"
+    yield match.group(0)
+    proc.terminate()  # the second worker ends when the first one's lifeline pipe closes
+    proc.wait(timeout=10)
+
+
+def _get(url: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    """One request on a fresh connection, through the standard library's HTTP client (not ours)."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    try:
+        conn.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _events(raw: bytes) -> list:
+    lines = [line for line in raw.decode().split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+
+def test_fake_server_streams_one_token_per_event_like_ketch_serve(fake_server):
+    status, raw = _get(fake_server, "/v1/completions", {"prompt": "héllo", "max_tokens": 5, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+    assert status == 200
+    ev = _events(raw)
+    assert ev[-1] == "[DONE]"
+    tokens, usage = ev[:-2], ev[-2]
+    assert [e["choices"][0]["text"] for e in tokens] == [" tok"] * 5
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None] * 4 + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["usage"]["prompt_tokens"] == len("héllo".encode())  # no tokenizer: UTF-8 bytes
+
+    status, raw = _get(fake_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 3, "stream": True})
+    ev = _events(raw)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"] for e in ev[1:4]] == [{"content": " tok"}] * 3
+    assert ev[4]["choices"][0]["finish_reason"] == "length" and ev[5] == "[DONE]"  # no usage unless asked
+    assert all("usage" not in e for e in ev[:5])
+
+    status, raw = _get(fake_server, "/v1/completions", {"prompt": "x", "max_tokens": 4})
+    whole = json.loads(raw)
+    assert whole["choices"][0]["text"] == " tok" * 4 and whole["usage"]["completion_tokens"] == 4
+    assert _get(fake_server, "/v1/completions", {"prompt": "x", "max_tokens": 0})[0] == 400
+    assert _get(fake_server, "/v1/nothing")[0] == 404
+    assert json.loads(_get(fake_server, "/v1/models")[1])["data"][0]["id"] == "fake-model"
+
+
+def test_fake_server_workers_share_the_port(fake_server):
+    # each worker names its answers by its pid; 16 fresh connections all on one of two sockets: p = 2**-15
+    pids = {json.loads(_get(fake_server, "/v1/completions", {"prompt": "x", "max_tokens": 1})[1])["id"].split("-")[2]
+            for _ in range(16)}
+    assert len(pids) == 2
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cli_against_fake_server(fake_server, processes, tmp_path, capsys, tok):
+    n, out_len = 24, 16
+    sent = random_requests(tok, n, 12, out_len, 0.5, seed=5)
+    out_file = tmp_path / "fake.json"
+    rc = main(["bench", "serve", "--base-url", fake_server, "--num-prompts", str(n), "--random-input-len", "12",
+               "--random-output-len", str(out_len), "--random-range-ratio", "0.5", "--seed", "5",
+               "--max-concurrency", "6", "--num-client-processes", str(processes), "--disable-tqdm",
+               "--output-file", str(out_file)])
+    assert rc == 0
+    rows = _printed(capsys.readouterr().out)
+    doc = json.loads(out_file.read_text())
+    m, reqs = doc["metrics"], doc["requests"]
+    assert m["completed"] == n and m["failed"] == 0 and int(rows["Successful requests"]) == n
+    assert m["total_output"] == sum(q.output_len for q in sent) == int(rows["Total generated tokens"])
+    # request order survives the merge: each record carries its own prompt's count (the fake's: UTF-8 bytes)
+    assert len({len(q.prompt.encode()) for q in sent}) > 1
+    assert [r["prompt_len"] for r in reqs] == [len(q.prompt.encode()) for q in sent]
+    assert [r["output_len"] for r in reqs] == [r["requested_output_len"] for r in reqs] == [q.output_len for q in sent]
+    assert all(len(r["itl"]) == r["output_len"] - 1 for r in reqs)  # one event per token
+    # the metrics are those of the pooled records over one window
+    e2e = [r["e2e"] for r in reqs]
+    assert m["duration_s"] >= max(e2e)
+    assert m["concurrency"] == pytest.approx(sum(e2e) / m["duration_s"]) and m["concurrency"] <= 6 + 1e-9
+    assert m["mean_ttft_ms"] == pytest.approx(1000 * sum(r["ttft"] for r in reqs) / n)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_len"] - 1) for r in reqs]
+    assert m["mean_tpot_ms"] == pytest.approx(1000 * sum(tpot) / n)
+    assert len(m["client"]["busy"]) == processes
+
+
+def test_cli_counts_text_after_the_run_when_the_server_reports_no_usage(fake_server, tmp_path, capsys, tok):
+    out_file = tmp_path / "nousage.json"
+    rc = main(["bench", "serve", "--base-url", fake_server, "--backend", "openai-chat", "--num-prompts", "4",
+               "--random-input-len", "8", "--random-output-len", "7", "--random-range-ratio", "1",
+               "--num-client-processes", "2", "--extra-request-body", '{"stream_options": {"include_usage": false}}',
+               "--disable-tqdm", "--output-file", str(out_file)])
+    assert rc == 0
+    reqs = json.loads(out_file.read_text())["requests"]
+    assert [r["output_len"] for r in reqs] == [len(tok.encode(" tok" * 7, add_special_tokens=False))] * 4 == [7] * 4
+    assert [r["prompt_len"] for r in reqs] == [8] * 4  # no usage: our own count of the prompt
+    capsys.readouterr()
+
+
+def test_cli_rejects_more_client_processes_than_concurrency(capsys):
+    assert main(["bench", "serve", "--num-client-processes", "3", "--max-concurrency", "2"]) == 2
+    assert "num_client_processes" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 Works against any such server (ketch serve, llama.cpp's, vLLM, SGLang). Requests are streamed;
 arrivals follow a Poisson process at --request-rate (inf: all at once), optionally capped at
---max-concurrency in flight. Warmup requests go first and are not counted.
+--max-concurrency in flight. Warmup requests go first and are not counted. The load runs on one
+event loop here (serve_load.py) or, with --num-client-processes N, on N processes whose records are
+merged (serve_procs.py); outputs the server did not count are tokenized after the run.
 """
 from __future__ import annotations
 
@@ -11,15 +13,19 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
 import time
 
-from tqdm import tqdm
-
 from ketch.bench.datasets import SampleRequest, random_requests, sharegpt_requests
-from ketch.bench.serve_client import RequestConfig, fetch_model, make_client, send_request
+from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, make_client
+from ketch.bench.serve_http import HTTPClient
+from ketch.bench.serve_load import Load, limited, new_event_loop, run_load
 from ketch.bench.serve_metrics import RequestResult, compute_metrics, format_report, summarize_errors
+from ketch.bench.serve_procs import run_in_processes
+
+
+# a client process busier than this may be what limits the run (its event loop has no slack left)
+CLIENT_BUSY_WARNING = 0.9
 
 
 def _check_args(a: argparse.Namespace) -> None:
@@ -33,6 +39,13 @@ def _check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"warmup_requests: must be >= 0, got {a.warmup_requests}")
     if a.request_timeout <= 0:
         raise ValueError(f"request_timeout: must be > 0, got {a.request_timeout}")
+    if a.num_client_processes < 1:
+        raise ValueError(f"num_client_processes: must be >= 1, got {a.num_client_processes}")
+    if a.num_client_processes > a.num_prompts:
+        raise ValueError(f"num_client_processes: {a.num_client_processes} is more than --num-prompts {a.num_prompts}")
+    if a.max_concurrency is not None and a.num_client_processes > a.max_concurrency:
+        raise ValueError(f"num_client_processes: {a.num_client_processes} is more than --max-concurrency "
+                         f"{a.max_concurrency} (each process needs a share of it)")
     if a.dataset_name == "sharegpt" and not a.dataset_path:
         raise ValueError("dataset_path: required with --dataset-name sharegpt")
 
@@ -56,51 +69,49 @@ def build_requests(a: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     return sharegpt_requests(a.dataset_path, tokenizer, a.num_prompts, a.seed, a.sharegpt_output_len)
 
 
-async def _limited(sem: asyncio.Semaphore | None, coro_fn):
-    if sem is None:
-        return await coro_fn()
-    async with sem:  # the request's clock starts inside: queueing here is the client's, not the server's
-        return await coro_fn()
+async def _prepare(client: HTTPClient, a: argparse.Namespace, base_url: str, api_key: str | None,
+                   requests: list[SampleRequest], ignore_eos: bool) -> RequestConfig | None:
+    """The request config (the model asked of the server when not given), after the warmup; None
+    if every warmup request failed."""
+    model = a.model or await fetch_model(client, api_key)
+    cfg = RequestConfig(base_url, a.backend, model, api_key, ignore_eos, a.temperature,
+                        _extra_body(a.extra_request_body), a.request_timeout)
+    if a.warmup_requests:
+        sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
+        warm = await asyncio.gather(*(limited(sem, client, cfg, requests[i % len(requests)])
+                                      for i in range(a.warmup_requests)))
+        if not any(w.success for w in warm):
+            print(f"error: every warmup request failed: {'; '.join(summarize_errors(warm))}", file=sys.stderr)
+            return None
+    return cfg
 
 
-async def _run_load(client, cfg: RequestConfig, requests: list[SampleRequest], count, a: argparse.Namespace
-                    ) -> tuple[list[RequestResult], float]:
-    sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
-    rng = random.Random(a.seed)
-    bar = tqdm(total=len(requests), disable=a.disable_tqdm, desc="requests")
-
-    async def one(req: SampleRequest) -> RequestResult:
-        r = await _limited(sem, lambda: send_request(client, cfg, req, count))
-        bar.update(1)
-        return r
-
-    start = time.perf_counter()
-    tasks = []
-    for i, req in enumerate(requests):
-        tasks.append(asyncio.create_task(one(req)))
-        if math.isfinite(a.request_rate) and i + 1 < len(requests):
-            await asyncio.sleep(rng.expovariate(a.request_rate))  # the arrival schedule itself
-    results = list(await asyncio.gather(*tasks))
-    duration = time.perf_counter() - start
-    bar.close()
-    return results, duration
-
-
-async def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: list[SampleRequest],
-                 count, ignore_eos: bool) -> dict | None:
-    async with make_client(a.max_concurrency, a.request_timeout) as client:
-        model = a.model or await fetch_model(client, base_url, api_key)
-        cfg = RequestConfig(base_url, a.backend, model, api_key, ignore_eos, a.temperature, _extra_body(a.extra_request_body))
-        if a.warmup_requests:
-            sem = asyncio.Semaphore(a.max_concurrency) if a.max_concurrency else None
-            warm = await asyncio.gather(*(
-                _limited(sem, lambda r=requests[i % len(requests)]: send_request(client, cfg, r, count))
-                for i in range(a.warmup_requests)))
-            if not any(w.success for w in warm):
-                print(f"error: every warmup request failed: {'; '.join(summarize_errors(warm))}", file=sys.stderr)
+def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: list[SampleRequest],
+           ignore_eos: bool) -> dict | None:
+    load = Load(a.max_concurrency, a.request_rate, a.seed)
+    show = not a.disable_tqdm
+    bar = None if a.disable_tqdm else "requests"
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        client = make_client(base_url)
+        try:
+            cfg = runner.run(_prepare(client, a, base_url, api_key, requests, ignore_eos))
+            if cfg is None:
                 return None
-        results, duration = await _run_load(client, cfg, requests, count, a)
-    return {"model": model, "results": results, "duration": duration}
+            if a.num_client_processes == 1:
+                run = runner.run(run_load(client, cfg, requests, load, bar))
+                results, duration, cpu = run.results, run.end - run.start, [(run.cpu_s, run.end - run.start)]
+        finally:
+            runner.run(client.close())
+    if a.num_client_processes > 1:
+        results, duration, cpu = run_in_processes(cfg, requests, load, a.num_client_processes, show)
+    return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu}
+
+
+def _client_cpu(cpu: list[tuple[float, float]], total_output: int) -> dict:
+    """The client's own cost: each process's CPU share of its window, and CPU per output token
+    (what bounds the client's ceiling: one core gives 1e6 / that tokens per second)."""
+    return {"busy": [c / w if w > 0 else 0.0 for c, w in cpu],
+            "us_per_output_token": 1e6 * sum(c for c, _ in cpu) / max(1, total_output)}
 
 
 def run_bench_serve(a: argparse.Namespace) -> int:
@@ -114,13 +125,15 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     requests = build_requests(a, tokenizer)
     ignore_eos = a.ignore_eos if a.ignore_eos is not None else a.dataset_name == "random"
 
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    out = asyncio.run(_bench(a, base_url, api_key, requests, count, ignore_eos))
+    try:
+        out = _bench(a, base_url, api_key, requests, ignore_eos)
+    except RuntimeError as e:  # a client process died: there is no whole run to report
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if out is None:
         return 1
     results: list[RequestResult] = out["results"]
+    count_outputs(results, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     m = compute_metrics(results, out["duration"])
     header = {
         "Backend": a.backend,
@@ -128,6 +141,13 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         "Max request concurrency": a.max_concurrency if a.max_concurrency else "not set",
     }
     print(format_report(m, header))
+    client = _client_cpu(out["client_cpu"], m.total_output)
+    busy = client["busy"]
+    print(f"Client CPU busy (% of the window, per process): {', '.join(f'{100 * b:.0f}' for b in busy)}; "
+          f"{client['us_per_output_token']:.2f} µs of client CPU per output token")
+    if max(busy) >= CLIENT_BUSY_WARNING:
+        print(f"warning: a benchmark client process was busy {100 * max(busy):.0f}% of the window: these figures "
+              "may be the client's ceiling rather than the server's (try --num-client-processes)")
     errors = summarize_errors(results)
     if errors:
         print("Errors (count × message):")
@@ -139,7 +159,7 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         print(f"warning: {short} of {m.completed} requests got fewer tokens than max_tokens "
               "(is ignore_eos honoured? a server without stream usage is counted by retokenizing)")
     if a.output_file:
-        _write_json(a, base_url, out["model"], ignore_eos, m.as_dict(), requests, results, errors)
+        _write_json(a, base_url, out["model"], ignore_eos, m.as_dict() | {"client": client}, requests, results, errors)
     return 0 if m.completed else 1
 
 

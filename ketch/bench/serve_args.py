@@ -38,6 +38,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="ask the server to run every request to max_tokens (default: on for random, off for sharegpt)")
     r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--num-client-processes", type=int, default=1,
+                   help="split the requests (and --max-concurrency, --request-rate) over this many client "
+                        "processes, each with its own event loop; metrics are merged as one process reports them")
 
     o = p.add_argument_group("output")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -1,25 +1,26 @@
 """One streamed OpenAI request, timed: TTFT, inter-chunk gaps, E2E, and the server's token counts.
 
-SSE is parsed here (`data: {...}` lines, `data: [DONE]` at the end) so the timing sees each chunk
-when it arrives. Nothing raises out of `send_request`: every failure becomes a RequestResult with
+The SSE `data:` payloads reach `_Recorder.on_data` from the connection's read callback
+(serve_http.py), stamped with the time of the socket read that brought them, so the timing sees
+each chunk when it arrives and a token costs one msgspec decode into a struct that names only the
+fields read here. Nothing raises out of `send_request`: every failure becomes a RequestResult with
 `success=False` and an error message, so one bad request never ends a benchmark run.
 """
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-try:  # openai's HTTP client; published as httpx2 in newer environments
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover - depends on the environment
-    import httpx  # type: ignore[no-redef]
+import msgspec
 
 from ketch.bench.datasets import SampleRequest
+from ketch.bench.serve_http import HTTPClient
 from ketch.bench.serve_metrics import RequestResult
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+UNCOUNTED = -1  # output_len of a success whose server reported no usage, until count_outputs
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,15 @@ class RequestConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     extra_body: tuple[tuple[str, Any], ...] = ()
+    timeout_s: float = 3600.0  # one request, from sending to the end of its response
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {sorted(BACKENDS)}, got {self.backend!r}")
 
     @property
-    def url(self) -> str:
-        return self.base_url.rstrip("/") + BACKENDS[self.backend]
+    def path(self) -> str:
+        return BACKENDS[self.backend]
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -61,83 +63,130 @@ class RequestConfig:
         return body
 
 
-def make_client(max_connections: int | None, timeout_s: float) -> httpx.AsyncClient:
-    # httpx caps a pool at 100 connections by default, which would cap the benchmark's concurrency
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+def make_client(base_url: str) -> HTTPClient:
+    return HTTPClient(base_url, connect_timeout_s=30.0)
 
 
-def _content(chunk: dict, backend: str) -> str:
-    choices = chunk.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
-        return ""
-    if backend == "openai":
-        return choices[0].get("text") or ""
-    return (choices[0].get("delta") or {}).get("content") or ""
+# The chunk fields the benchmark reads; msgspec skips the others without building them. gc=False:
+# a struct per token would otherwise feed the cyclic GC's young generation (no cycles are possible).
+class _Delta(msgspec.Struct, gc=False):
+    content: str | None = None
 
 
-async def send_request(client: httpx.AsyncClient, cfg: RequestConfig, req: SampleRequest,
-                       count_tokens: Callable[[str], int]) -> RequestResult:
-    """Stream one request. Token counts come from the server's usage when it reports them; the
-    output is tokenized with `count_tokens` otherwise."""
+class _Choice(msgspec.Struct, gc=False):
+    text: str | None = None  # /v1/completions
+    delta: _Delta | None = None  # /v1/chat/completions
+
+
+class _Chunk(msgspec.Struct, gc=False):
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+class _Recorder:
+    """Consumes one response's `data:` payloads as they arrive; returns True to hear no more."""
+
+    __slots__ = ("chat", "first", "last", "itl", "text", "usage", "error", "end")
+
+    def __init__(self, chat: bool, start: float) -> None:
+        self.chat = chat
+        self.first: float | None = None
+        self.last = start
+        self.itl: list[float] = []
+        self.text: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.error = ""
+        self.end: float | None = None  # when [DONE] arrived
+
+    def on_data(self, payload: bytes, now: float) -> bool:
+        if payload == b"[DONE]":
+            self.end = now
+            return True
+        try:
+            chunk = _decode_chunk(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.error = f"bad chunk ({type(e).__name__}: {e}): {payload[:120]!r}"
+            return True
+        if chunk.error is not None:  # an error after the headers travels inside the stream
+            err = chunk.error
+            self.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
+            return True
+        if chunk.usage:
+            self.usage = chunk.usage
+        if chunk.choices:
+            c = chunk.choices[0]
+            piece = (c.delta.content if c.delta is not None else None) if self.chat else c.text
+            if piece:
+                if self.first is None:
+                    self.first = now
+                else:
+                    self.itl.append(now - self.last)
+                self.last = now
+                self.text.append(piece)
+        return False
+
+
+async def send_request(client: HTTPClient, cfg: RequestConfig, req: SampleRequest) -> RequestResult:
+    """Stream one request. Token counts come from the server's usage when it reports them; without
+    it the output length is UNCOUNTED and `count_outputs` tokenizes the text after the run (not
+    inside the timed window, where it would slow the client down)."""
     res = RequestResult(prompt_len=req.prompt_len)
-    usage: dict | None = None
-    text: list[str] = []
-    start = last = time.perf_counter()
-    first = None
+    start = time.perf_counter()
+    rec = _Recorder(cfg.backend == "openai-chat", start)
+    body = msgspec.json.encode(cfg.payload(req))
     try:
-        async with client.stream("POST", cfg.url, json=cfg.payload(req), headers=cfg.headers()) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                res.error = f"HTTP {resp.status_code}: {body.strip()[:200]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:` lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:  # an error after the headers travels inside the stream
-                    err = chunk["error"]
-                    res.error = f"stream error: {err.get('message', err) if isinstance(err, dict) else err}"
-                    return res
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                piece = _content(chunk, cfg.backend)
-                if piece:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    text.append(piece)
-    except Exception as e:  # network errors, bad JSON, timeouts: a failed request, not a crash
+        async with asyncio.timeout(cfg.timeout_s):
+            status, error_body = await client.request("POST", cfg.path, body, cfg.headers(), rec.on_data)
+    except TimeoutError:
+        if rec.end is None:  # past [DONE] only the end of the HTTP body was missing: the answer is whole
+            res.error = f"TimeoutError: no complete answer within {cfg.timeout_s:g} s"
+            return res
+        status = 200
+    except Exception as e:  # network errors, bad framing: a failed request, not a crash
         res.error = f"{type(e).__name__}: {e}"
         return res
-    end = time.perf_counter()
+    if status != 200:
+        res.error = f"HTTP {status}: {error_body.decode('utf-8', 'replace').strip()[:200]}"
+        return res
+    if rec.error:
+        res.error = rec.error
+        return res
+    end = rec.end if rec.end is not None else time.perf_counter()
     res.latency = end - start
     # no content at all (e.g. an immediate stop): the first token is the end of the response
-    res.ttft = (first if first is not None else end) - start
-    res.generated_text = "".join(text)
+    res.ttft = (rec.first if rec.first is not None else end) - start
+    res.itl = rec.itl
+    res.generated_text = "".join(rec.text)
+    usage = rec.usage
     if usage and isinstance(usage.get("prompt_tokens"), int):
         res.prompt_len = usage["prompt_tokens"]
     if usage and isinstance(usage.get("completion_tokens"), int):
         res.output_len = usage["completion_tokens"]
     else:
-        res.output_len = count_tokens(res.generated_text)
+        res.output_len = UNCOUNTED
     res.success = True
     return res
 
 
-async def fetch_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> str:
+def count_outputs(results: list[RequestResult], count_tokens: Callable[[str], int]) -> None:
+    """Fill in the output length of every success the server did not count, from its text."""
+    for r in results:
+        if r.success and r.output_len == UNCOUNTED:
+            r.output_len = count_tokens(r.generated_text)
+
+
+async def fetch_model(client: HTTPClient, api_key: str | None) -> str:
     """The first model id that GET /v1/models lists."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = base_url.rstrip("/") + "/v1/models"
     try:
-        resp = await client.get(url, headers=headers)
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+        status, body = await client.request("GET", "/v1/models", headers=headers)
+        if status != 200:
+            raise ValueError(f"HTTP {status}: {body.decode('utf-8', 'replace').strip()[:200]}")
+        return msgspec.json.decode(body)["data"][0]["id"]
     except Exception as e:
+        url = f"{client.base_url}/v1/models"
         raise ValueError(f"model: not given and GET {url} did not name one ({type(e).__name__}: {e})") from None
