@@ -59,7 +59,7 @@ MUTATIONS = (
         new="        emitted, matched = (self.stop.flush() + text, None) if out.finished else self.stop.feed(text)\n",
         tests=(
             "tests/test_text.py::test_stop_string_completed_by_the_finishing_delta",
-            "tests/test_llm.py::test_stop_string_completed_by_the_last_token_at_max_tokens",
+            "tests/test_llm_stop.py::test_stop_string_completed_by_the_last_token_at_max_tokens",
         ),
     ),
     Mutation(

@@ -59,23 +59,6 @@ def test_alloc_errors():
         a.alloc(-1)
 
 
-def test_num_refs_counts_every_reference_even_when_a_call_fails_midway():
-    a = PageAllocator(4)
-    p = a.alloc(3)
-    a.incref([0, 0, 1])
-    assert a.num_refs == 6 == sum(a.refcounts())
-    with pytest.raises(RuntimeError):
-        a.incref([2, 3])  # 2 took its reference before 3 (free) raised
-    assert a.refcount(2) == 2 and a.num_refs == 7
-    with pytest.raises(RuntimeError, match="released twice"):
-        a.decref([1, 3])  # 1 released before 3 raised
-    assert a.refcount(1) == 1 and a.num_refs == 6
-    a.check_invariants()
-    a.decref(p + [0, 0, 2])
-    assert a.num_refs == 0 and a.num_free == 4
-    a.check_invariants()
-
-
 # ---- match and insert -------------------------------------------------------------------
 
 
@@ -232,48 +215,6 @@ def test_evict_does_not_free_pages_still_held():
     pages = a.alloc(2)
     t.insert([1, 2, 3, 4], pages)  # caller still holds its refs (forgot to lock)
     assert t.evict(2) == 0 and t.cached_pages == 0 and a.refcount(pages[0]) == 1
-
-
-def test_shadow_count_sees_a_leaked_reference_on_a_cached_page():
-    a, t = make()
-    res, _ = put(a, t, [1, 2, 3, 4])
-    page = res.node.pages[0]
-    t.check_invariants(refs={}, locks={})
-    a.incref([page])  # nobody owns this reference: a leak
-    assert a.num_free + t.evictable_pages == a.num_pages  # ...that the page count cannot see
-    t.check_invariants()  # nor the tree alone
-    with pytest.raises(AssertionError, match=f"page {page}: refcount 2"):
-        t.check_invariants(refs={}, locks={})
-    t.check_invariants(refs={page: 1}, locks={})  # the same reference, held by a request
-
-
-def test_shadow_count_needs_one_reference_per_holder_of_a_shared_page():
-    a, t = make()
-    [private] = a.alloc(1)
-    with pytest.raises(AssertionError, match=f"page {private}: refcount 1"):
-        t.check_invariants(refs={private: 2}, locks={})  # two requests name it, one reference
-    a.incref([private])
-    t.check_invariants(refs={private: 2}, locks={})
-    with pytest.raises(AssertionError, match=f"page {private}: refcount 2"):
-        t.check_invariants(refs={}, locks={})  # allocated, but no holder names it
-
-
-def test_shadow_count_of_locks():
-    a, t = make()
-    res, _ = put(a, t, [1, 2, 3, 4])
-    t.lock(res.node)
-    with pytest.raises(AssertionError, match="own locks"):
-        t.check_invariants(refs={}, locks={})  # a lock nobody took
-    t.check_invariants(refs={}, locks={res.node: 1})
-    upper = t.match([1, 2]).node  # split: the request's lock stays on the lower node
-    assert upper is not res.node
-    t.check_invariants(refs={}, locks={res.node: 1})
-    with pytest.raises(AssertionError, match="own locks"):
-        t.check_invariants(refs={}, locks={upper: 1})
-    t.unlock(res.node)
-    t.evict(t.cached_pages)
-    with pytest.raises(AssertionError, match="evicted"):
-        t.check_invariants(refs={}, locks={res.node: 1})  # a user still thinks it holds it
 
 
 def test_disabled_cache():

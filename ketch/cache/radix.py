@@ -350,8 +350,8 @@ class RadixCache:
             need(n.start == p.end, f"start {n.start} != parent end {p.end} in {n!r}")
             own = n.lock_ref - sum(c.lock_ref for c in n.children.values())
             need(own >= 0, f"lock_ref below children's sum in {n!r}")
-            need(locks is None or own == locks.get(n, 0),
-                 f"{n!r} holds {own} own locks, its users took {locks and locks.get(n, 0)}")
+            if locks is not None:
+                need(own == locks.get(n, 0), f"{n!r} holds {own} own locks, its users took {locks.get(n, 0)}")
             need(p is root or p.last_access >= n.last_access, f"LRU order broken at {n!r}")
             need((n in self._leaves) == (not n.children), f"leaf set wrong for {n!r}")
             for pg in n.pages:
