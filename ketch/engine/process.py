@@ -55,7 +55,10 @@ def _beat(zctx: zmq.Context, output_addr: str, progress: _Progress, stop: thread
     sock.connect(output_addr)
     try:
         while not stop.wait(m.HEARTBEAT_S):
-            sock.send(m.encode(m.Heartbeat(progress.steps, progress.busy)), zmq.NOBLOCK)
+            try:
+                sock.send(m.encode(m.Heartbeat(progress.steps, progress.busy)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the API process is not reading right now: this beat is dropped, the next one goes
     except zmq.ZMQError:
         pass  # the context is closing
     finally:
