@@ -86,6 +86,13 @@ def test_grammar_request_waits_only_for_itself_and_aborts_cleanly(llm):
     assert outs[("g", 0)]["reason"] == "abort" and outs[("g", 0)]["ids"] == []
     assert len(outs[("plain", 0)]["ids"]) == 3
     _drained(llm)
+    # n samples parked together: one abort ends every one of them, and the id is free again
+    engine.add_request("g2", tok.encode("Hi"), SamplingParams(max_tokens=20, n=3, grammar=GrammarSpec.json_schema(schema)))
+    assert [r.state for r in engine.requests["g2"]] == [RequestState.PENDING] * 3
+    engine.abort("g2")
+    outs = collect(drain(engine))
+    assert {k: (v["reason"], v["ids"]) for k, v in outs.items()} == {("g2", i): ("abort", []) for i in range(3)}
+    _drained(llm)
 
 
 def test_bad_grammars_are_value_errors_naming_the_kind(llm):
@@ -198,7 +205,7 @@ def test_overlap_schedule_with_constrained_rows(llm, smollm_path):
     runs = []
     for engine_llm in (llm, overlapped):
         engine, tok = engine_llm.engine, engine_llm.tokenizer
-        for i, (messages, p) in enumerate(zip(prompts, params)):
+        for i, (messages, p) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", engine_llm.encode_chat(messages), p)
         res = collect(drain(engine))
         runs.append([(res[(f"r{i}", 0)]["ids"], res[(f"r{i}", 0)]["reason"]) for i in range(3)])

@@ -42,7 +42,9 @@ class GrammarGate:
     def park(self, samples: list[Request], spec: GrammarSpec) -> None:
         for req in samples:
             req.state = RequestState.PENDING
-        self.parked.append(Parked(samples, self._compiler().submit(spec)))
+        # A copy: `forget` removes aborted samples from it, and the caller's list (the engine's
+        # record of the request, which it iterates while aborting) must not shrink under it.
+        self.parked.append(Parked(list(samples), self._compiler().submit(spec)))
 
     def release(self) -> list[tuple[list[Request], Exception | None]]:
         """Parked groups whose compile has ended: matchers attached, or the compile's error."""
