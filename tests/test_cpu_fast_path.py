@@ -72,6 +72,6 @@ def test_default_engine_is_faithful_to_fp32(smollm_path):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     ref = [o.token_ids for o in exact.generate(ids, params)]
     got = [fast.generate([p], params)[0].token_ids for p in ids]  # one at a time: the int4 path
-    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(got, ref)]
+    agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(got, ref, strict=True)]
     assert sum(a > 0 for a in agreed) >= 18, agreed
     assert sum(agreed) / len(agreed) >= 10, agreed

@@ -36,6 +36,6 @@ def test_static_buffer_decode_equals_the_eager_step(tiny_config_path, overlap):
     got_ids, got_lp = _greedy(padded, prompts)
     assert 3 in calls  # decode steps went through the static buffers with a padded row
     assert got_ids == want_ids
-    for a, b in zip(got_lp, want_lp):
-        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
     padded.check_invariants()

@@ -243,8 +243,8 @@ def fp8_torch_reference(tiny_config_path):
 
 
 def _close(a: list[list[float]], b: list[list[float]], tol: float) -> None:
-    for x, y in zip(a, b):
-        assert max(abs(u - v) for u, v in zip(x, y)) < tol
+    for x, y in zip(a, b, strict=True):
+        assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < tol
 
 
 def test_fp8_engine_differs_from_fp32_kv_but_stays_close(tiny_config_path, fp8_torch_reference):
@@ -335,7 +335,7 @@ def test_smollm_fp8_pool_is_fp8_and_four_times_the_fp32_pages(smollm_runs):
 def test_smollm_greedy_stays_close_to_fp32_kv(smollm_runs):
     (_, ref_outs, ref_rows), (_, outs, rows) = smollm_runs["auto"], smollm_runs["fp8_e4m3"]
     first_rel, shared_rel, first_same = 0.0, 0.0, 0
-    for ref, out in zip(ref_outs, outs):
+    for ref, out in zip(ref_outs, outs, strict=True):
         r_steps, o_steps = ref_rows[ref.request_id], rows[out.request_id]
         if out.num_cached_tokens == 0:  # prefilled in one chunk: attends to its own K/V, no fp8 read
             assert torch.equal(r_steps[0], o_steps[0])
@@ -443,7 +443,7 @@ def _compare(ref, other, name: str) -> tuple[int, float, list[float]]:
     """Identical prompts, max relative |Δlogit| over the shared steps, the reference's top-two
     gaps where the tokens part; printed (pytest -s)."""
     identical, worst, gaps = 0, 0.0, []
-    for p, (rt, ot) in enumerate(zip(ref[0], other[0])):
+    for p, (rt, ot) in enumerate(zip(ref[0], other[0], strict=True)):
         diverge = next((s for s, (a, b) in enumerate(zip(rt, ot)) if a != b), None)
         identical += diverge is None
         shared = GPU_NEW_TOKENS if diverge is None else diverge + 1

@@ -53,6 +53,6 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint):
             ref = out.sequences[0, len(p):].tolist()
             got = res[(str(i), 0)]
             assert got["ids"] == ref, f"{name}: prompt {i}"
-            ref_lp = [torch.log_softmax(l[0], -1)[t].item() for l, t in zip(out.logits, ref)]
-            assert max(abs(a.logprob - b) for a, b in zip(got["logprobs"], ref_lp)) < 1e-4
+            ref_lp = [torch.log_softmax(l[0], -1)[t].item() for l, t in zip(out.logits, ref, strict=True)]
+            assert max(abs(a.logprob - b) for a, b in zip(got["logprobs"], ref_lp, strict=True)) < 1e-4
     assert_drained(engine)

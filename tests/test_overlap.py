@@ -51,7 +51,7 @@ def test_mixed_workload_is_identical_with_and_without_overlap(tiny_config_path):
     assert ids_and_reasons(over) == ids_and_reasons(sync)
     assert e_sync.scheduler.stats.preemptions > 0  # the pool was small enough to preempt
     for key, r in sync.items():
-        for a, b in zip(r["logprobs"], over[key]["logprobs"]):
+        for a, b in zip(r["logprobs"], over[key]["logprobs"], strict=True):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-5
 
 

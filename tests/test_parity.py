@@ -69,7 +69,7 @@ def reference(smollm_path, prompt_ids, llm) -> list[tuple[list[int], list[float]
                 pad_token_id=eos[0], output_logits=True, return_dict_in_generate=True,
             )
             new = out.sequences[0, len(ids):].tolist()
-            logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, new)]
+            logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, new, strict=True)]
             refs.append((new, logprobs))
     return refs
 
@@ -78,10 +78,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=True)
 
 
 def check(outputs, reference) -> None:
-    for i, (out, (ref_ids, ref_lp)) in enumerate(zip(outputs, reference)):
+    for i, (out, (ref_ids, ref_lp)) in enumerate(zip(outputs, reference, strict=True)):
         assert out.token_ids == ref_ids, f"prompt {i} ({PROMPTS[i]!r}) diverges"
         got = [lp.logprob for lp in out.logprobs]
-        assert max(abs(a - b) for a, b in zip(got, ref_lp)) < LOGPROB_TOL, f"prompt {i} logprobs"
+        assert max(abs(a - b) for a, b in zip(got, ref_lp, strict=True)) < LOGPROB_TOL, f"prompt {i} logprobs"
 
 
 def test_batched_prefix_cache_on_then_hits(llm, prompt_ids, reference):

@@ -143,7 +143,7 @@ def _run(fn, pristine: list[torch.Tensor], live: list[torch.Tensor], pdl: bool, 
 
 def _assert_same_bits(got: list[list[torch.Tensor]], want: list[torch.Tensor]) -> None:
     for r, outs in enumerate(got):
-        for i, (a, b) in enumerate(zip(outs, want)):
+        for i, (a, b) in enumerate(zip(outs, want, strict=True)):
             assert torch.equal(a, b), f"run {r}, output {i}: max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 

@@ -59,8 +59,8 @@ def _greedy(engine, prompts=PROMPTS):
 
 
 def _close(a: list[list[float]], b: list[list[float]], tol: float) -> None:
-    for x, y in zip(a, b):
-        assert max(abs(u - v) for u, v in zip(x, y)) < tol
+    for x, y in zip(a, b, strict=True):
+        assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < tol
 
 
 @pytest.fixture(scope="module")
