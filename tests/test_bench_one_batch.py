@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ketch.bench.trace_summary import STEP_ANNOTATION, family, summarize, summarize_file
 from ketch.cli import main
@@ -53,6 +54,14 @@ def test_kernel_families():
     assert family("_rms_norm_kernel") == family("_store_kv_kernel") == "norm/rope/kv store"
     assert family("indexSelectLargeIndex") == "index/gather/scatter"
     assert family("something_else") == "other"
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored():
+    """The in-process CLI runs below set torch's global thread count (--num-threads 1): give it back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 def _one_batch(tiny_config_path: str, tmp_path, *extra: str) -> int:
