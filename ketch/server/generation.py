@@ -163,6 +163,8 @@ class Generation:
                 while not self._queue.empty():
                     batch.append(self._queue.get_nowait())
                 for item in coalesce(batch) if self._coalesce else batch:
+                    if not self._open:
+                        break  # all ended: a deadline or shutdown queued behind the last token is moot
                     if isinstance(item, EngineGone):
                         raise engine_unavailable(str(item))
                     if isinstance(item, APIError):  # deadline, shutdown
