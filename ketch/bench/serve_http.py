@@ -155,8 +155,8 @@ class HTTPClient:
         self.idle: list[_Connection] = []  # kept-alive connections between requests
         self.open: set[_Connection] = set()  # every connection not yet lost
 
-    async def _connection(self) -> tuple[_Connection, bool]:
-        while self.idle:
+    async def _connection(self, fresh: bool = False) -> tuple[_Connection, bool]:
+        while self.idle and not fresh:
             conn = self.idle.pop()
             if not conn.closed:
                 return conn, True
@@ -181,7 +181,7 @@ class HTTPClient:
         raw = self._request_bytes(method, path, body, headers or {})
         loop = asyncio.get_running_loop()
         for attempt in range(2):
-            conn, reused = await self._connection()
+            conn, reused = await self._connection(fresh=attempt > 0)  # a retry never reuses: the next idle one may be stale too
             ex = _Exchange(on_data, loop.create_future())
             conn.send(ex, raw)
             try:
