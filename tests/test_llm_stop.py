@@ -6,24 +6,9 @@ every stop string is cut from the model's own unconstrained output, so each asse
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import assert_drained
-from ketch import LLM
-from test_llm import P_STORY, SHORT_ANSWER, greedy
-
-
-@pytest.fixture(scope="module")
-def llm(smollm_path) -> LLM:
-    # one torch thread, as in test_llm (a shared small CPU box); restored for the other modules
-    threads = torch.get_num_threads()
-    yield LLM(smollm_path, dtype="float32", num_threads=1)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok(llm):
-    return llm.tokenizer
+from test_llm import P_STORY, SHORT_ANSWER, greedy, llm, tok  # noqa: F401 (the module's fixtures, shared)
 
 
 def _token_texts(tok, ids: list[int]) -> list[str]:
