@@ -181,9 +181,6 @@ def test_dead_engine_is_503():
         async def stats(self, timeout: float):
             return None
 
-        async def ping(self, timeout: float) -> bool:
-            return False
-
     app = TestClient(build_app(ServerState(DeadEngine(), None, None, "m"), max_request_bytes=1 << 20))
     for path, body in [(CMPL, {"prompt": [1, 2]}), (CHAT, {"messages": USER})]:
         resp = app.post(path, json=body)

@@ -171,10 +171,6 @@ class EngineClient:
         """The HTTP side is done with this id: later outputs for it are dropped."""
         self._queues.pop(request_id, None)
 
-    async def ping(self, timeout: float) -> bool:
-        """True when the engine answers within `timeout` seconds (it answers between steps)."""
-        return await self.stats(timeout) is not None
-
     async def stats(self, timeout: float) -> EngineStats | None:
         """The engine's stats, or None when it does not answer within `timeout` seconds."""
         if not self.alive:
