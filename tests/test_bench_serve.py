@@ -448,6 +448,7 @@ def test_cli_against_fake_server(fake_server, processes, tmp_path, capsys, tok):
     tpot = [(r["e2e"] - r["ttft"]) / (r["output_len"] - 1) for r in reqs]
     assert m["mean_tpot_ms"] == pytest.approx(1000 * sum(tpot) / n)
     assert len(m["client"]["busy"]) == processes
+    assert m["engine"] is None  # no ketch step clock behind the fake server
 
 
 def test_cli_counts_text_after_the_run_when_the_server_reports_no_usage(fake_server, tmp_path, capsys, tok):

@@ -4,6 +4,7 @@ free + cached == total, no reference beyond the cache's own: server_util.pages_a
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import openai
@@ -96,3 +97,26 @@ def test_clients_that_disconnect_mid_stream_are_aborted_and_freed(server):
     assert aborted == 10
     # far fewer than 2000 tokens each were generated: the aborts took effect, the requests did not run on
     assert after["ketch_generation_tokens_total"] - before["ketch_generation_tokens_total"] < 10 * 200
+
+
+def test_bench_serve_reads_the_engine_step_clock_of_its_own_run(server, tmp_path, capsys):
+    """`ketch bench serve` reports the server's mean engine step over its run beside the TPOT it
+    measured: the steps it counts are exactly the ones the run caused (read from /metrics after
+    the warmup and at the end), and the mean is their wall time over their count."""
+    from ketch.cli import main
+
+    _, base = server
+    before = metrics(base)
+    out_file = tmp_path / "ketch.json"
+    rc = main(["bench", "serve", "--base-url", base, "--num-prompts", "6", "--random-input-len", "8",
+               "--random-output-len", "5", "--random-range-ratio", "1", "--max-concurrency", "3",
+               "--warmup-requests", "0", "--disable-tqdm", "--output-file", str(out_file)])
+    assert rc == 0
+    after = metrics(base)
+    engine = json.loads(out_file.read_text())["metrics"]["engine"]
+    steps = after["ketch_engine_steps_total"] - before["ketch_engine_steps_total"]
+    seconds = after["ketch_engine_step_seconds_total"] - before["ketch_engine_step_seconds_total"]
+    assert steps >= 5 and engine["steps"] == steps  # five tokens each take at least five steps
+    assert engine["mean_step_ms"] == pytest.approx(1000 * seconds / steps)
+    printed = capsys.readouterr().out
+    assert f"Engine steps during the run (server /metrics): {int(steps)}" in printed

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ketch.attention.base import AttentionBackend, SeqChunk
 from ketch.cache.kv_pool import KVPool
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 
 
 @dataclass

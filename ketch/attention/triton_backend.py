@@ -37,7 +37,7 @@ from ketch.kernels.decode_attention import (
 )
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.kv_store import store_kv
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 
 
 @dataclass

@@ -50,6 +50,7 @@ def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: r
     prefix = shared_prefix or []
     stats = engine.scheduler.stats
     prompt0, cached0 = stats.prompt_tokens, stats.cached_prompt_tokens
+    clock0 = engine.stats()
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     sync()  # GPU: nothing of an earlier round may leak into this one's clock
     t0 = time.perf_counter()
@@ -79,6 +80,8 @@ def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: r
     decode_time = total - (last_first - t0)
     # "decode": the tokens that arrived after every request had its first one (all rows decode)
     decoded = sum(n for t, n in per_step if t > last_first)
+    decode_steps = sum(1 for t, _ in per_step if t > last_first)
+    clock = engine.stats()
     rows = min(batch, engine.config.max_num_seqs)
     return {
         "batch": batch,
@@ -91,6 +94,9 @@ def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: r
         "output_tok_s": round(generated / total, 1),
         "total_tok_s": round((generated + batch * input_len) / total, 1),
         "decode_tokens": decoded,
+        # the engine's own step clock (what `bench serve` reads from /metrics) and the all-decode tail
+        "mean_step_ms": round(1000 * (clock.step_seconds - clock0.step_seconds) / max(1, clock.steps - clock0.steps), 3),
+        "decode_step_ms": round(1000 * decode_time / decode_steps, 3) if decode_steps else None,
         "decode_tok_s": round(decoded / decode_time, 1) if decode_time > 0 else None,
         "decode_tok_s_per_request": round(decoded / decode_time / rows, 1) if decode_time > 0 else None,
         "prefix_cache_hit_rate": round((stats.cached_prompt_tokens - cached0) / max(1, stats.prompt_tokens - prompt0), 3),
@@ -125,7 +131,8 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
             f"batch {b:4d} | in {a.input_len} out {a.output_len} | TTFT {r['mean_ttft_ms']:8.1f} ms | "
             f"decode {r['decode_tok_s']} tok/s ({r['decode_tok_s_per_request']} per request) | "
             f"{r['request_s']} req/s | input {r['input_tok_s']} tok/s | "
-            f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s"
+            f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s | "
+            f"step {r['mean_step_ms']} ms (all-decode {r['decode_step_ms']} ms)"
             + (f" | median of {a.repeat}: {r['decode_tok_s_runs']}" if a.repeat > 1 else "")
         )
         if "gpu_phases" in r:

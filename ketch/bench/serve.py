@@ -18,6 +18,7 @@ import time
 
 from ketch.bench.datasets import SampleRequest, random_requests, sharegpt_requests
 from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, make_client
+from ketch.bench.serve_engine_steps import mean_step_ms, read_step_clock
 from ketch.bench.serve_http import HTTPClient
 from ketch.bench.serve_load import Load, limited, new_event_loop, run_load
 from ketch.bench.serve_metrics import RequestResult, compute_metrics, format_report, summarize_errors
@@ -97,6 +98,7 @@ def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: 
             cfg = runner.run(_prepare(client, a, base_url, api_key, requests, ignore_eos))
             if cfg is None:
                 return None
+            clock0 = read_step_clock(base_url, api_key)  # after the warmup
             if a.num_client_processes == 1:
                 run = runner.run(run_load(client, cfg, requests, load, bar))
                 results, duration, cpu = run.results, run.end - run.start, [(run.cpu_s, run.end - run.start)]
@@ -104,7 +106,8 @@ def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: 
             runner.run(client.close())
     if a.num_client_processes > 1:
         results, duration, cpu = run_in_processes(cfg, requests, load, a.num_client_processes, show)
-    return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu}
+    steps = mean_step_ms(clock0, read_step_clock(base_url, api_key))
+    return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu, "engine_steps": steps}
 
 
 def _client_cpu(cpu: list[tuple[float, float]], total_output: int) -> dict:
@@ -112,6 +115,17 @@ def _client_cpu(cpu: list[tuple[float, float]], total_output: int) -> dict:
     (what bounds the client's ceiling: one core gives 1e6 / that tokens per second)."""
     return {"busy": [c / w if w > 0 else 0.0 for c, w in cpu],
             "us_per_output_token": 1e6 * sum(c for c, _ in cpu) / max(1, total_output)}
+
+
+def _engine_steps(steps: tuple[int, float] | None, median_tpot_ms: float) -> dict | None:
+    """The server's mean engine step over the run (ketch's /metrics) beside the client's TPOT."""
+    if steps is None:
+        return None
+    n, step_ms = steps
+    ratio = median_tpot_ms / step_ms if step_ms > 0 else float("nan")
+    print(f"Engine steps during the run (server /metrics): {n}, mean step {step_ms:.2f} ms; "
+          f"median TPOT / mean step = {ratio:.3f}")
+    return {"steps": n, "mean_step_ms": step_ms, "median_tpot_over_step": ratio}
 
 
 def run_bench_serve(a: argparse.Namespace) -> int:
@@ -148,6 +162,7 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     if max(busy) >= CLIENT_BUSY_WARNING:
         print(f"warning: a benchmark client process was busy {100 * max(busy):.0f}% of the window: these figures "
               "may be the client's ceiling rather than the server's (try --num-client-processes)")
+    engine = _engine_steps(out["engine_steps"], m.median_tpot_ms)
     errors = summarize_errors(results)
     if errors:
         print("Errors (count × message):")
@@ -159,7 +174,7 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         print(f"warning: {short} of {m.completed} requests got fewer tokens than max_tokens "
               "(is ignore_eos honoured? a server without stream usage is counted by retokenizing)")
     if a.output_file:
-        _write_json(a, base_url, out["model"], ignore_eos, m.as_dict() | {"client": client}, requests, results, errors)
+        _write_json(a, base_url, out["model"], ignore_eos, m.as_dict() | {"client": client, "engine": engine}, requests, results, errors)
     return 0 if m.completed else 1
 
 

@@ -21,6 +21,7 @@ ids (grammar, penalties) first processes the step in flight. Greedy output is th
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -66,6 +67,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
         self._generated_tokens = 0
+        self._steps = 0
+        self._step_seconds = 0.0
         self.overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
 
@@ -142,10 +145,19 @@ class Engine:
             preemptions=s.preemptions,
             kv_page_refs=alloc.num_refs,
             kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
+            steps=self._steps,
+            step_seconds=self._step_seconds,
         )
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[EngineOutput]:
+        t0 = time.perf_counter()
+        outputs = self._step()
+        self._steps += 1
+        self._step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         outputs, self._aborted = self._aborted, []
         for samples, error in self.grammars.release():
             for req in samples:

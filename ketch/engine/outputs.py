@@ -50,6 +50,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     preemptions: int
     kv_page_refs: int  # references on KV pages, all holders together (a shared page counts per holder)
     kv_page_table_refs: int  # of which running sequences hold: one per page-table entry
+    # Engine steps run and the wall time spent in them (launch, and the wait for the step in
+    # flight): a client compares its inter-token latency with the mean step under the same load.
+    steps: int = 0
+    step_seconds: float = 0.0
 
     @property
     def kv_pages_in_use(self) -> int:

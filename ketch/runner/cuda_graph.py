@@ -22,7 +22,7 @@ import torch
 from ketch.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from ketch.runner.future_tokens import FutureTokens
 from ketch.scheduler.scheduler import ScheduledChunk
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 
 
 def bucket(n: int) -> int:

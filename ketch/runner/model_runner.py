@@ -33,7 +33,7 @@ from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
 from ketch.scheduler.scheduler import ScheduledChunk
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 from ketch.weights import detect_format, iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
 from ketch.weights.source import resolve_model_path

@@ -17,7 +17,7 @@ from ketch.sampling.filters import TOP_P_OFF
 from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.penalties import Penalties
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 
 # Dividing fp32 logits by a smaller temperature can overflow to inf (and inf - inf = NaN in
 # softmax). Rows this cold are effectively greedy anyway.

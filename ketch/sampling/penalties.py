@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ketch.transfer import to_device
+from ketch.host_copy import to_device
 
 if TYPE_CHECKING:
     from ketch.sampling.batch import SamplingRow

@@ -57,6 +57,9 @@ class _EngineCollector(Collector):
             "ketch_generation_tokens": ("Tokens sampled", s.generated_tokens),
             "ketch_computed_tokens": ("Tokens run through the model (recomputation included)", s.computed_tokens),
             "ketch_preemptions": ("Sequences preempted for lack of KV pages", s.preemptions),
+            "ketch_engine_steps": ("Engine steps run", s.steps),
+            "ketch_engine_step_seconds": ("Wall time spent in engine steps (over ketch_engine_steps: the mean "
+                                          "step)", s.step_seconds),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
