@@ -18,7 +18,7 @@ RUNS=${*:-64:1024 256:2048}
 TOK=${TOKENIZER:-carry/smollm2-tokenizer}
 PORT=${PORT:-30000}
 LOAD=${LOAD_FORMAT:-dummy}
-SPY=$(command -v py-spy || true)
+SPY=${SPY-$(command -v py-spy || true)}  # SPY= runs without the profile
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
   echo "commit ${KETCH_COMMIT:-unknown}; model $M ($LOAD weights); tokenizer $TOK; runs $RUNS; cpus $(nproc)"
@@ -36,7 +36,8 @@ done
 log "serve start ($(date +%T))"
 python3 -m ketch.cli serve --model "$M" --load-format "$LOAD" --tokenizer "$TOK" --port "$PORT" > "$OUT/$NAME-server.log" 2>&1 &
 SERVER=$!
-for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
+for _ in $(seq 600); do  # until healthy, or the server has died
+  curl -sf "localhost:$PORT/health" >/dev/null && break; kill -0 $SERVER 2>/dev/null || break; sleep 0.5; done
 curl -sf "localhost:$PORT/health" >/dev/null || { log "server not healthy"; tail -30 "$OUT/$NAME-server.log" | tee -a "$LOG"; kill $SERVER; exit 1; }
 last=${RUNS##* }
 for run in $RUNS; do
@@ -46,13 +47,15 @@ for run in $RUNS; do
          --ignore-eos --disable-tqdm --output-file "$OUT/$NAME-serve-c$c.json")
   log "serve c=$c n=$n ($(date +%T))"
   if [ "$run" = "$last" ] && [ -n "$SPY" ]; then
-    "$SPY" record --subprocesses -p $SERVER -d 20 -r 50 -f raw -o /tmp/spy-server.txt > /tmp/spy-server.log 2>&1 &
-    "$SPY" record -r 50 -f raw -o /tmp/spy-client.txt -- "${BENCH[@]}" 2>&1 | grep -v "py-spy>" | tee -a "$LOG"
-    wait %1 2>/dev/null
-    for who in server client; do
-      log "py-spy $who"; tail -2 /tmp/spy-$who.log 2>/dev/null | tee -a "$LOG"
-      [ -s /tmp/spy-$who.txt ] && python3 scripts/pyspy_summary.py /tmp/spy-$who.txt --top 20 | tee -a "$LOG"
-    done
+    # the server's processes (API and engine) sampled without pausing them, bounded: a py-spy
+    # that recorded the client too (and --subprocesses without --nonblocking) hung a run here
+    timeout 60 "$SPY" record --subprocesses --nonblocking -p $SERVER -d 15 -r 50 -f raw -o /tmp/spy-server.txt \
+      > /tmp/spy-server.log 2>&1 &
+    spy=$!
+    timeout 400 "${BENCH[@]}" 2>&1 | tee -a "$LOG"
+    wait $spy
+    log "py-spy server (exit $?)"; tail -2 /tmp/spy-server.log 2>/dev/null | tee -a "$LOG"
+    [ -s /tmp/spy-server.txt ] && timeout 60 python3 scripts/pyspy_summary.py /tmp/spy-server.txt --top 25 | tee -a "$LOG"
   else
     timeout 400 "${BENCH[@]}" 2>&1 | tee -a "$LOG"
   fi
@@ -62,7 +65,7 @@ for _ in $(seq 60); do kill -0 $SERVER 2>/dev/null || break; sleep 0.5; done  # 
 if kill -0 $SERVER 2>/dev/null; then
   log "server still up 30 s after SIGTERM: its processes, then SIGKILL"
   ps -o pid,ppid,stat,etime,args --ppid $SERVER -p $SERVER | tee -a "$LOG"
-  py-spy dump --pid $SERVER 2>&1 | tail -40 | tee -a "$LOG"
+  timeout 20 py-spy dump --pid $SERVER 2>&1 | tail -40 | tee -a "$LOG"
   kill -KILL $SERVER
 fi
 wait $SERVER; log "server exit code $?"
