@@ -36,13 +36,14 @@ from test_kernels import page_tables
 from ketch.attention.base import SeqChunk
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
-from ketch.cache.kv_pool import FP8_E4M3_MAX, KVPool
+from ketch.cache.kv_pool import KVPool
 from ketch.cli_args import add_engine_args, engine_kwargs
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
 from ketch.kernels.decode_attention import decode_attention, decode_attention_ref
 from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
 from ketch.kernels.kv_store import store_kv, store_kv_ref
+from ketch.kv_dtype import FP8_E4M3_MAX
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.triton_graphs import TritonDecodeGraphs
 from ketch.sampling.params import SamplingParams
