@@ -58,7 +58,7 @@ if has suite || ! grep -qs -- "=== suite passed at kernel tree $KTREE" docs/perf
   has suite || echo "=== kernel tree $KTREE has no passing suite in docs/perf-logs: running the suite first" | tee -a "$LOG"
   step suite-gpu 480 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py; rc_gpu=$?
   step suite-rest 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py \
-    tests/test_fp8_kv.py tests/test_pdl.py tests/test_gemv.py tests/test_memory_plan.py tests/test_sampling.py -k "not smollm"
+    tests/test_fp8_kv_*.py tests/test_pdl.py tests/test_gemv.py tests/test_memory_plan.py tests/test_sampling.py -k "not smollm"
   rc_rest=$?
   [ "$rc_gpu" = 0 ] && [ "$rc_rest" = 0 ] && echo "=== suite passed at kernel tree $KTREE" | tee -a "$LOG"
   SUITE_DONE=1
@@ -96,7 +96,7 @@ hast kernels-gemv && step kernels-gemv 120 python3 -m pytest -q -p no:cacheprovi
 has probe && step probe 240 python3 scripts/overlap_probe.py --sweep
 has probe-fp8 && step probe-fp8 120 python3 scripts/overlap_probe.py --sweep --kv-dtypes float8_e4m3fn --rows 384 --contexts 1500
 # (the SmolLM2 tests need the bundled GGUF, which the device machine does not have)
-hast tests-fp8 && step tests-fp8 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_kv.py tests/test_kernels.py \
+hast tests-fp8 && step tests-fp8 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_fp8_kv_*.py tests/test_kernels.py \
   -k "fp8 and not smollm"
 has bs64 && one bs64 64 128 128 90
 has bs64-torch && one bs64-torch 64 128 128 90 "${TORCH[@]}"

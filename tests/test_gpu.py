@@ -50,274 +50,38 @@ Triton path: same kernels, same arguments; identical tokens on the torch path), 
 scheduling (the CUDA default) with the plain loop (bit-identical). The figures are printed
 (pytest -s) for docs/performance.md.
 
+The run helpers are in tests/gpu_util.py, the comparisons and bounds in tests/gpu_compare.py;
+the tests stay in one module because they share its per-shape engine and HF references (module
+fixtures: building the full 8B model and HF's runs once per shape is most of the run time).
+
 Skips cleanly without CUDA.
 """
 from __future__ import annotations
 
-import dataclasses
-import gc
-import inspect
 import json
-import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_compare import bit_identical, check_bf16, check_fp32, compare
+from gpu_util import (
+    DEVICE,
+    NUM_PROMPTS,
+    Run,
+    build_hf,
+    engine_greedy,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+    release,
+    sliced_config,
+)
 
-from conftest import collect, drain
-from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
-from ketch.sampling.params import SamplingParams
-from ketch.weights.dummy_loader import DummyWeights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-LLAMA_8B = Path(__file__).resolve().parents[1] / "configs" / "llama-3.1-8b" / "config.json"
-DEVICE = "cuda"
-NUM_PROMPTS = 16
-NEW_TOKENS = 32
-
-
-# fp32 (fixed: its noise is ~1e-5): max |Δlogit| on a shared context over the largest |logit| of
-# that step; the reference's top-two gap at a divergence; the fraction of prompts identical
-FP32_LOGIT_REL, FP32_NEAR_TIE, FP32_MIN_IDENTICAL = 1e-3, 1e-3, 0.9
-# bf16 (module docstring): ketch's logit error at most this times HF bf16's, measured in the same run
-BF16_VS_HF = 1.1
-# bf16 (N): a divergence within this many standard deviations of HF bf16's noise on a logit difference
-NOISE_Z = 5.0
-
-
-@dataclasses.dataclass
-class Run:
-    """One side of a comparison: per prompt, the greedy tokens and each step's fp32 logits."""
-
-    tokens: list[list[int]]
-    logits: list[list[torch.Tensor]]  # [prompt][step] -> [vocab] fp32
-
-
-def sliced_config(tmp_path: Path, layers: int) -> str:
-    d = json.loads(LLAMA_8B.read_text())
-    d["num_hidden_layers"] = layers
-    path = tmp_path / f"llama-3.1-8b-{layers}l.json"
-    path.write_text(json.dumps(d))
-    return str(path)
-
-
-def make_engine(config_path: str, dtype: str, **kw) -> Engine:
-    kw.setdefault("kv_cache_memory", 2 << 30)
-    kw.setdefault("cuda_graph_max_bs", NUM_PROMPTS)  # captures 1, 2, 4, 8, 16: all this test decodes
-    return Engine(EngineConfig(model=config_path, load_format="dummy", dtype=dtype, device=DEVICE,
-                               max_model_len=1024, seed=0, **kw))
-
-
-def make_prompts(vocab: int) -> list[list[int]]:
-    """Random prompts; every other one starts with a shared 40-token prefix (2 full pages of 16),
-    so a second pass over them hits the prefix cache."""
-    rng = random.Random(1234)
-    shared = [rng.randrange(vocab) for _ in range(40)]
-    prompts = []
-    for i in range(NUM_PROMPTS):
-        own = [rng.randrange(vocab) for _ in range(rng.randint(8, 56))]
-        prompts.append(shared + own if i % 2 else own)
-    return prompts
-
-
-class _LogitTap:
-    """Records the fp32 logits the runner returns, per request, step by step."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.runner = engine.runner
-        self.forward = engine.runner.forward
-        self.rows: dict[str, list[torch.Tensor]] = {}
-
-    def __enter__(self) -> _LogitTap:
-        def tapped(chunks):
-            logits = self.forward(chunks)
-            for row, c in enumerate(c for c in chunks if c.samples):
-                self.rows.setdefault(c.req.rid, []).append(logits[row].clone())
-            return logits
-
-        self.runner.forward = tapped
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.runner.forward  # the class's method again
-
-
-def engine_greedy(engine: Engine, prompts: list[list[int]], batched: bool, tag: str) -> Run:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    groups = [range(len(prompts))] if batched else [[i] for i in range(len(prompts))]
-    outs = []
-    with _LogitTap(engine) as tap:
-        for group in groups:
-            for i in group:
-                engine.add_request(f"{tag}-{i}", prompts[i], params)
-            outs += drain(engine)
-    res = collect(outs)
-    return Run([res[(f"{tag}-{i}", 0)]["ids"] for i in range(len(prompts))],
-               [tap.rows[f"{tag}-{i}"] for i in range(len(prompts))])
-
-
-def build_hf(config_path: str, engine: Engine, device: str, dtype: torch.dtype | None = None):
-    """HF LlamaForCausalLM of the same config holding the same dummy tensors (same seed and device),
-    in the engine's dtype or in `dtype` (the engine's tensors cast exactly, e.g. bf16 → fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**json.loads(Path(config_path).read_text()))
-    dtype = dtype or engine.runner.dtype
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            hf = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(saved)
-    weights = DummyWeights(engine.model_config, engine.runner.dtype, seed=engine.config.seed, device=device)
-    hf.load_state_dict({name: t.to(dtype) for name, t in weights}, strict=True)
-    ours = engine.runner.model
-    assert torch.equal(hf.model.embed_tokens.weight.to(ours.embed_tokens.weight.dtype), ours.embed_tokens.weight)
-    assert torch.equal(hf.lm_head.weight.to(ours.lm_head.weight.dtype), ours.lm_head.weight)
-    q = hf.model.layers[0].self_attn.q_proj.weight
-    assert torch.equal(q.to(ours.embed_tokens.weight.dtype), ours.layers[0].self_attn.qkv_proj.weight[: q.shape[0]])
-    return hf.eval()
-
-
-@torch.inference_mode()
-def hf_greedy(hf, prompts: list[list[int]], device: str) -> Run:
-    from transformers import DynamicCache
-
-    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-    tokens, logits = [], []
-    for prompt in prompts:
-        cache = DynamicCache()
-        ids = torch.tensor([prompt], device=device)
-        toks: list[int] = []
-        steps: list[torch.Tensor] = []
-        for _ in range(NEW_TOKENS):
-            out = hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-            row = out.logits[0, -1].float()
-            steps.append(row)
-            toks.append(int(row.argmax()))
-            ids = torch.tensor([[toks[-1]]], device=device)
-        tokens.append(toks)
-        logits.append(steps)
-    return Run(tokens, logits)
-
-
-@dataclasses.dataclass
-class Comparison:
-    identical: int
-    max_abs_diff: float  # over all teacher-forced steps of all prompts
-    max_rel_diff: float  # the same over the largest |logit| of that step
-    first_step_max_abs_diff: float
-    divergences: list[tuple[int, int, float]]  # (prompt, step, reference top-two gap)
-
-    def line(self, name: str) -> str:
-        gaps = ", ".join(f"p{p}@{s}:{g:.3g}" for p, s, g in self.divergences) or "none"
-        return (f"{name}: identical {self.identical}/{NUM_PROMPTS}; max |Δlogit| first step "
-                f"{self.first_step_max_abs_diff:.3g}, all shared steps {self.max_abs_diff:.3g} "
-                f"({self.max_rel_diff:.2%} of max |logit|); divergences (prompt@step: ref gap) {gaps}")
-
-
-def compare(ref: Run, other: Run) -> Comparison:
-    identical, max_abs, max_rel, first = 0, 0.0, 0.0, 0.0
-    divergences = []
-    for p, (rt, ot) in enumerate(zip(ref.tokens, other.tokens, strict=True)):
-        assert len(rt) == len(ot) == NEW_TOKENS
-        diverge = next((s for s, (a, b) in enumerate(zip(rt, ot, strict=True)) if a != b), None)
-        identical += diverge is None
-        shared = NEW_TOKENS if diverge is None else diverge + 1  # logits at the divergence share context too
-        for s in range(shared):
-            r, o = ref.logits[p][s], other.logits[p][s]
-            d = float((r - o).abs().max())
-            max_abs, max_rel = max(max_abs, d), max(max_rel, d / float(r.abs().max()))
-            if s == 0:
-                first = max(first, d)
-        if diverge is not None:
-            r = ref.logits[p][diverge]
-            divergences.append((p, diverge, float(r[rt[diverge]] - r[ot[diverge]])))
-    return Comparison(identical, max_abs, max_rel, first, divergences)
-
-
-def check_fp32(cmp: Comparison, name: str) -> None:
-    print("\n[float32] " + cmp.line(name))
-    assert cmp.max_rel_diff <= FP32_LOGIT_REL, cmp.line(name)
-    assert all(gap <= FP32_NEAR_TIE for _, _, gap in cmp.divergences), cmp.line(name)
-    assert cmp.identical >= FP32_MIN_IDENTICAL * NUM_PROMPTS, cmp.line(name)
-
-
-def bit_identical(a: Run, b: Run) -> bool:
-    return a.tokens == b.tokens and all(
-        len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))
-        for x, y in zip(a.logits, b.logits, strict=True))
-
-
-def _tokens_before_divergence(ref: Run, other: Run) -> list[int]:
-    return [next((s for s, (a, b) in enumerate(zip(rt, ot, strict=True)) if a != b), NEW_TOKENS)
-            for rt, ot in zip(ref.tokens, other.tokens, strict=True)]
-
-
-def _agreed(ref: Run, other: Run) -> list[int]:
-    """Per prompt, the steps whose logits share their context: up to and including the first divergence."""
-    return [min(n + 1, NEW_TOKENS) for n in _tokens_before_divergence(ref, other)]
-
-
-def _rel_error(ref: Run, other: Run, horizon: list[int]) -> float:
-    """max |Δlogit| / max |logit| over each prompt's first horizon[p] steps."""
-    return max(float((ref.logits[p][s] - other.logits[p][s]).abs().max() / ref.logits[p][s].abs().max())
-               for p in range(len(horizon)) for s in range(horizon[p]))
-
-
-def bf16_ulp(x: float) -> float:
-    """The spacing of bf16 numbers (8 significant bits) at |x|: 2^(floor(log2 |x|) - 7)."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 0.0
-
-
-def check_bf16(run: Run, name: str, refs: dict[torch.dtype, Run]) -> None:
-    """Hold a bf16 run of ketch to HF transformers' bf16, both against HF fp32 on the same weights
-    (the bounds and clauses H, T, N are defined in the module docstring)."""
-    fp32, hf16 = refs[torch.float32], refs[torch.bfloat16]
-    ours_at, hf_at = _tokens_before_divergence(fp32, run), _tokens_before_divergence(fp32, hf16)
-    horizon = [min(a, b) for a, b in zip(_agreed(fp32, run), _agreed(fp32, hf16), strict=True)]
-    mine, theirs = _rel_error(fp32, run, horizon), _rel_error(fp32, hf16, horizon)
-    notes, unexplained, only_noise = [], [], 0
-    for p, s in enumerate(ours_at):
-        if s == NEW_TOKENS:
-            continue
-        ref = fp32.logits[p][s]
-        a, b = fp32.tokens[p][s], run.tokens[p][s]
-        gap = float(ref[a] - ref[b])
-        if hf_at[p] <= s:
-            why = "H"
-        elif gap <= bf16_ulp(float(ref[a])):
-            why = "T"
-        else:  # HF bf16 still shares the context at step s: its error there is its noise on this context
-            sigma = float((hf16.logits[p][s] - ref).pow(2).mean().sqrt())
-            bound = NOISE_Z * math.sqrt(2.0) * sigma
-            why = f"N<={bound:.3g}" if gap <= bound else f"UNEXPLAINED>{bound:.3g}"
-            only_noise += gap <= bound
-            if gap > bound:
-                unexplained.append((p, s, gap))
-        notes.append(f"p{p}@{s}:{gap:.3g}({why})")
-    identical = sum(n == NEW_TOKENS for n in ours_at)
-    line = (f"{name} vs HF fp32: identical {identical}/{NUM_PROMPTS} (HF bf16 "
-            f"{sum(n == NEW_TOKENS for n in hf_at)}/{NUM_PROMPTS}); mean tokens before the first "
-            f"divergence {sum(ours_at) / NUM_PROMPTS:.1f} (HF bf16 {sum(hf_at) / NUM_PROMPTS:.1f}); "
-            f"max |Δlogit| / max |logit| on steps all three share: {mine:.2%}, HF bf16 {theirs:.2%}, "
-            f"ratio {mine / theirs:.3f} (bound {BF16_VS_HF}); divergences (prompt@step:fp32 gap(clause)) "
-            f"{', '.join(notes) or 'none'}; needed (N): {only_noise} of {len(notes)}")
-    print("\n[bfloat16] " + line)
-    assert mine <= BF16_VS_HF * theirs, line
-    assert not unexplained, line
-
-
 SHAPES = [(4, "float32"), (4, "bfloat16"), (32, "bfloat16"), (32, "float32")]
-
-
-def release() -> None:
-    gc.collect()  # engines hold reference cycles (graph runners, patched methods): free them now
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=["4-layer-fp32", "4-layer-bf16", "full-8B-bf16", "full-8B-fp32"])

@@ -23,7 +23,7 @@ from ketch.attention.registry import create_attention_backend
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
 from ketch.cache.kv_pool import KVPool
-from ketch.kernels.activation import silu_and_mul, silu_and_mul_ref
+from ketch.kernels.activation import silu_and_mul
 from ketch.kernels.decode_attention import (
     decode_attention,
     decode_attention_ref,
@@ -32,8 +32,9 @@ from ketch.kernels.decode_attention import (
 from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
 from ketch.kernels.kv_store import store_kv, store_kv_ref
 from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from ketch.kernels.rotary import rotary, rotary_ref
-from ketch.layers.rotary import RotaryEmbedding
+from ketch.kernels.rotary import rotary
+from ketch.layers.activation import silu_and_mul as silu_and_mul_ref  # the layer's torch code is the reference
+from ketch.layers.rotary import RotaryEmbedding, apply_rotary
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -43,6 +44,13 @@ H, KVH, D = 6, 2, 64  # GQA: 3 q heads per kv head
 
 def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The layer's apply_rotary, with the kernel's one cos/sin row per token (a kernel does not
+    import layers/, so its reference is wired up here)."""
+    tokens, _, head_dim = x.shape
+    return apply_rotary(x, cos.reshape(tokens, 1, head_dim), sin.reshape(tokens, 1, head_dim))
 
 
 def page_tables(lens: list[int], page_size: int, num_pages: int, gen: torch.Generator) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ketch.kv_dtype import to_kv_dtype  # shared with the Triton store kernel (ketch/kernels/kv_store.py)
+
 
 class KVPool:
     def __init__(
@@ -70,18 +72,6 @@ class KVPool:
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
 
-FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """fp8 as uint8 (the same bytes): torch has no fp8 index_copy_ on the CPU. Wider dtypes as they are."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
-def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as the pool stores it: unchanged in its own dtype; e4m3 (scale 1.0) clamped first."""
-    if x.dtype == dtype:
-        return x
-    if dtype == torch.float8_e4m3fn:
-        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return x.to(dtype)

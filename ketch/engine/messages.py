@@ -4,25 +4,76 @@
     API ◀──(EngineReady | EngineError | TokenOutputs | RequestError | Pong | Heartbeat)── engine
 
 Each message is a tagged msgspec Struct, so one Union decodes any of them and the tag says which.
-SamplingParams is a dataclass whose __post_init__ normalises and validates; it travels as a map
-of its fields and is rebuilt (and so re-validated) on the engine side.
+SamplingParams is a dataclass whose __post_init__ normalises and validates; it travels as a
+WireSamplingParams (its fields, typed: the decoder checks the types) and is rebuilt (and so its
+values re-validated) on the engine side.
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import re
 
 import msgspec
 
 from ketch.engine.outputs import EngineOutput, EngineStats
+from ketch.sampling.grammar.spec import GrammarSpec
+from ketch.sampling.params import SamplingParams
 
 
 # ---------------------------------------------------------------- API → engine
+class WireGrammar(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: str
+    source: str
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """SamplingParams' fields with the types they have after its __post_init__ (stop and
+    stop_token_ids are lists, the grammar a plain struct). The field list is SamplingParams':
+    tests/test_messages.py fails when the two differ. No defaults: a sender sends every field.
+
+    A struct only checks types; the values are checked by SamplingParams, rebuilt by `to_params`
+    inside the engine's error handling, so a bad value answers its request, not the process."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int | None
+    logit_bias: dict[int, float] | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    max_tokens: int
+    min_tokens: int
+    logprobs: bool
+    top_logprobs: int
+    skip_special_tokens: bool
+    grammar: WireGrammar | None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> "WireSamplingParams":
+        # iterate the dataclass's fields, not ours: a field the wire lacks is a TypeError at once
+        values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+        grammar = params.grammar
+        values["grammar"] = None if grammar is None else WireGrammar(grammar.kind, grammar.source)
+        return cls(**values)
+
+    def to_params(self) -> SamplingParams:
+        """The SamplingParams again; raises ValueError naming the field for a value it refuses."""
+        values = msgspec.structs.asdict(self)
+        grammar = self.grammar
+        values["grammar"] = None if grammar is None else GrammarSpec(grammar.kind, grammar.source)
+        return SamplingParams(**values)
+
+
 class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     prompt_ids: list[int]
-    # the SamplingParams dataclass goes out as a map of its fields; the engine rebuilds it inside
-    # its error handling, so a value that fails validation answers that request, not the process
-    params: dict[str, Any]
+    params: WireSamplingParams
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
@@ -115,7 +166,33 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode_to_engine(data: bytes) -> ToEngine:
+    """Raises msgspec.ValidationError for a field of the wrong type (see `undecodable_request`)."""
     return _to_engine.decode(data)
+
+
+_ERROR_PATH = re.compile(r"^(?P<what>.*) - at (?:`key` in )?`\$\.(?:params\.)?(?P<field>[A-Za-z_]+)[^`]*`$")
+
+
+def undecodable_request(data: bytes, error: msgspec.ValidationError) -> RequestError | None:
+    """The RequestError that answers a GenerateRequest whose fields failed the typed decode, so a
+    sender's bad value ends its own request and not the engine; None when the message does not
+    name a request (then it is a protocol error, and the caller treats it as fatal)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict) or raw.get("type") != "GenerateRequest":
+        return None
+    request_id = raw.get("request_id")
+    if not isinstance(request_id, str):
+        return None
+    # msgspec says "Expected `int`, got `str` - at `$.params.top_k`"; our messages start with the field
+    text = str(error)
+    match = _ERROR_PATH.match(text)
+    if match is not None:
+        what = match.group("what")
+        text = f"{match.group('field')}: {what[:1].lower()}{what[1:]}"
+    return RequestError(request_id, text)
 
 
 def decode_from_engine(data: bytes) -> FromEngine:

@@ -4,8 +4,9 @@
 
 When requests are running the loop drains its input without blocking and steps; when idle it
 blocks on the input socket (with a timeout, to notice a parent that died without a word). Aborts
-and new requests are applied between steps only. A bad request (ValueError from add_request) is
-answered with a RequestError for its id; anything else that escapes is fatal: EngineError, exit 1.
+and new requests are applied between steps only. A bad request (a field of the wrong type for the
+typed decode, or a ValueError from SamplingParams / add_request) is answered with a RequestError
+for its id; anything else that escapes is fatal: EngineError, exit 1.
 
 A thread of its own sends a Heartbeat every HEARTBEAT_S with the number of steps run so far, so
 the API process's watchdog can tell a live engine from a frozen process (no beats) or a step
@@ -21,11 +22,11 @@ import threading
 import traceback
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from ketch.config import EngineConfig
 from ketch.engine import messages as m
-from ketch.sampling.params import SamplingParams
 
 _IDLE_POLL_MS = 1000  # idle: wake this often to check that the parent is still alive
 
@@ -116,7 +117,14 @@ def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progre
                 data = inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            msg = m.decode_to_engine(data)
+            try:
+                msg = m.decode_to_engine(data)
+            except msgspec.ValidationError as e:
+                reply = m.undecodable_request(data, e)
+                if reply is None:  # not a request we can answer: the two processes disagree
+                    raise
+                replies.append(reply)
+                continue
             if isinstance(msg, m.Shutdown):
                 return
             reply = _handle(engine, msg)
@@ -135,7 +143,7 @@ def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progre
 def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:
     if isinstance(msg, m.GenerateRequest):
         try:
-            engine.add_request(msg.request_id, msg.prompt_ids, SamplingParams(**msg.params))
+            engine.add_request(msg.request_id, msg.prompt_ids, msg.params.to_params())
         except ValueError as e:
             return m.RequestError(msg.request_id, str(e))
     elif isinstance(msg, m.AbortRequest):

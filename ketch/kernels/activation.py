@@ -1,6 +1,7 @@
 """SiLU-and-mul over the fused [gate | up] projection (ketch/layers/activation.py):
 out = silu(gate) * up, with silu rounded to the activation dtype before the product, as
-torch's two bf16 ops do.
+torch's two bf16 ops do. The reference is the layer's own torch function (tests/test_kernels.py
+takes it from there: a kernel does not import layers/).
 
     grid: (rows, ceil(inter / BLOCK))
 """
@@ -11,7 +12,6 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
-from ketch.layers.activation import silu_and_mul as _torch_silu_and_mul
 
 
 @triton.jit
@@ -47,7 +47,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             **pdl_launch(),
         )
     return out.view(*gate_up.shape[:-1], inter)
-
-
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    return _torch_silu_and_mul(gate_up)

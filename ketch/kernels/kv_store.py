@@ -5,7 +5,8 @@ per step by the attention backend). A negative slot means "padding, write nothin
 CUDA-graph runner can pad a batch without a scratch page.
 
 An fp8 e4m3 pool (EngineConfig.kv_cache_dtype) stores with scale 1.0: each value is clamped
-to [-448, 448] in fp32 and cast (round to nearest even), exactly as KVPool.store does in torch.
+to [-448, 448] in fp32 and cast (round to nearest even), exactly as KVPool.store does in torch
+(the bound, and the torch conversion store_kv_ref and the pool share, are in ketch/kv_dtype.py).
 A pool of K/V's own dtype compiles without the clamp and stores the loaded bits unchanged.
 """
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.cache.kv_pool import FP8_E4M3_MAX, to_kv_dtype
 from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
+from ketch.kv_dtype import FP8_E4M3_MAX, to_kv_dtype
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 

@@ -4,7 +4,8 @@ rows (sin = [-sin | sin]), rotate-half (NeoX) pairing, so
     out[d] = x[d] * cos[d] + x[(d + D/2) % D] * sin[d]
 
 Each product is rounded to the activation dtype before the sum, as torch's bf16 ops do, so the
-result matches `apply_rotary` bit for bit up to fp32 fused multiply-add differences.
+result matches `apply_rotary` bit for bit up to fp32 fused multiply-add differences (the layer's
+function is the reference; tests/test_kernels.py takes it from there: a kernel does not import layers/).
 
     grid: (tokens,)  one program = every head of one token (q and k heads of a fused q|k
     tensor in one launch), sharing that token's cos/sin row.
@@ -16,7 +17,6 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
-from ketch.layers.rotary import apply_rotary
 
 
 @triton.jit
@@ -65,8 +65,3 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.
             num_warps=4 if heads * head_dim >= 2048 else 2, **pdl_launch(),
         )
     return out
-
-
-def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    tokens, _, head_dim = x.shape
-    return apply_rotary(x, cos.reshape(tokens, 1, head_dim), sin.reshape(tokens, 1, head_dim))

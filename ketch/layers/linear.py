@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ketch.weights.gguf_q4 import BLOCK, Q4Weight
+from ketch.layers.q4 import BLOCK, Q4Weight
 
 INT4_MAX_TOKENS = 8  # crossover measured on a 2-core Sapphire Rapids (docs/performance.md)
 

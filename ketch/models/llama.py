@@ -19,8 +19,8 @@ from ketch.config import ModelConfig
 from ketch.layers.linear import Linear, concat_q4
 from ketch.layers.norm import RMSNorm
 from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.q4 import Q4Weight
 from ketch.layers.rotary import RotaryEmbedding
-from ketch.weights.gguf_q4 import Q4Weight
 
 
 class LlamaAttention(nn.Module):

@@ -154,7 +154,7 @@ class EngineClient:
     @staticmethod
     def encode_request(request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes:
         """The wire form of a request (made before any admission slot is taken: it may raise)."""
-        return m.encode(m.GenerateRequest(request_id, prompt_ids, params))
+        return m.encode(m.GenerateRequest(request_id, prompt_ids, m.WireSamplingParams.from_params(params)))
 
     def add(self, request_id: str, message: bytes, queue: asyncio.Queue[Item]) -> None:
         """Send an encoded request; its outputs go to `queue`."""

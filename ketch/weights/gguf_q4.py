@@ -1,4 +1,5 @@
-"""4-bit GGUF blocks (Q4_0, Q4_1) kept as 4-bit, for the CPU small-batch matmul kernel.
+"""4-bit GGUF blocks (Q4_0, Q4_1) kept as 4-bit (ketch.layers.q4.Q4Weight), for the CPU small-batch
+matmul kernel.
 
 A block holds 32 weights of one row: an fp16 scale d (Q4_1 also an fp16 min m) and 16 bytes
 of nibbles (low nibbles are elements 0..15, high nibbles 16..31). Both map exactly onto the
@@ -9,27 +10,14 @@ of nibbles (low nibbles are elements 0..15, high nibbles 16..31). Both map exact
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from ketch.config import ModelConfig
+from ketch.layers.q4 import BLOCK, Q4Weight  # the matrix type: a layer's, this file only fills it
 from ketch.weights.gguf_loader import GGUFWeights, hf_name, unpermute_rotary
-
-BLOCK = 32
-
-
-@dataclass(frozen=True)
-class Q4Weight:
-    q: torch.Tensor  # int32 [out, in], values 0..15
-    scale: torch.Tensor  # float32 [out, in / 32]
-    zero: torch.Tensor  # float32 [out, in / 32]
-
-    def dequantize(self) -> torch.Tensor:
-        expand = lambda t: t.repeat_interleave(BLOCK, dim=1)  # noqa: E731
-        return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
 
 
 def decode_q4(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols: int) -> Q4Weight:

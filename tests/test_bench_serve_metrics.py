@@ -1,0 +1,41 @@
+"""`ketch bench serve`: the metric math (throughputs, latency percentiles, TPOT, ITL) on hand-made timings."""
+from __future__ import annotations
+
+import pytest
+
+from ketch.bench.serve_metrics import RequestResult, compute_metrics
+
+
+def test_metrics_on_hand_made_timings():
+    a = RequestResult(success=True, prompt_len=100, output_len=10, ttft=0.1, latency=1.0, itl=[0.1] * 9)
+    b = RequestResult(success=True, prompt_len=50, output_len=5, ttft=0.3, latency=2.0, itl=[0.2, 0.4, 0.5, 0.6])
+    failed = RequestResult(success=False, prompt_len=70, error="HTTP 500")
+    m = compute_metrics([a, b, failed], duration_s=4.0)
+    assert (m.completed, m.failed, m.total_input, m.total_output) == (2, 1, 150, 15)
+    assert m.request_throughput == pytest.approx(0.5)
+    assert m.input_throughput == pytest.approx(37.5)
+    assert m.output_throughput == pytest.approx(3.75)
+    assert m.total_throughput == pytest.approx(41.25)
+    assert m.concurrency == pytest.approx(0.75)  # (1 s + 2 s) of latency over 4 s
+    assert m.mean_e2e_ms == pytest.approx(1500) and m.median_e2e_ms == pytest.approx(1500)
+    assert m.p99_e2e_ms == pytest.approx(1000 + 0.99 * 1000)  # linear between the two ranks
+    assert m.mean_ttft_ms == pytest.approx(200) and m.p99_ttft_ms == pytest.approx(100 + 0.99 * 200)
+    # TPOT: a = 0.9 s / 9 = 100 ms, b = 1.7 s / 4 = 425 ms
+    assert m.mean_tpot_ms == pytest.approx(262.5) and m.median_tpot_ms == pytest.approx(262.5)
+    assert m.p99_tpot_ms == pytest.approx(100 + 0.99 * 325)
+    # ITL pools the 13 gaps: nine 100s, then 200, 400, 500, 600
+    assert m.mean_itl_ms == pytest.approx((900 + 1700) / 13)
+    assert m.median_itl_ms == pytest.approx(100)
+    assert m.max_itl_ms == pytest.approx(600)
+    assert m.p95_itl_ms == pytest.approx(500 + 0.4 * 100)  # rank 0.95 * 12 = 11.4
+    assert m.p99_itl_ms == pytest.approx(500 + 0.88 * 100)  # rank 11.88
+
+
+def test_metrics_single_token_outputs_have_no_tpot_and_empty_runs_are_zero():
+    one = RequestResult(success=True, prompt_len=3, output_len=1, ttft=0.2, latency=0.2)
+    m = compute_metrics([one], duration_s=1.0)
+    assert m.mean_tpot_ms == 0.0 and m.mean_itl_ms == 0.0 and m.mean_ttft_ms == pytest.approx(200)
+    none = compute_metrics([RequestResult(error="x")], duration_s=1.0)
+    assert none.completed == 0 and none.failed == 1 and none.concurrency == 0.0 and none.p99_e2e_ms == 0.0
+    with pytest.raises(ValueError, match="duration_s"):
+        compute_metrics([one], duration_s=0.0)
