@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from test_kernels import page_tables
 
-from ketch.attention.base import SeqChunk
+from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
 from ketch.cache.kv_pool import KVPool
@@ -175,7 +175,8 @@ def test_triton_and_torch_backends_agree_over_fp8_pools() -> None:
         [SeqChunk(29, 1, perm[9:14]), SeqChunk(11, 1, perm[14:16])],
     ]
     for seqs in steps:
-        ref_meta, tri_meta = ref.init_metadata(seqs), tri.init_metadata(seqs)
+        batch = ForwardBatch.build(seqs, page_size)
+        ref_meta, tri_meta = ref.init_metadata(batch), tri.init_metadata(batch)
         tokens = sum(s.num_new for s in seqs)
         for layer in range(layers):
             q = (torch.randn(tokens, H, D, generator=gen) * 0.1).to(DEVICE)

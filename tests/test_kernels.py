@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ketch.attention.base import SeqChunk
+from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.registry import create_attention_backend
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
@@ -254,7 +254,8 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
         [SeqChunk(start=29, num_new=1, page_table=perm[9:14]), SeqChunk(start=11, num_new=1, page_table=perm[14:16])],
     ]
     for seqs in steps:
-        ref_meta, tri_meta = ref.init_metadata(seqs), tri.init_metadata(seqs)
+        batch = ForwardBatch.build(seqs, page_size)
+        ref_meta, tri_meta = ref.init_metadata(batch), tri.init_metadata(batch)
         for layer, (q, k, v) in enumerate(step_inputs(seqs, layers, dtype, gen)):
             close(tri.forward(q, k, v, layer, tri_meta), ref.forward(q, k, v, layer, ref_meta), dtype)
     for layer in range(layers):
@@ -266,9 +267,9 @@ def test_triton_backend_rejects_bad_batches(monkeypatch: pytest.MonkeyPatch) -> 
     backend = create_attention_backend("triton", pool, H, D, DEVICE)
     assert isinstance(backend, TritonAttentionBackend)
     with pytest.raises(ValueError, match="seqs"):
-        backend.init_metadata([SeqChunk(0, 3, [0]), SeqChunk(4, 1, [1, 2])])
+        backend.init_metadata(ForwardBatch.build([SeqChunk(0, 3, [0]), SeqChunk(4, 1, [1, 2])], 4))
     with pytest.raises(ValueError, match="page_table"):
-        backend.init_metadata([SeqChunk(4, 1, [1])])
+        backend.init_metadata(ForwardBatch.build([SeqChunk(4, 1, [1])], 4))
     with pytest.raises(ValueError, match="attention_backend"):
         create_attention_backend("flash", pool, H, D, DEVICE)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels cannot take CPU tensors

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ketch.attention.base import AttentionBackend, SeqChunk
+from ketch.attention.base import AttentionBackend
 from ketch.cache.kv_pool import KVPool
+from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 
 
@@ -48,39 +49,31 @@ class TorchAttentionBackend(AttentionBackend):
         self.scale = head_dim**-0.5
         self.device = device
 
-    def init_metadata(self, seqs: list[SeqChunk]) -> TorchAttentionMetadata:
-        ps = self.page_size
-        slots: list[int] = []
-        for s in seqs:
-            table = s.page_table
-            slots.extend(table[p // ps] * ps + p % ps for p in range(s.start, s.kv_len))
-        decodes = [s for s in seqs if s.num_new == 1]
-        num_decode = len(decodes)
-        assert all(s.num_new == 1 for s in seqs[:num_decode]), "decode-like chunks must come first"
+    def init_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
+        ps, nd = self.page_size, batch.num_decode
+        used = batch.pages_used
         decode_pages = decode_mask = None
-        if decodes:
-            max_pages = max(-(-s.kv_len // ps) for s in decodes)
-            table = [s.page_table[: -(-s.kv_len // ps)] + [0] * (max_pages - -(-s.kv_len // ps)) for s in decodes]
-            decode_pages = to_device(table, self.device, torch.long)
-            lens = to_device([s.kv_len for s in decodes], self.device, torch.long)
-            visible = torch.arange(max_pages * ps, device=self.device)[None, :] < lens[:, None]
+        if nd:
+            width = int(used[:nd].max())
+            decode_pages = to_device(batch.page_table[:nd, :width], self.device, torch.long)  # zeros past a row's pages
+            lens = to_device(batch.kv_lens[:nd], self.device, torch.long)
+            visible = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
             decode_mask = self._additive(visible)[:, None, None, :]
         prefills: list[PrefillMeta] = []
-        lo = num_decode
-        for s in seqs[num_decode:]:
-            hi = lo + s.num_new
-            if s.start == 0:
+        for i in range(nd, batch.num_seqs):
+            lo, start = int(batch.q_starts[i]), int(batch.starts[i])
+            hi = lo + int(batch.num_new[i])
+            if start == 0:
                 prefills.append(PrefillMeta(lo, hi, 0, None, None))
-            else:
-                n_pages = -(-s.kv_len // ps)
-                pages = to_device([s.page_table[:n_pages]], self.device, torch.long)
-                q_pos = torch.arange(s.start, s.kv_len, device=self.device)
-                mask = torch.arange(n_pages * ps, device=self.device)[None, :] <= q_pos[:, None]
-                prefills.append(PrefillMeta(lo, hi, s.start, pages, self._additive(mask)[None, None]))
-            lo = hi
+                continue
+            n_pages = int(used[i])
+            pages = to_device(batch.page_table[i : i + 1, :n_pages], self.device, torch.long)
+            q_pos = torch.arange(start, start + hi - lo, device=self.device)
+            mask = torch.arange(n_pages * ps, device=self.device)[None, :] <= q_pos[:, None]
+            prefills.append(PrefillMeta(lo, hi, start, pages, self._additive(mask)[None, None]))
         return TorchAttentionMetadata(
-            slots=to_device(slots, self.device, torch.long),
-            num_decode=num_decode,
+            slots=to_device(batch.slots, self.device, torch.long),
+            num_decode=nd,
             decode_pages=decode_pages,
             decode_mask=decode_mask,
             prefills=prefills,

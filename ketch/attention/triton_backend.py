@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ketch.attention.base import AttentionBackend, SeqChunk
+from ketch.attention.base import AttentionBackend
 from ketch.cache.kv_pool import KVPool
+from ketch.forward_batch import ForwardBatch
 from ketch.kernels._common import interpreting
 from ketch.kernels.decode_attention import (
     decode_attention,
@@ -93,40 +94,24 @@ class TritonAttentionBackend(AttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
 
-    def init_metadata(self, seqs: list[SeqChunk]) -> TritonAttentionMetadata:
-        ps, b = self.page_size, len(seqs)
-        starts = np.fromiter((s.start for s in seqs), np.int64, b)
-        news = np.fromiter((s.num_new for s in seqs), np.int64, b)
-        num_decode = int(np.count_nonzero(news == 1))
-        if num_decode and not (news[:num_decode] == 1).all():
-            raise ValueError("seqs: decode-like chunks (num_new == 1) must come first")
-        kv_lens = starts + news
-        n_pages = -(-kv_lens // ps)
-        max_pages = max(1, int(n_pages.max(initial=0)))
-        table = np.zeros((b, max_pages), np.int64)
-        for i, s in enumerate(seqs):
-            if len(s.page_table) < n_pages[i]:
-                raise ValueError(f"page_table: {len(s.page_table)} pages cannot hold {kv_lens[i]} tokens")
-            table[i, : n_pages[i]] = s.page_table[: n_pages[i]]
-        q_starts = np.cumsum(news) - news
-        owner = np.repeat(np.arange(b), news)  # sequence of every new token
-        pos = np.arange(owner.size) - q_starts[owner] + starts[owner]
-        slots = table[owner, pos // ps] * ps + pos % ps
-        host = np.concatenate((kv_lens, starts, news, q_starts, slots, table.ravel())).astype(np.int32)
-        buf = to_device(host, self.device)  # the step's only host→device copy (no sync)
+    def init_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        b, t, nd = batch.num_seqs, batch.num_tokens, batch.num_decode
+        kv_lens = batch.kv_lens
+        table = batch.page_table
+        host = np.concatenate((kv_lens, batch.starts, batch.num_new, batch.q_starts, batch.slots, table.ravel()))
+        buf = to_device(host.astype(np.int32), self.device)  # the step's only host→device copy (no sync)
         kv_t, start_t, new_t, qs_t = (buf[i * b : (i + 1) * b] for i in range(4))
-        slots_t = buf[4 * b : 4 * b + owner.size]
-        table_t = buf[4 * b + owner.size :].view(b, max_pages)
+        slots_t = buf[4 * b : 4 * b + t]
+        table_t = buf[4 * b + t :].view(b, table.shape[1])
 
         decode = extend = None
-        if num_decode:
-            splits = self.splits_for(num_decode, int(kv_lens[:num_decode].max()))
-            scratch = decode_scratch(num_decode, self.num_heads, self.head_dim, splits, self.device)
-            decode = DecodeMetadata(table_t[:num_decode], kv_t[:num_decode], splits, scratch)
-        if num_decode < b:
-            nd = num_decode
-            extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(news[nd:].max()))
-        return TritonAttentionMetadata(slots_t, num_decode, decode, extend)
+        if nd:
+            splits = self.splits_for(nd, int(kv_lens[:nd].max()))
+            scratch = decode_scratch(nd, self.num_heads, self.head_dim, splits, self.device)
+            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch)
+        if nd < b:
+            extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(batch.num_new[nd:].max()))
+        return TritonAttentionMetadata(slots_t, nd, decode, extend)
 
     def splits_for(self, batch: int, longest: int) -> int:
         """The decode split count of a batch whose longest sequence has `longest` tokens."""

@@ -22,78 +22,26 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
-
-
-class Node:
-    __slots__ = ("id", "key", "pages", "parent", "children", "lock_ref", "last_access", "start")
-
-    def __init__(self, nid: int, key: tuple[int, ...], pages: list[int],
-                 parent: Node | None, start: int, last_access: int) -> None:
-        self.id = nid
-        self.key = key  # tokens on the edge from parent to this node
-        self.pages = pages  # one page id per page_size tokens of key
-        self.parent = parent
-        self.children: dict[tuple[int, ...], Node] = {}
-        self.lock_ref = 0
-        self.last_access = last_access  # LRU clock tick; parent's is always >= child's
-        self.start = start  # tokens on the path above this edge
-
-    @property
-    def end(self) -> int:
-        """Prefix length (tokens from the root) this node covers."""
-        return self.start + len(self.key)
-
-    def short_key(self) -> str:
-        return " ".join(map(str, self.key[:8])) + (" …" if len(self.key) > 8 else "")
-
-    def __repr__(self) -> str:
-        return (f"Node#{self.id}([{self.short_key()}] tokens {self.start}:{self.end}, "
-                f"pages={self.pages}, lock={self.lock_ref}, t={self.last_access}, "
-                f"children={len(self.children)})")
-
-
-@dataclass(slots=True)
-class MatchResult:
-    pages: list[int]  # tree pages covering tokens[:length]; the caller increfs them if used
-    length: int  # matched tokens, a multiple of page_size
-    node: Node  # deepest node; covers exactly `length` tokens (root when length == 0)
-
-
-@dataclass(slots=True)
-class InsertResult:
-    node: Node  # deepest node, covering exactly all inserted tokens
-    new_pages: int  # caller pages the tree took a reference on
-    prefix_len: int  # leading tokens already present (their caller pages were NOT taken)
-
-
-@dataclass(slots=True)
-class CacheStats:
-    match_queries: int = 0
-    query_tokens: int = 0
-    matched_tokens: int = 0
-    inserted_pages: int = 0
-    evicted_pages: int = 0
-    splits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.matched_tokens / self.query_tokens if self.query_tokens else 0.0
+from ketch.cache.page_hash import CacheEvents, chain_hashes
+from ketch.cache.radix_node import CacheStats, InsertResult, MatchResult, Node
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True,
+                 events: CacheEvents | None = None) -> None:
+        """events: told of every page that enters or leaves the tree, by its chained hash."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
         self.enabled = enabled
+        self.events = events
         self.stats = CacheStats()
         self._ids = itertools.count()
         self._clock = 0
-        self.root = Node(next(self._ids), (), [], None, 0, 0)
+        self.root = Node(next(self._ids), (), [], [], None, 0, 0)
         self._leaves: set[Node] = set()  # non-root nodes without children
         self._cached = 0  # pages in the tree
         self._evictable = 0  # pages in nodes with lock_ref == 0
@@ -163,7 +111,8 @@ class RadixCache:
         if pos < len(t):
             mine = list(pages[pos // ps:])
             self.allocator.incref(mine)  # raises on a free page before the node is linked
-            new = Node(next(self._ids), t[pos:], mine, node, pos, self._clock)
+            hashes = chain_hashes(node.last_hash, t[pos:], ps)
+            new = Node(next(self._ids), t[pos:], mine, hashes, node, pos, self._clock)
             node.children[new.key[:ps]] = new
             self._leaves.discard(node)
             self._leaves.add(new)
@@ -171,6 +120,8 @@ class RadixCache:
             self._evictable += len(mine)  # fresh node: lock_ref 0 even under a locked parent
             new_pages = len(mine)
             self.stats.inserted_pages += new_pages
+            if self.events is not None:
+                self.events.stored(hashes, mine)
             node = new
         self._touch(node)
         return InsertResult(node, new_pages, prefix_len)
@@ -216,16 +167,16 @@ class RadixCache:
             _, _, leaf = heapq.heappop(heap)
             need = num_pages - dropped
             if need < len(leaf.pages):
-                victims = leaf.pages[-need:]
-                del leaf.pages[-need:]
+                victims, gone = leaf.pages[-need:], leaf.hashes[-need:]
+                del leaf.pages[-need:], leaf.hashes[-need:]
                 leaf.key = leaf.key[: len(leaf.pages) * self.page_size]
             else:
-                victims = leaf.pages
+                victims, gone = leaf.pages, leaf.hashes
                 parent = leaf.parent
                 assert parent is not None
                 del parent.children[leaf.key[: self.page_size]]
                 self._leaves.discard(leaf)
-                leaf.parent, leaf.pages = None, []  # detached: lock() on it now raises
+                leaf.parent, leaf.pages, leaf.hashes = None, [], []  # detached: lock() on it now raises
                 if parent is not self.root and not parent.children:
                     self._leaves.add(parent)
                     if parent.lock_ref == 0:
@@ -234,6 +185,8 @@ class RadixCache:
             self._cached -= len(victims)
             self._evictable -= len(victims)
             freed += self.allocator.decref(victims)
+            if self.events is not None:
+                self.events.removed(gone, victims)
         self.stats.evicted_pages += dropped
         return freed
 
@@ -284,11 +237,11 @@ class RadixCache:
         ps = self.page_size
         parent = node.parent
         assert parent is not None and 0 < k < len(node.key) and k % ps == 0
-        upper = Node(next(self._ids), node.key[:k], node.pages[: k // ps], parent,
+        upper = Node(next(self._ids), node.key[:k], node.pages[: k // ps], node.hashes[: k // ps], parent,
                      node.start, node.last_access)
         upper.lock_ref = node.lock_ref  # every lock below passes through upper
         parent.children[upper.key[:ps]] = upper  # same first page: replaces node
-        node.key, node.pages = node.key[k:], node.pages[k // ps:]
+        node.key, node.pages, node.hashes = node.key[k:], node.pages[k // ps:], node.hashes[k // ps:]
         node.start += k
         node.parent = upper
         upper.children[node.key[:ps]] = node
@@ -347,6 +300,7 @@ class RadixCache:
             p = n.parent
             need(p is not None and p.children.get(n.key[:ps]) is n, f"bad child key {n!r}")
             need(len(n.pages) > 0 and len(n.key) == len(n.pages) * ps, f"bad edge {n!r}")
+            need(n.hashes == chain_hashes(p.last_hash, n.key, ps), f"page hashes do not chain from the parent's in {n!r}")
             need(n.start == p.end, f"start {n.start} != parent end {p.end} in {n!r}")
             own = n.lock_ref - sum(c.lock_ref for c in n.children.values())
             need(own >= 0, f"lock_ref below children's sum in {n!r}")

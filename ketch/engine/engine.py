@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
-from ketch.cache.radix import Node, RadixCache
+from ketch.cache.manager import KVCacheManager
+from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
+from ketch.engine.step_batch import forward_batch
 from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
@@ -40,7 +41,7 @@ from ketch.weights import load_model_config
 from ketch.weights.source import tokenizer_source
 
 
-GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compile; new requests wait at most this
+GATE_WAIT_S = 0.01  # an idle step waits this long at a gate (a compile); new requests wait at most this
 
 
 @dataclass
@@ -58,9 +59,8 @@ class Engine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tuple(eos_token_ids)))
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.allocator = PageAllocator(self.runner.pool.num_pages)
-        self.cache = RadixCache(config.page_size, self.allocator, enabled=config.enable_prefix_cache)
-        self.scheduler = Scheduler(config, self.allocator, self.cache)
+        self.kv = KVCacheManager(self.runner.pool, enable_prefix_cache=config.enable_prefix_cache)
+        self.scheduler = Scheduler(config, self.kv)
         tokenizer_path = tokenizer_source(config.model, config.load_format, config.tokenizer)
         self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids, self.runner.device)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
@@ -75,6 +75,14 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.kv.allocator
+
+    @property
+    def cache(self) -> RadixCache:
+        return self.kv.tree
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -97,7 +105,7 @@ class Engine:
             samples.append(req)
         self.requests[request_id] = samples
         if params.grammar is not None:
-            self.grammars.park(samples, params.grammar)  # schedulable once its grammar compiles
+            self.scheduler.park(samples, self.grammars, params.grammar)  # schedulable once it compiles
             return
         for req in samples:
             self.scheduler.add(req)
@@ -106,7 +114,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                         kv_capacity=self.runner.pool.num_pages * self.config.page_size)
+                         kv_capacity=self.kv.capacity_tokens)
         if params.grammar is not None:
             self.grammars.check(params.grammar)
 
@@ -116,16 +124,13 @@ class Engine:
         if index is not None:  # stored in index order: one sample is a lookup, not a scan of n
             samples = samples[index:index + 1] if index >= 0 else []
         for req in samples:
-            pending = req.state is RequestState.PENDING
             if self.scheduler.finish(req, FinishReason.ABORT):
-                if pending:
-                    self.grammars.forget(req)
                 self._aborted.append(self._output(req, [], None))
         if samples:
             self._forget(samples[0])  # once for the group, not once per sample (n × n)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._aborted) or bool(self.grammars.parked)
+        return (self.scheduler.has_work() or bool(self._aborted) or self.scheduler.has_parked()
                 or self._in_flight is not None)
 
     def stats(self) -> EngineStats:
@@ -159,13 +164,9 @@ class Engine:
 
     def _step(self) -> list[EngineOutput]:
         outputs, self._aborted = self._aborted, []
-        for samples, error in self.grammars.release():
-            for req in samples:
-                if error is None:
-                    self.scheduler.add(req)
-                elif self.scheduler.finish(req, FinishReason.ABORT):
-                    outputs.append(self._output(req, [], None, error=str(error)))
-                    self._forget(req)
+        for req, error in self.scheduler.open_gates():
+            outputs.append(self._output(req, [], None, error=str(error)))
+            self._forget(req)
         chunks = self.scheduler.schedule()
         if self._in_flight is not None and any(c.req.needs_history for c in chunks):
             # this step's sampling reads ids still in flight: take them first
@@ -178,13 +179,13 @@ class Engine:
         if launched is not None:
             outputs += self._process(launched)
         elif not chunks and not outputs and self._in_flight is None:
-            self.grammars.wait(GRAMMAR_WAIT_S)  # only compiles are pending: don't spin
+            self.scheduler.wait_at_gates(GATE_WAIT_S)  # only parked requests are left: don't spin
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         """Queue the step's forward and sampling; nothing here waits for the device."""
         sampling = [c.req for c in chunks if c.samples]
-        logits = self.runner.forward(chunks)
+        logits = self.runner.forward(forward_batch(chunks, self.config.page_size))
         self.scheduler.after_forward(chunks)
         if not sampling:
             return None  # prefill chunks only: no token this step
@@ -246,7 +247,9 @@ class Engine:
         if len(req.output_ids) > num_output:
             del req.output_ids[num_output:]
             req.num_unresolved = 0
-            req.num_computed = min(req.num_computed, req.seq_len - 1)
+            extra = req.num_computed - (req.seq_len - 1)  # the dropped token's K/V, if it ran
+            if extra > 0:
+                self.scheduler.rollback(req, extra)
         self.scheduler.finish(req, reason, stop)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
@@ -271,28 +274,16 @@ class Engine:
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:
-        """A shadow count of every page's holders (see cache/README.md, "Ownership"):
-
-            allocator.refcount(page) == (1 if the radix tree stores page)
-                                        + (mentions of page in running requests' page tables)
-
-        A request holds one reference per page-table entry, the pages of its prefix-cache hit
-        included (admission increfs them); its hold on the tree node is a lock, not a reference,
-        so each node's own locks must equal the running requests whose `cache_node` it is.
-        Requests in any other state hold neither. Idle: every page is free or evictable.
-        """
-        refs: Counter[int] = Counter()
-        locks: Counter[Node] = Counter()
+        """Requests in a state other than RUNNING hold no pages; the KV manager's shadow count of
+        every page's holders (running requests' page tables and locks, the tree) holds; /metrics'
+        count agrees; idle, every page is free or evictable."""
+        running = set(self.scheduler.running)  # requests hash by identity
         for req in self.scheduler.running:
             assert req.state is RequestState.RUNNING, f"{req.rid} is {req.state} in the running list"
-            refs.update(req.page_table)
-            locks[req.cache_node] += 1
-        running = set(self.scheduler.running)  # requests hash by identity
         for req in itertools.chain(self.scheduler.waiting, *self.requests.values()):
             if req not in running:
                 assert not req.page_table and req.cache_node is None, f"{req.rid} ({req.state}) holds pages"
-        self.allocator.check_invariants()
-        self.cache.check_invariants(refs, locks)
+        self.kv.check_invariants(self.scheduler.running)
         assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
-        if not self.scheduler.running:  # idle: in_use == 0, i.e. free + evictable == total
-            assert self.allocator.num_free + self.cache.evictable_pages == self.allocator.num_pages
+        if not self.scheduler.running:
+            self.kv.check_idle()

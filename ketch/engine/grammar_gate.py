@@ -1,7 +1,8 @@
-"""Requests whose grammar is still compiling wait here (state PENDING), outside the scheduler.
+"""The grammar gate (scheduler/gate.py): a request whose grammar is still compiling waits here
+(state PENDING, set by the scheduler), outside the scheduler's queues.
 
-    add_request ──(grammar)──▶ park(samples) ──compile done──▶ release() ──▶ scheduler.add
-                                              └─compile failed─▶ release() reports the error
+    scheduler.park(samples, gate, spec) ──compile done──▶ release() ──▶ scheduler.add
+                                         └─compile failed─▶ release() reports the error
 
 Only the request whose grammar compiles waits; others keep running. Specs are checked for
 syntax in `check` (synchronously, cheap) so a bad grammar is a ValueError at add time.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ketch.sampling.grammar.spec import GrammarSpec
-from ketch.scheduler.request import Request, RequestState
+from ketch.scheduler.request import Request
 
 
 @dataclass
@@ -40,8 +41,6 @@ class GrammarGate:
         XGrammarBackend.check(spec)
 
     def park(self, samples: list[Request], spec: GrammarSpec) -> None:
-        for req in samples:
-            req.state = RequestState.PENDING
         # A copy: `forget` removes aborted samples from it, and the caller's list (the engine's
         # record of the request, which it iterates while aborting) must not shrink under it.
         self.parked.append(Parked(list(samples), self._compiler().submit(spec)))
@@ -61,6 +60,9 @@ class GrammarGate:
                     req.grammar = backend.new_matcher(p.compiled.result())
             out.append((p.samples, error))
         return out
+
+    def has_parked(self) -> bool:
+        return bool(self.parked)
 
     def wait(self, timeout: float) -> None:
         """Block until some parked compile ends (or `timeout`): an engine with nothing else to run

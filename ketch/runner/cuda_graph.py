@@ -17,12 +17,13 @@ next replay. Prefill and mixed steps stay eager.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ketch.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from ketch.runner.future_tokens import FutureTokens
-from ketch.scheduler.scheduler import ScheduledChunk
+from ketch.forward_batch import ForwardBatch, StepKind
 from ketch.host_copy import to_device
+from ketch.runner.future_tokens import FutureTokens
 
 
 def bucket(n: int) -> int:
@@ -49,35 +50,30 @@ class DecodeGraphs:
         self.capture = device.type == "cuda"
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
 
-    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
-        if not chunks or len(chunks) > self.max_bs:
-            return False
-        return all(c.num_new == 1 and c.samples for c in chunks) and \
-            max(c.req.num_computed + 1 for c in chunks) <= self.max_pages * self.page_size
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.kind is StepKind.DECODE and batch.num_seqs <= self.max_bs and \
+            int(batch.kv_lens.max()) <= self.max_pages * self.page_size
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] fp32 of a decode-only step."""
-        n = len(chunks)
-        ps = self.page_size
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [batch.num_seqs, vocab] fp32 of a decode-only step."""
+        n = batch.num_seqs
         bs = bucket(n)
-        kv_lens = [c.req.num_computed + 1 for c in chunks]
-        pb = bucket(-(-max(kv_lens) // ps))
-        ids, pos, slots, rows = [], [], [], []
-        for c, kv_len in zip(chunks, kv_lens):
-            req, p = c.req, kv_len - 1
-            ids.append(req.tokens(p, p + 1)[0])
-            pos.append(p)
-            slots.append(req.page_table[p // ps] * ps + p % ps)
-            used = req.page_table[: -(-kv_len // ps)]
-            rows.append(used + [used[0]] * (pb - len(used)))
-        pad = bs - n  # copies of row 0
-        dev = to_device([ids + ids[:1] * pad, pos + pos[:1] * pad, slots + slots[:1] * pad,
-                         kv_lens + kv_lens[:1] * pad], self.device, torch.long)
+        used = batch.pages_used
+        pb = bucket(int(used.max()))
+        rows = np.empty((bs, pb), np.int64)
+        rows[:n, : batch.page_table.shape[1]] = batch.page_table
+        # past its own pages a row repeats its first page (masked out, never written)
+        rows[:n] = np.where(np.arange(pb)[None, :] < used[:, None], rows[:n], rows[:n, :1])
+        rows[n:] = rows[0]  # padded rows are copies of row 0
+        pad = bs - n
+        vectors = np.stack([np.concatenate((v, v[:1].repeat(pad)))
+                            for v in (batch.input_ids, batch.positions, batch.slots, batch.kv_lens)])
+        dev = to_device(vectors, self.device, torch.long)
         self.input_ids[:bs].copy_(dev[0])
         self.positions[:bs].copy_(dev[1])
         self.slots[:bs].copy_(dev[2])
         self.lens[:bs].copy_(dev[3])
-        self.pages[:bs, :pb].copy_(to_device(rows + rows[:1] * pad, self.device, torch.long))
+        self.pages[:bs, :pb].copy_(to_device(rows, self.device, torch.long))
         if not self.capture:
             return self._forward(bs, pb)[:n]
         key = (bs, pb)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ketch.attention.base import SeqChunk
+from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
@@ -126,7 +126,7 @@ def run_largest_step(model: torch.nn.Module, attn: Any, lens: list[int], page_si
     seqs = [SeqChunk(0, n, [0] * -(-n // page_size)) for n in lens]
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     ids = torch.zeros_like(positions)
-    hidden = model(ids, positions, attn, attn.init_metadata(seqs))
+    hidden = model(ids, positions, attn, attn.init_metadata(ForwardBatch.build(seqs, page_size)))
     rows = torch.tensor(lens, device=device).cumsum(0) - 1  # every sequence samples
     return model.compute_logits(hidden.index_select(0, rows))
 

@@ -1,8 +1,8 @@
 """Owns the model, the KV pool and the attention backend; runs one step's forward pass.
 
-The scheduler hands over `ScheduledChunk`s; the runner flattens them into one token stream
-(decode-like chunks first), builds attention metadata once, runs the model and returns the
-fp32 logits of the rows that sample.
+The engine hands over the step's `ForwardBatch` (ketch/forward_batch.py: one token stream,
+decode-like sequences first, slots computed); the runner builds attention metadata once, runs
+the model and returns the fp32 logits of the rows that sample.
 
 Chosen once at init, never per step: the attention backend (`attention_backend`: Triton on
 CUDA, torch on the CPU), the layer kernels (`layer_kernels`, same rule) and the decode CUDA
@@ -21,19 +21,19 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
-from ketch.attention.base import SeqChunk
 from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
+from ketch.forward_batch import ForwardBatch
+from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
 from ketch.models.registry import model_class
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
-from ketch.scheduler.scheduler import ScheduledChunk
-from ketch.host_copy import to_device
 from ketch.weights import detect_format, iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
 from ketch.weights.source import resolve_model_path
@@ -131,26 +131,14 @@ class ModelRunner:
                       self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the step; returns logits [rows that sample, vocab] in fp32, in `chunks` order."""
-        if self.graphs is not None and self.graphs.can_run(chunks):
-            return self.graphs.run(chunks)
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqChunk] = []
-        sample_rows: list[int] = []
-        for c in chunks:
-            req, start = c.req, c.req.num_computed
-            ids.extend(req.tokens(start, start + c.num_new))
-            positions.extend(range(start, start + c.num_new))
-            seqs.append(SeqChunk(start, c.num_new, req.page_table))
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
-        meta = self.attn.init_metadata(seqs)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the step; returns logits [len(batch.sample_rows), vocab] in fp32, in sampling order."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        meta = self.attn.init_metadata(batch)
         # one copy for ids, positions and sampling rows; placeholders (overlap) resolve on the device
-        host = to_device([*ids, *positions, *sample_rows], self.device, torch.long)
-        n = len(ids)
+        host = to_device(np.concatenate((batch.input_ids, batch.positions, batch.sample_rows)), self.device)
+        n = batch.num_tokens
         input_ids = self.future.resolve(host[:n])
         hidden = self.model(input_ids, host[n : 2 * n], self.attn, meta)
-        rows = host[2 * n :]
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.compute_logits(hidden.index_select(0, host[2 * n :]))

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from ketch.attention.triton_backend import DecodeMetadata, TritonAttentionBackend, TritonAttentionMetadata
+from ketch.forward_batch import ForwardBatch, StepKind
 from ketch.runner.cuda_graph import bucket
 from ketch.runner.future_tokens import FutureTokens
-from ketch.scheduler.scheduler import ScheduledChunk
 
 PAD = (0, 0, 0, -1)  # token, position, kv_len, slot of a padded row
 
@@ -71,36 +71,26 @@ class TritonDecodeGraphs:
     def captured_sizes(self) -> list[int]:
         return sorted(self.graphs)
 
-    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
-        return 0 < len(chunks) <= self.max_bs and all(c.num_new == 1 and c.samples for c in chunks)
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.kind is StepKind.DECODE and batch.num_seqs <= self.max_bs
 
     def size_for(self, n: int) -> int:
         return min(bucket(n), self.max_bs)
 
     # ---------------------------------------------------------------- per step
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] fp32 of a decode-only step."""
-        n, ps = len(chunks), self.page_size
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [batch.num_seqs, vocab] fp32 of a decode-only step."""
+        n = batch.num_seqs
         bs = self.size_for(n)
-        ids, pos, slots, rows = [], [], [], []
-        for c in chunks:
-            req = c.req
-            p = req.num_computed
-            ids.append(req.tokens(p, p + 1)[0])
-            pos.append(p)
-            slots.append(req.page_table[p // ps] * ps + p % ps)
-            rows.append(req.page_table[: p // ps + 1])
-        width = max(len(r) for r in rows)
+        width = batch.page_table.shape[1]  # the widest row's pages
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         vec = self.host_np[: 4 * bs].reshape(4, bs)
-        vec[0, :n], vec[1, :n], vec[3, :n] = ids, pos, slots
+        vec[0, :n], vec[1, :n], vec[3, :n] = batch.input_ids, batch.positions, batch.slots
         vec[2, :n] = vec[1, :n] + 1
         vec[:, n:] = np.array(PAD, dtype=np.int32)[:, None]
-        table = self.host_np[4 * bs : 4 * bs + n * width].reshape(n, width)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = r
         used = 4 * bs + n * width
+        self.host_np[4 * bs : used].reshape(n, width)[:] = batch.page_table
         self.stage[:used].copy_(self.host[:used], non_blocking=True)
         if self.copied is not None:
             self.copied.record()

@@ -4,7 +4,8 @@
                         ▲                  │
                         └────preempt───────┘       (abort: from any state to FINISHED)
 
-PENDING: known to the engine but not yet schedulable (its grammar is compiling).
+PENDING: known to the engine but not yet schedulable: parked at a gate (scheduler/gate.py)
+until what it needs is ready (its grammar compiled).
 
 Only `Scheduler` moves `state`; every transition goes through one of its methods, so a
 request ends exactly once and releases its pages exactly once.
@@ -59,6 +60,7 @@ class Request:
     matched_stop: int | str | None = None
     admitted_once: bool = False
     grammar: Any = None  # GrammarMatcher of a constrained sample, set once its grammar compiled
+    gate: Any = None  # the Gate it is parked at while PENDING
     # Its sampling reads the ids generated so far (grammar state, penalties), so a step that
     # samples it must first wait for the tokens still in flight. Fixed by the params: set once
     # here, not recomputed for every row of every step.

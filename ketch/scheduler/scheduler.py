@@ -6,10 +6,8 @@ order), then admits waiting ones while budget, pages and `max_num_seqs` allow. W
 out, the lowest-priority running request (last admitted) is preempted: its computed pages
 go to the prefix cache and it is recomputed later.
 
-Page ownership (see cache/README.md):
-    request.page_table  ── one allocator ref per page, held by the request
-    request.cache_node  ── radix node locked by the request (its cached prefix)
-    radix tree          ── one ref per page in the tree
+Policy only: what a decision means for pages (matching, locking, references, publishing,
+eviction) is the KVCacheManager's (cache/manager.py); a request is its page holder.
 """
 from __future__ import annotations
 
@@ -17,9 +15,9 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from ketch.cache.allocator import PageAllocator
-from ketch.cache.radix import RadixCache
+from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
+from ketch.scheduler.gate import Gate
 from ketch.scheduler.request import FinishReason, Request, RequestState
 
 LPM_WINDOW = 64  # waiting requests looked at when picking by longest prefix match
@@ -49,11 +47,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: PageAllocator, cache: RadixCache) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.allocator = allocator
-        self.cache = cache
+        self.kv = kv
+        self.gates: list[Gate] = []  # where PENDING requests wait (scheduler/gate.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -65,6 +63,42 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- gates
+    def park(self, samples: list[Request], gate: Gate, need: object) -> None:
+        """The samples wait at `gate` until `need` is ready (PENDING), then queue as if just added."""
+        if gate not in self.gates:
+            self.gates.append(gate)
+        for req in samples:
+            req.state = RequestState.PENDING
+            req.gate = gate
+        gate.park(samples, need)
+
+    def open_gates(self) -> list[tuple[Request, Exception]]:
+        """Queue the samples whose wait ended; the ones whose wait failed end (abort) and are
+        returned with the error."""
+        failed: list[tuple[Request, Exception]] = []
+        for gate in self.gates:
+            for samples, error in gate.release():
+                for req in samples:
+                    if req.state is not RequestState.PENDING:
+                        continue  # aborted while parked
+                    req.gate = None
+                    if error is None:
+                        self.add(req)
+                    elif self.finish(req, FinishReason.ABORT):
+                        failed.append((req, error))
+        return failed
+
+    def has_parked(self) -> bool:
+        return any(g.has_parked() for g in self.gates)
+
+    def wait_at_gates(self, timeout: float) -> None:
+        """Nothing else to run: sleep until a parked wait ends (or `timeout`)."""
+        for gate in self.gates:
+            if gate.has_parked():
+                gate.wait(timeout)
+                return
 
     # ---------------------------------------------------------------- one step
     def schedule(self) -> list[ScheduledChunk]:
@@ -92,28 +126,19 @@ class Scheduler:
         for req in self._candidates():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            match = self.cache.match(req.all_ids[:-1])  # never covers the last token: its logits are needed
-            if self._prefix_in_flight(req, match.length):
+            hit = self.kv.match(req.all_ids[:-1])  # never covers the last token: its logits are needed
+            if self._prefix_in_flight(req, hit.length):
                 continue  # another request is computing our next page: wait and hit it in the cache
-            self.cache.lock(match.node)
-            self.allocator.incref(match.pages)
-            n = min(req.seq_len - match.length, chunk, budget)
-            need = self._pages_for(match.length + n) - len(match.pages)
-            if not self._make_room(need):
-                self.cache.unlock(match.node)
-                self.allocator.decref(match.pages)
+            n = min(req.seq_len - hit.length, chunk, budget)
+            if not self.kv.admit(req, hit, hit.length + n):
                 break
             self.waiting.remove(req)
-            req.page_table = match.pages + self.allocator.alloc(need)
-            req.cache_node = match.node
-            req.num_computed = match.length
-            req.num_inserted_pages = match.length // self.page_size
             req.state = RequestState.RUNNING
             if not req.admitted_once:
                 req.admitted_once = True
-                req.num_cached_prompt = match.length
+                req.num_cached_prompt = hit.length
                 self.stats.prompt_tokens += len(req.prompt_ids)
-                self.stats.cached_prompt_tokens += match.length
+                self.stats.cached_prompt_tokens += hit.length
             self.running.append(req)
             out.append(ScheduledChunk(req, n))
             budget -= n
@@ -124,13 +149,13 @@ class Scheduler:
         if self.config.schedule_policy == "fcfs":
             return list(self.waiting)
         window = list(itertools.islice(self.waiting, LPM_WINDOW))
-        return sorted(window, key=lambda r: -self.cache.peek(r.all_ids[:-1]))
+        return sorted(window, key=lambda r: -self.kv.peek(r.all_ids[:-1]))
 
     def _prefix_in_flight(self, req: Request, cached: int) -> bool:
         """Is a running request that is still prefilling computing the page right after `req`'s
         cache hit? Then that page reaches the cache within a few steps, and computing it twice is
         waste (the n samples of one prompt, a burst of requests with one system prompt)."""
-        if not self.cache.enabled:
+        if not self.kv.prefix_cache_enabled:
             return False
         ps = self.page_size
         if cached + ps > len(req.prompt_ids) - 1:
@@ -142,32 +167,20 @@ class Scheduler:
         )
 
     # ---------------------------------------------------------------- pages
-    def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def _make_room(self, need: int) -> bool:
-        short = need - self.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
-        return self.allocator.num_free >= need
-
     def _reserve(self, req: Request, tokens: int) -> tuple[bool, bool]:
         """Give `req` pages for `tokens`, preempting later requests if needed. (reserved, preempted)"""
-        need = self._pages_for(tokens) - len(req.page_table)
         preempted = False
-        while not self._make_room(need):
+        while not self.kv.reserve(req, tokens):
             victim = self.running[-1]
             self.preempt(victim)
             preempted = True
             if victim is req:
                 return False, True
-        if need > 0:
-            req.page_table.extend(self.allocator.alloc(need))
         return True, preempted
 
     # ---------------------------------------------------------------- transitions
     def preempt(self, req: Request) -> None:
-        self._release(req)
+        self.kv.release(req)
         self.running.remove(req)
         req.state = RequestState.WAITING
         req.num_preemptions += 1
@@ -179,10 +192,13 @@ class Scheduler:
         if req.state is RequestState.FINISHED:
             return False
         if req.state is RequestState.RUNNING:
-            self._release(req)
+            self.kv.release(req)
             self.running.remove(req)
         elif req.state is RequestState.WAITING:
             self.waiting.remove(req)
+        elif req.state is RequestState.PENDING and req.gate is not None:
+            req.gate.forget(req)
+            req.gate = None
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.matched_stop = matched_stop
@@ -193,24 +209,8 @@ class Scheduler:
         for c in chunks:
             c.req.num_computed += c.num_new
             self.stats.computed_tokens += c.num_new
-            self._cache_progress(c.req)
+            self.kv.publish(c.req)
 
-    def _cache_progress(self, req: Request) -> None:
-        # a page is published once its ids are known, not merely its K/V (overlap: placeholders)
-        full = min(req.num_computed, req.num_resolved) // self.page_size
-        if full <= req.num_inserted_pages:
-            return
-        res = self.cache.insert(req.all_ids[: full * self.page_size], req.page_table[:full])
-        self.cache.lock(res.node)
-        self.cache.unlock(req.cache_node)
-        req.cache_node = res.node
-        req.num_inserted_pages = full
-
-    def _release(self, req: Request) -> None:
-        self._cache_progress(req)
-        self.cache.unlock(req.cache_node)
-        self.allocator.decref(req.page_table)
-        req.page_table = []
-        req.cache_node = None
-        req.num_computed = 0
-        req.num_inserted_pages = 0
+    def rollback(self, req: Request, n: int) -> None:
+        """`req` computed `n` tokens too many (overlap ran it once more after its stop token)."""
+        self.kv.rollback(req, n)

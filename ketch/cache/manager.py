@@ -1,0 +1,189 @@
+"""KVCacheManager: the one owner of KV pages — allocator, radix tree (prefix cache) and device pool.
+
+The scheduler decides who runs; this class does what a decision means for pages:
+
+    match(ids)              → Hit(pages, length, node, tier)       no side effects beyond LRU
+    admit(holder, hit, n)   lock the hit, take its pages, add pages for n tokens (or change nothing)
+    reserve(holder, n)      pages for n tokens (evicting unlocked cache pages if needed)
+    publish(holder)         full, resolved pages into the tree (the holder keeps its references)
+    release(holder)         publish, unlock, drop every reference: the holder holds nothing
+    rollback(holder, n)     forget the K/V of its last n computed tokens (overlap's extra token
+                            after a stop; rejected draft tokens)
+    make_room(n)            evict until n pages are free
+    export()                the pool's buffers (pointers, sizes) for a KV transport
+    check_invariants(hs)    the shadow count of every page's holders
+
+A holder is any object with the fields of `PageHolder` (the scheduler's `Request`); the cache
+layer never imports the scheduler. Ownership (cache/README.md): a holder has one reference per
+page-table entry and one lock on its `cache_node`; the tree has one reference per page it stores.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ketch.cache.allocator import PageAllocator
+from ketch.cache.kv_pool import KVPool
+from ketch.cache.page_hash import CacheEvents
+from ketch.cache.radix import RadixCache
+from ketch.cache.radix_node import Node
+
+
+class PageHolder(Protocol):
+    page_table: list[int]  # one allocator reference per entry
+    cache_node: Node | None  # the radix node it has locked (its published prefix), or None
+    num_computed: int  # tokens whose K/V is in its pages
+    num_inserted_pages: int  # leading pages already published to the tree
+
+    @property
+    def num_resolved(self) -> int: ...  # leading tokens whose ids are known (overlap: not placeholders)
+
+    def tokens(self, lo: int, hi: int) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Hit:
+    pages: list[int]  # cached pages covering the first `length` tokens
+    length: int  # a multiple of page_size
+    node: Node  # the deepest node of the hit (the root for a miss)
+    tier: str = "device"  # where the pages came from (host and storage tiers are to come)
+
+
+@dataclass(frozen=True)
+class LayerBuffer:
+    """One KV tensor of one layer, as a transport registers it."""
+
+    layer: int
+    name: str  # "k", "v"
+    ptr: int
+    nbytes: int
+    page_bytes: int  # bytes of one page: page p lives at ptr + p * page_bytes
+
+
+class KVCacheManager:
+    def __init__(self, pool: KVPool, enable_prefix_cache: bool = True, events: CacheEvents | None = None) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.allocator = PageAllocator(pool.num_pages)
+        self.tree = RadixCache(pool.page_size, self.allocator, enabled=enable_prefix_cache, events=events)
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_pages * self.page_size
+
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        return self.tree.enabled
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    # ---------------------------------------------------------------- lookups
+    def peek(self, ids: list[int]) -> int:
+        """Tokens of `ids` the cache would serve (no LRU touch: for ranking waiting requests)."""
+        return self.tree.peek(ids)
+
+    def match(self, ids: list[int]) -> Hit:
+        """The longest cached page-aligned prefix of `ids`; pass all but the last prompt token
+        (its logits are needed, so a hit may not cover it)."""
+        m = self.tree.match(ids)
+        return Hit(m.pages, m.length, m.node)
+
+    # ---------------------------------------------------------------- holders
+    def admit(self, holder: PageHolder, hit: Hit, tokens: int) -> bool:
+        """Give `holder` the hit's pages (locked, referenced) and fresh ones up to `tokens`;
+        False, with nothing changed, when the pool cannot make room for them."""
+        self.tree.lock(hit.node)
+        self.allocator.incref(hit.pages)
+        need = self.pages_for(tokens) - len(hit.pages)
+        if not self.make_room(need):
+            self.tree.unlock(hit.node)
+            self.allocator.decref(hit.pages)
+            return False
+        holder.page_table = list(hit.pages) + self.allocator.alloc(need)
+        holder.cache_node = hit.node
+        holder.num_computed = hit.length
+        holder.num_inserted_pages = hit.length // self.page_size
+        return True
+
+    def reserve(self, holder: PageHolder, tokens: int) -> bool:
+        """Pages for `tokens` of `holder`; False (nothing taken) when even eviction cannot free them."""
+        need = self.pages_for(tokens) - len(holder.page_table)
+        if not self.make_room(need):
+            return False
+        if need > 0:
+            holder.page_table.extend(self.allocator.alloc(need))
+        return True
+
+    def make_room(self, need: int) -> bool:
+        short = need - self.allocator.num_free
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.num_free >= need
+
+    def publish(self, holder: PageHolder) -> None:
+        """Put the holder's full pages into the tree once their ids are known (not merely their
+        K/V: under overlap the newest ids are placeholders), moving its lock to the deeper node."""
+        full = min(holder.num_computed, holder.num_resolved) // self.page_size
+        if full <= holder.num_inserted_pages:
+            return
+        res = self.tree.insert(holder.tokens(0, full * self.page_size), holder.page_table[:full])
+        self.tree.lock(res.node)
+        if holder.cache_node is not None:
+            self.tree.unlock(holder.cache_node)
+        holder.cache_node = res.node
+        holder.num_inserted_pages = full
+
+    def release(self, holder: PageHolder) -> None:
+        """Publish what is full, then drop the holder's lock and every page reference."""
+        self.publish(holder)
+        if holder.cache_node is not None:
+            self.tree.unlock(holder.cache_node)
+        self.allocator.decref(holder.page_table)
+        holder.page_table = []
+        holder.cache_node = None
+        holder.num_computed = 0
+        holder.num_inserted_pages = 0
+
+    def rollback(self, holder: PageHolder, n: int) -> None:
+        """Forget the K/V of the holder's last `n` computed tokens. Their slots stay in its pages
+        (rewritten if those tokens run again); published pages cannot be taken back."""
+        keep = holder.num_computed - n
+        if n < 0 or keep < holder.num_inserted_pages * self.page_size:
+            raise ValueError(f"rollback: cannot drop {n} of {holder.num_computed} computed tokens "
+                             f"({holder.num_inserted_pages} pages are published)")
+        holder.num_computed = keep
+
+    # ---------------------------------------------------------------- transports
+    def export(self) -> list[LayerBuffer]:
+        """Every KV tensor of the pool: where it lives and how big a page of it is."""
+        out = []
+        for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v, strict=True)):
+            for name, t in (("k", k), ("v", v)):
+                out.append(LayerBuffer(layer, name, t.data_ptr(), t.numel() * t.element_size(),
+                                       t[0].numel() * t.element_size()))
+        return out
+
+    # ---------------------------------------------------------------- checks
+    def check_invariants(self, holders: Iterable[PageHolder]) -> None:
+        """A shadow count of every page's holders (cache/README.md, "Ownership"):
+
+            allocator.refcount(page) == (1 if the tree stores page) + mentions in holders' page tables
+
+        and each node's own locks equal the holders whose `cache_node` it is."""
+        refs: Counter[int] = Counter()
+        locks: Counter[Node] = Counter()
+        for h in holders:
+            refs.update(h.page_table)
+            if h.cache_node is not None:
+                locks[h.cache_node] += 1
+        self.allocator.check_invariants()
+        self.tree.check_invariants(refs, locks)
+
+    def check_idle(self) -> None:
+        """Nothing runs: every page is free or an unlocked cache page."""
+        assert self.allocator.num_free + self.tree.evictable_pages == self.allocator.num_pages, \
+            f"idle, yet {self.allocator.num_pages - self.allocator.num_free - self.tree.evictable_pages} pages are held"
