@@ -43,6 +43,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "attention": frozenset({"cache", "kernels"}) | LOW_LEAVES,  # the backends read the KV pool
     "cache": LOW_LEAVES,
     "layers": frozenset({"kernels"}) | LOW_LEAVES,  # ops.py picks kernel or torch
+    "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above
     # the leaves themselves
     "config": frozenset(),

@@ -26,7 +26,7 @@ import torch
 from ketch.attention.base import SeqChunk
 from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
-from ketch.config import EngineConfig, ModelConfig
+from ketch.config import EngineConfig, KVSpec, ModelConfig
 from ketch.layers.ops import layer_ops
 from ketch.models.registry import model_class
 from ketch.runner.cuda_graph import DecodeGraphs
@@ -125,10 +125,10 @@ class ModelRunner:
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
         kv_dtype = ec.kv_torch_dtype  # the model dtype, or fp8 (half the bytes: twice the pages)
-        per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        spec = KVSpec.mha(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        per_page = spec.bytes_per_page(ec.page_size, kv_dtype, self.dtype)
         budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
-        return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                      self.device, compute_dtype=self.dtype)
+        return KVPool(spec, budget // per_page, ec.page_size, kv_dtype, self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
