@@ -8,10 +8,23 @@ import torch
 from ketch.cache.kv_pool import KVPool
 from ketch.config import KVSpec, KVTensorSpec
 from ketch.kv_dtype import FP8_E4M3_MAX
+from ketch.models import family_for, load_model_config
+from ketch.parallel import SINGLE, ParallelContext
 
 FP8 = torch.float8_e4m3fn
 # DeepSeek-V3's MLA cache: one compressed latent (kv_lora_rank 512) + the shared rope key (64)
 MLA = KVSpec(61, (KVTensorSpec("latent", (512 + 64,)),))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_smollm2_bytes_per_token_from_its_family_spec(dtype):
+    cfg = load_model_config(None)  # the bundled SmolLM2-135M: 30 layers, 3 kv heads of 64
+    spec = family_for(cfg.architecture).kv_spec(cfg, SINGLE)
+    assert spec.names == ("k", "v") and spec.num_layers == 30
+    want = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    assert spec.bytes_per_token(dtype, torch.bfloat16) == want == 2 * 30 * 3 * 64 * dtype.itemsize
+    # each of 3 ranks keeps one kv head: a third of the bytes
+    assert family_for(cfg.architecture).kv_spec(cfg, ParallelContext(2, 3)).bytes_per_token(dtype) * 3 == want
 
 
 def test_mla_like_spec_has_its_own_figure():

@@ -35,11 +35,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "llm": frozenset({"engine", "sampling"}) | LEAVES,  # the in-process API, beside server
     "server": frozenset({"engine", "parsers", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
-    "engine": frozenset({"cache", "runner", "sampling", "scheduler"}) | LEAVES,
+    "engine": frozenset({"cache", "models", "runner", "sampling", "scheduler"}) | LEAVES,  # models: the config
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
     "sampling": LEAVES,
-    "runner": frozenset({"attention", "cache", "layers", "models", "sampling"}) | LEAVES,
-    "models": frozenset({"attention", "layers"}) | LEAVES,  # a model calls the attention contract
+    "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
+    "models": frozenset({"attention", "layers", "parallel"}) | LEAVES,  # a model calls the attention contract
     "attention": frozenset({"cache", "kernels"}) | LOW_LEAVES,  # the backends read the KV pool
     "cache": LOW_LEAVES,
     "layers": frozenset({"kernels", "parallel"}) | LOW_LEAVES,  # ops.py picks kernel or torch
