@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,6 +96,76 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+# How a KV tensor's element type is chosen: "kv" follows EngineConfig.kv_torch_dtype (the model
+# dtype, or fp8 e4m3 pages), "model" is always the model dtype, a torch.dtype is fixed.
+KVDtypeRule = Literal["kv", "model"] | torch.dtype
+
+
+@dataclass(frozen=True)
+class KVTensorSpec:
+    """One tensor a layer keeps per token, e.g. K of [kv_heads, head_dim] (this rank's share)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: KVDtypeRule = "kv"
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("KVTensorSpec.name must not be empty")
+        if not self.shape or any(not isinstance(n, int) or n < 1 for n in self.shape):
+            raise ValueError(f"KVTensorSpec.shape of {self.name!r} must be positive ints, got {self.shape}")
+        if not isinstance(self.dtype, torch.dtype) and self.dtype not in ("kv", "model"):
+            raise ValueError(f"KVTensorSpec.dtype of {self.name!r} must be 'kv', 'model' or a torch.dtype, "
+                             f"got {self.dtype!r}")
+
+    def torch_dtype(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        return kv_dtype if self.dtype == "kv" else model_dtype
+
+    def bytes_per_token(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> int:
+        return math.prod(self.shape) * self.torch_dtype(kv_dtype, model_dtype).itemsize
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The KV a model keeps for each token: the same named tensors in every layer. A model family
+    declares it (`kv_spec(config, parallel)`, ketch/models/family.py); the pool, the memory plan
+    and anything that sizes or moves pages read it instead of a model's head counts.
+
+    MHA/GQA: "k" and "v" of [kv_heads, head_dim] (`KVSpec.mha`); an MLA model: one latent
+    tensor per layer. `model_dtype` below defaults to `kv_dtype` (a pool in the model's dtype)."""
+
+    num_layers: int
+    tensors: tuple[KVTensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"KVSpec.num_layers must be >= 1, got {self.num_layers}")
+        if not self.tensors:
+            raise ValueError("KVSpec.tensors must name at least one tensor")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"KVSpec.tensors: names must be unique, got {self.names}")
+
+    @classmethod
+    def mha(cls, num_layers: int, num_kv_heads: int, head_dim: int) -> KVSpec:
+        """K and V of [num_kv_heads, head_dim] per layer (MHA, GQA, MQA)."""
+        shape = (num_kv_heads, head_dim)
+        return cls(num_layers, (KVTensorSpec("k", shape), KVTensorSpec("v", shape)))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    def bytes_per_token(self, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None) -> int:
+        """Every layer's tensors for one token."""
+        model_dtype = kv_dtype if model_dtype is None else model_dtype
+        return self.num_layers * sum(t.bytes_per_token(kv_dtype, model_dtype) for t in self.tensors)
+
+    def bytes_per_page(self, page_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None) -> int:
+        return page_size * self.bytes_per_token(kv_dtype, model_dtype)
 
 
 @dataclass(frozen=True)

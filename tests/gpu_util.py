@@ -15,6 +15,7 @@ from conftest import collect, drain
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
+from ketch.models import weight_shapes
 from ketch.sampling.params import SamplingParams
 from ketch.weights.dummy_loader import DummyWeights
 
@@ -109,7 +110,7 @@ def build_hf(config_path: str, engine: Engine, device: str, dtype: torch.dtype |
             hf = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(saved)
-    weights = DummyWeights(engine.model_config, engine.runner.dtype, seed=engine.config.seed, device=device)
+    weights = DummyWeights(weight_shapes(engine.model_config), engine.runner.dtype, seed=engine.config.seed, device=device)
     hf.load_state_dict({name: t.to(dtype) for name, t in weights}, strict=True)
     ours = engine.runner.model
     assert torch.equal(hf.model.embed_tokens.weight.to(ours.embed_tokens.weight.dtype), ours.embed_tokens.weight)

@@ -360,8 +360,9 @@ def test_kv_pool_bytes_per_token_is_a_page_over_its_tokens(dtype_name):
     import torch
 
     from ketch.cache.kv_pool import KVPool
+    from ketch.config import KVSpec
 
     dtype = getattr(torch, dtype_name)
-    pool = KVPool(3, 4, 16, 2, 8, dtype, "cpu")
-    assert pool.bytes_per_token * 16 == KVPool.bytes_per_page(3, 16, 2, 8, dtype)
+    pool = KVPool(KVSpec.mha(3, 2, 8), 4, 16, dtype, "cpu")
+    assert pool.bytes_per_token * 16 == KVSpec.mha(3, 2, 8).bytes_per_page(16, dtype)
     assert pool.bytes_per_token * 16 * 4 == sum(t.numel() * t.element_size() for t in pool.k + pool.v)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from ketch import LLM, SamplingParams
 from ketch.layers.linear import INT4_MAX_TOKENS, Linear
 from ketch.layers.norm import RMSNorm
-from ketch.weights import iter_weights, load_model_config
+from ketch.models import load_model_config, weight_shapes
+from ketch.weights import iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
 
 pytestmark = pytest.mark.skipif(
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def q4_and_dense(smollm_path):
     cfg = load_model_config(smollm_path)
-    dense = dict(iter_weights(smollm_path, cfg, torch.float32))
-    return dict(iter_q4_weights(smollm_path, cfg)), dense
+    dense = dict(iter_weights(smollm_path, weight_shapes(cfg), torch.float32))
+    return dict(iter_q4_weights(smollm_path)), dense
 
 
 def test_q4_blocks_decode_exactly_to_the_dense_weights(q4_and_dense):

@@ -18,9 +18,8 @@ pytest.importorskip("triton")
 
 from conftest import greedy_ids_and_logprobs, make_tiny_engine
 
-from ketch.cache.kv_pool import KVPool
 from ketch.cli_args import add_engine_args, engine_kwargs
-from ketch.config import EngineConfig
+from ketch.config import EngineConfig, KVSpec
 from ketch.engine.engine import Engine
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.triton_graphs import TritonDecodeGraphs
@@ -49,7 +48,7 @@ def test_fp8_pool_holds_twice_the_pages_of_bf16(tiny_config_path):
             pages[dtype, kv] = pool.num_pages
     assert pages["bfloat16", "fp8_e4m3"] == pages["float32", "fp8_e4m3"] == 2 * pages["bfloat16", "auto"]
     assert pages["float32", "fp8_e4m3"] == 4 * pages["float32", "auto"]
-    per_page = KVPool.bytes_per_page(2, 4, 2, 16, FP8)  # the tiny model: 2 layers, 2 kv heads of 16
+    per_page = KVSpec.mha(2, 2, 16).bytes_per_page(4, FP8)  # the tiny model: 2 layers, 2 kv heads of 16
     assert pages["float32", "fp8_e4m3"] == budget // per_page
 
 

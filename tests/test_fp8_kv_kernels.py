@@ -24,6 +24,7 @@ from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
 from ketch.cache.kv_pool import KVPool
+from ketch.config import KVSpec
 from ketch.kernels.decode_attention import decode_attention, decode_attention_ref
 from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
 from ketch.kernels.kv_store import store_kv, store_kv_ref
@@ -92,7 +93,7 @@ def test_store_kv_into_fp8_pool_is_the_torch_clamp_and_cast(dtype: torch.dtype) 
     assert float(flat_k.float().abs().max()) == FP8_E4M3_MAX == 448.0  # the outliers saturated, no NaN
     assert not flat_k.float().isnan().any()
     # the torch pool's store writes the same bytes
-    pool = KVPool(1, 8, 4, KVH, D, FP8, DEVICE, compute_dtype=dtype)
+    pool = KVPool(KVSpec.mha(1, KVH, D), 8, 4, FP8, DEVICE, compute_dtype=dtype)
     keep = slots >= 0
     pool.store(0, slots[keep].long(), k[keep], v[keep])
     written = slots[keep].long()
@@ -161,7 +162,7 @@ def test_triton_and_torch_backends_agree_over_fp8_pools() -> None:
     the same outputs and byte-identical pools after the stores."""
     gen = torch.Generator().manual_seed(5)
     page_size, layers, num_pages = 8, 2, 48
-    pools = [KVPool(layers, num_pages, page_size, KVH, D, FP8, DEVICE, compute_dtype=torch.float32) for _ in range(2)]
+    pools = [KVPool(KVSpec.mha(layers, KVH, D), num_pages, page_size, FP8, DEVICE, compute_dtype=torch.float32) for _ in range(2)]
     for layer in range(layers):
         for t in ("k", "v"):
             getattr(pools[0], t)[layer].copy_(fp8_reference(with_outliers((num_pages, page_size, KVH, D), gen)))

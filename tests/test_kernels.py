@@ -23,6 +23,7 @@ from ketch.attention.registry import create_attention_backend
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.attention.triton_backend import TritonAttentionBackend
 from ketch.cache.kv_pool import KVPool
+from ketch.config import KVSpec
 from ketch.kernels.activation import silu_and_mul
 from ketch.kernels.decode_attention import (
     decode_attention,
@@ -235,7 +236,7 @@ def step_inputs(seqs: list[SeqChunk], layers: int, dtype: torch.dtype, gen: torc
 def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     page_size, layers, num_pages = 8, 2, 48
-    pools = [KVPool(layers, num_pages, page_size, KVH, D, dtype, DEVICE) for _ in range(2)]
+    pools = [KVPool(KVSpec.mha(layers, KVH, D), num_pages, page_size, dtype, DEVICE) for _ in range(2)]
     for layer in range(layers):  # identical history in both pools
         for t in ("k", "v"):
             getattr(pools[0], t)[layer].copy_(torch.randn(num_pages, page_size, KVH, D, generator=gen))
@@ -263,7 +264,7 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
 
 
 def test_triton_backend_rejects_bad_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    pool = KVPool(1, 4, 4, KVH, D, torch.float32, DEVICE)
+    pool = KVPool(KVSpec.mha(1, KVH, D), 4, 4, torch.float32, DEVICE)
     backend = create_attention_backend("triton", pool, H, D, DEVICE)
     assert isinstance(backend, TritonAttentionBackend)
     with pytest.raises(ValueError, match="seqs"):
@@ -274,4 +275,4 @@ def test_triton_backend_rejects_bad_batches(monkeypatch: pytest.MonkeyPatch) -> 
         create_attention_backend("flash", pool, H, D, DEVICE)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels cannot take CPU tensors
     with pytest.raises(ValueError, match="CUDA"):
-        TritonAttentionBackend(KVPool(1, 4, 4, KVH, D, torch.float32, torch.device("cpu")), H, D, torch.device("cpu"))
+        TritonAttentionBackend(KVPool(KVSpec.mha(1, KVH, D), 4, 4, torch.float32, torch.device("cpu")), H, D, torch.device("cpu"))

@@ -103,11 +103,12 @@ def test_profile_step_runs_on_a_one_page_scratch_pool(tiny_config_path):
     from conftest import make_tiny_engine
     from ketch.attention.registry import create_attention_backend
     from ketch.cache.kv_pool import KVPool
+    from ketch.config import KVSpec
     from ketch.runner.memory_plan import run_largest_step
 
     runner = make_tiny_engine(tiny_config_path, device="cpu").runner
     cfg, ps = runner.model_config, runner.config.page_size
-    pool = KVPool(cfg.num_layers, 1, ps, cfg.num_kv_heads, cfg.head_dim, torch.float32, runner.device)
+    pool = KVPool(KVSpec.mha(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), 1, ps, torch.float32, runner.device)
     attn = create_attention_backend("torch", pool, cfg.num_heads, cfg.head_dim, runner.device)
     lens = profile_step_lens(96, 8, 64)
     logits = run_largest_step(runner.model, attn, lens, ps, runner.device)

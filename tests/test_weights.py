@@ -14,14 +14,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from ketch.config import ModelConfig, RopeScaling
-from ketch.weights import (
-    default_model_path,
-    detect_format,
-    expected_weight_names,
-    iter_weights,
-    load_model_config,
-    weight_shapes,
-)
+from ketch.models import expected_weight_names, load_model_config, weight_shapes
+from ketch.weights import default_model_path, detect_format, iter_weights
 from ketch.weights.gguf_file import GGUFFile
 from ketch.weights.gguf_loader import unpermute_rotary
 from ketch.weights.gguf_rope import llama3_divisors
@@ -56,7 +50,7 @@ def config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def ours_f32(config):
-    return dict(iter_weights(None, config, torch.float32))
+    return dict(iter_weights(None, weight_shapes(config), torch.float32))
 
 
 def test_default_model_path_is_the_bundled_gguf():
@@ -106,7 +100,7 @@ def test_unpermute_inverts_the_converter_permutation():
 
 
 def test_gguf_bf16_is_a_single_cast_of_the_f32_values(config, ours_f32):
-    for name, tensor in itertools.islice(iter_weights(GGUF, config, torch.bfloat16), 12):
+    for name, tensor in itertools.islice(iter_weights(GGUF, weight_shapes(config), torch.bfloat16), 12):
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, ours_f32[name].to(torch.bfloat16)), name
 
@@ -165,7 +159,7 @@ def test_truncated_gguf_is_a_value_error(tmp_path, config):
     with open(GGUF, "rb") as f:
         cut.write_bytes(f.read(8_000_000))  # header intact, tensor data cut short
     with pytest.raises(ValueError, match="model: .*past the end"):
-        iter_weights(str(cut), config, torch.float32)
+        iter_weights(str(cut), weight_shapes(config), torch.float32)
 
 
 def test_corrupt_safetensors_and_config_are_value_errors(tmp_path):
@@ -173,7 +167,7 @@ def test_corrupt_safetensors_and_config_are_value_errors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
     cfg = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match="model: .*safetensors"):
-        iter_weights(str(tmp_path), cfg, torch.float32)
+        iter_weights(str(tmp_path), weight_shapes(cfg), torch.float32)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="model: cannot read"):
         load_model_config(str(tmp_path))
@@ -210,7 +204,7 @@ def test_hf_dir_round_trip_and_names_match_transformers(tmp_path, d):
     if cfg.tie_word_embeddings:
         hf.pop("lm_head.weight")
     assert {n: tuple(t.shape) for n, t in hf.items()} == weight_shapes(cfg)
-    ours = dict(iter_weights(str(tmp_path), cfg, torch.bfloat16))
+    ours = dict(iter_weights(str(tmp_path), weight_shapes(cfg), torch.bfloat16))
     assert set(ours) == set(hf)
     assert all(ours[n].dtype == torch.bfloat16 and torch.equal(ours[n], hf[n].to(torch.bfloat16)) for n in hf)
 
@@ -226,7 +220,7 @@ def test_shape_mismatch_is_reported(tmp_path):
     cfg = load_model_config(str(tmp_path))
     wrong = dataclasses.replace(cfg, intermediate_size=80)
     with pytest.raises(ValueError, match="model: tensor .* has shape"):
-        list(iter_weights(str(tmp_path), wrong, torch.float32))
+        list(iter_weights(str(tmp_path), weight_shapes(wrong), torch.float32))
 
 
 # --- dummy weights ------------------------------------------------------------------------------
@@ -236,9 +230,9 @@ def test_dummy_weights_shapes_values_and_determinism(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_tiny_hf_dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"])))
     cfg = load_model_config(str(path), "dummy")
-    a = dict(iter_weights(str(path), cfg, torch.bfloat16, load_format="dummy", seed=3))
-    b = dict(iter_weights(str(path), cfg, torch.bfloat16, load_format="dummy", seed=3))
-    c = dict(iter_weights(str(path), cfg, torch.bfloat16, load_format="dummy", seed=4))
+    a = dict(iter_weights(str(path), weight_shapes(cfg), torch.bfloat16, load_format="dummy", seed=3))
+    b = dict(iter_weights(str(path), weight_shapes(cfg), torch.bfloat16, load_format="dummy", seed=3))
+    c = dict(iter_weights(str(path), weight_shapes(cfg), torch.bfloat16, load_format="dummy", seed=4))
     assert {n: tuple(t.shape) for n, t in a.items()} == weight_shapes(cfg)
     assert all(t.dtype == torch.bfloat16 for t in a.values())
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -250,12 +244,12 @@ def test_dummy_weights_shapes_values_and_determinism(tmp_path):
 
 
 def test_dummy_weights_from_gguf_config_are_generated_lazily(config):
-    name, embed = next(iter_weights(GGUF, config, torch.float32, load_format="dummy"))
+    name, embed = next(iter_weights(GGUF, weight_shapes(config), torch.float32, load_format="dummy"))
     assert name == "model.embed_tokens.weight" and embed.shape == (config.vocab_size, config.hidden_size)
     assert abs(embed.std().item() - 0.02) < 0.001  # random, not the file's values
     # Llama-3-8B layer shapes (small vocab to keep the test fast): tensors appear one at a time.
     big = ModelConfig("LlamaForCausalLM", 4096, 4096, 14336, 32, 32, 8, 128, tie_word_embeddings=False)
-    it = iter_weights(None, big, torch.bfloat16, load_format="dummy")
+    it = iter_weights(None, weight_shapes(big), torch.bfloat16, load_format="dummy")
     got = [next(it) for _ in range(3)]
     assert [n for n, _ in got] == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"]
     assert got[2][1].shape == (4096, 4096) and got[2][1].dtype == torch.bfloat16
@@ -337,7 +331,7 @@ def test_synthetic_gguf_matches_transformers(tmp_path, arch):
     assert ours_cfg.attention_bias == (arch == "qwen2") and ours_cfg.qk_norm == (arch == "qwen3")
     assert ours_cfg.tie_word_embeddings == (arch == "qwen3") and ours_cfg.eos_token_ids == (2,)
     assert ours_cfg.head_dim == (head_dim or 16)
-    ours = dict(iter_weights(str(path), ours_cfg, torch.float32))
+    ours = dict(iter_weights(str(path), weight_shapes(ours_cfg), torch.float32))
     hf = hf_from_gguf(str(path)).state_dict()
     if ours_cfg.tie_word_embeddings:
         hf.pop("lm_head.weight")
@@ -362,7 +356,7 @@ def test_gguf_head_dim_from_key_length_and_llama3_rope_freqs(tmp_path):
     _write_gguf(path, "llama", cfg, tensors, extra={"llama.attention.key_length": 48, "llama.rope.scaling.original_context_length": 64})
     got = load_model_config(str(path))
     assert got.head_dim == 48 and got.rope_scaling == expected
-    names = {n for n, _ in iter_weights(str(path), got, torch.float32)}
+    names = {n for n, _ in iter_weights(str(path), weight_shapes(got), torch.float32)}
     assert names == expected_weight_names(got)  # rope_freqs folded into the config, not yielded
 
     tensors["rope_freqs.weight"] = np.linspace(1, 3, 24, dtype=np.float32)

@@ -37,7 +37,7 @@ from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
-from ketch.weights import load_model_config
+from ketch.models import load_model_config
 from ketch.weights.source import tokenizer_source
 
 

@@ -35,10 +35,14 @@ class Linear(nn.Linear):
         self.int4_scale_zero = sz.to(self.weight.dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias): the 4-bit kernel for small steps when attached, else the dense product."""
         if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
-            return y if self.bias is None else y + self.bias
-        return self.dense(x, self.weight, self.bias)
+            return y if bias is None else y + bias
+        return self.dense(x, self.weight, bias)
 
 
 def concat_q4(parts: list[Q4Weight]) -> Q4Weight:

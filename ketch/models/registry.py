@@ -1,21 +1,50 @@
-"""Architecture name → model class. One class covers the whole Llama family for now."""
+"""HF architecture name -> model family; a model's config from its files, through its family.
+
+    family_for(architecture)                -> ModelFamily      (ValueError naming the choices)
+    config_from_hf(d)                       -> the family's config (config.json's dict)
+    load_model_config(path, load_format)    -> the family's config of a GGUF file / HF directory
+                                               / config.json (ketch.weights reads the dict)
+    weight_shapes(config)                   -> the checkpoint's HF names and full shapes
+"""
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
 
-from ketch.config import ModelConfig
-from ketch.models.llama import LlamaForCausalLM
+from ketch.models.family import ModelFamily
+from ketch.models.llama_family import LLAMA
+from ketch.weights import read_config
 
-_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA,)
+_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # config.json files without `architectures`
 
 
-def model_class(cfg: ModelConfig) -> type[nn.Module]:
+def family_for(architecture: str) -> ModelFamily[Any]:
     try:
-        return _REGISTRY[cfg.architecture]
+        return _BY_ARCHITECTURE[architecture]
     except KeyError:
-        raise ValueError(f"model: unsupported architecture {cfg.architecture!r}; supported: {sorted(_REGISTRY)}") from None
+        raise ValueError(f"model: unsupported architecture {architecture!r}; "
+                         f"supported: {sorted(_BY_ARCHITECTURE)}") from None
+
+
+def config_from_hf(d: dict[str, Any]) -> Any:
+    architecture = (d.get("architectures") or [DEFAULT_ARCHITECTURE])[0]
+    return family_for(architecture).config_from_hf(d)
+
+
+def load_model_config(path: str | None, load_format: str = "auto") -> Any:
+    """Config from a GGUF file's metadata, an HF directory's config.json, or a config.json file."""
+    source, d = read_config(path, load_format)
+    try:
+        return config_from_hf(d)
+    except KeyError as e:
+        raise ValueError(f"model: {source!r} lacks {e.args[0]!r}") from None
+
+
+def weight_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> full shape of every tensor a complete checkpoint for `config` provides."""
+    return family_for(config.architecture).weight_shapes(config)
+
+
+def expected_weight_names(config: Any) -> set[str]:
+    return set(weight_shapes(config))

@@ -27,6 +27,7 @@ from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
+from ketch.models.registry import family_for
 
 # Not profiled: sampling's sorts over [rows, vocab], allocator fragmentation across step shapes,
 # the torch backend's lazily captured graphs. 1 GiB is ~0.7 % of an H200.
@@ -141,8 +142,8 @@ def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: Mod
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     free0, _ = torch.cuda.mem_get_info(device)
-    pool = KVPool(cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim, config.kv_torch_dtype, device,
-                  compute_dtype=config.torch_dtype)
+    spec = family_for(cfg.architecture).kv_spec(cfg, model.parallel)
+    pool = KVPool(spec, 1, config.page_size, config.kv_torch_dtype, device, compute_dtype=config.torch_dtype)
     attn = create_attention_backend(config.resolved_attention_backend, pool, cfg.num_heads, cfg.head_dim, device,
                                     max_model_len=max_model_len)
     # no sequence is longer than max_model_len (nor has rotary rows past it)
@@ -164,8 +165,8 @@ def plan_gpu_pool(model: torch.nn.Module, config: EngineConfig, model_config: Mo
     """CUDA only, after the weights load and before the pool exists. An explicit
     kv_cache_memory skips the profile (the caller has chosen the size)."""
     device, cfg = config.torch_device, model_config
-    page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                       config.kv_torch_dtype)
+    spec = family_for(cfg.architecture).kv_spec(cfg, model.parallel)  # this rank's share
+    page_bytes = spec.bytes_per_page(config.page_size, config.kv_torch_dtype, config.torch_dtype)
     torch.cuda.empty_cache()  # blocks freed during loading are free, not torch's cache
     free, total = torch.cuda.mem_get_info(device)
     used = total - free

@@ -30,7 +30,8 @@ from ketch.config import EngineConfig, ModelConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
-from ketch.models.registry import model_class
+from ketch.models.registry import family_for
+from ketch.parallel import SINGLE, ParallelContext
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
@@ -58,6 +59,10 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
+    # the rank's tensor-parallel context the model and the pool are built for (TP=1 until the
+    # engine spawns one runner per rank and hands each its own)
+    parallel: ParallelContext = SINGLE
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config
@@ -101,17 +106,19 @@ class ModelRunner:
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg = self.model_config
+        family = family_for(cfg.architecture)
         # Rotary tables are built with an explicit fp32 dtype, so they stay fp32 here.
         with torch.device(self.device), default_dtype(self.dtype):
-            model = model_class(cfg)(cfg, max_positions=max_model_len, ops=self.ops)
+            model = family.model_class(cfg, max_positions=max_model_len, ops=self.ops, parallel=self.parallel)
         for param in model.parameters():  # a no-op unless a layer pins its own dtype
             param.data = param.data.to(self.dtype)
-        # dummy weights are drawn on the target device (seconds for 8B on a GPU, not minutes on the CPU)
-        weights = iter_weights(self.config.model, cfg, self.dtype, self.config.load_format,
+        # Every rank reads the full tensors and keeps its slice. Dummy weights are drawn on the
+        # target device (seconds for 8B on a GPU, not minutes on the CPU).
+        weights = iter_weights(self.config.model, family.weight_shapes(cfg), self.dtype, self.config.load_format,
                                seed=self.config.seed, device=self.device)
         model.load_weights(weights)
         if self._keeps_4bit():
-            model.load_int4(iter_q4_weights(resolve_model_path(self.config.model), cfg))
+            model.load_int4(iter_q4_weights(resolve_model_path(self.config.model)))
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
@@ -125,10 +132,10 @@ class ModelRunner:
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
         kv_dtype = ec.kv_torch_dtype  # the model dtype, or fp8 (half the bytes: twice the pages)
-        per_page = KVPool.bytes_per_page(cfg.num_layers, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        spec = family_for(cfg.architecture).kv_spec(cfg, self.parallel)  # this rank's share
+        per_page = spec.bytes_per_page(ec.page_size, kv_dtype, self.dtype)
         budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
-        return KVPool(cfg.num_layers, budget // per_page, ec.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                      self.device, compute_dtype=self.dtype)
+        return KVPool(spec, budget // per_page, ec.page_size, kv_dtype, self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

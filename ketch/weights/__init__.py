@@ -1,37 +1,38 @@
-"""Weights: find a model, read its config, stream its tensors under Hugging Face names.
+"""Weights: find a model, read its config as config.json's dict, stream its tensors under
+Hugging Face names. No model family is known here: what to expect comes from above.
 
-    load_model_config(path)                 -> ModelConfig        (GGUF metadata or config.json)
-    iter_weights(path, config, dtype)       -> (hf_name, tensor)  one tensor at a time
-    expected_weight_names(config)           -> the names a complete checkpoint yields
+    read_config(path, load_format)          -> (source, dict)     config.json's keys (GGUF
+                                                                  metadata translated into them)
+    iter_weights(path, shapes, dtype, ...)  -> (hf_name, tensor)  one full tensor at a time
 
-Every loader yields the same names and shapes (see names.py); a tensor whose shape disagrees with
-the config raises ValueError before the model sees it.
+`shapes` is the model family's `weight_shapes(config)` (HF name -> full shape); a tensor whose
+shape disagrees raises ValueError before the model sees it, and the dummy loader draws exactly
+these. The family's config comes from `ketch.models.load_model_config`, which calls
+`read_config`.
 """
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
-from ketch.config import ModelConfig
 from ketch.weights.dummy_loader import DummyWeights
-from ketch.weights.gguf_loader import GGUFWeights, config_from_gguf
-from ketch.weights.hf_loader import SafetensorsWeights, config_from_hf
-from ketch.weights.names import expected_weight_names, weight_shapes
+from ketch.weights.gguf_loader import GGUFWeights, hf_config_from_gguf
+from ketch.weights.hf_loader import SafetensorsWeights, read_hf_config
 from ketch.weights.source import default_model_path, detect_format, is_gguf_file, resolve_model_path
 
 __all__ = [
     "default_model_path",
     "detect_format",
-    "expected_weight_names",
     "iter_weights",
-    "load_model_config",
+    "read_config",
     "resolve_model_path",
-    "weight_shapes",
 ]
+
+Shapes = Mapping[str, tuple[int, ...]]
 
 
 class _WeightSource(Protocol):
@@ -39,18 +40,18 @@ class _WeightSource(Protocol):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-def load_model_config(path: str | None, load_format: str = "auto") -> ModelConfig:
-    """Config from a GGUF file's metadata, an HF directory's config.json, or a config.json file."""
+def read_config(path: str | None, load_format: str = "auto") -> tuple[str, dict[str, Any]]:
+    """(where it came from, config.json's dict) of a GGUF file, an HF directory or a config.json."""
     path = resolve_model_path(path)
     detect_format(path, load_format)  # validates the path/format pair
     if not os.path.isdir(path) and is_gguf_file(path):
-        return config_from_gguf(path)
-    return config_from_hf(path)
+        return path, hf_config_from_gguf(path)
+    return read_hf_config(path)
 
 
 def iter_weights(
     path: str | None,
-    config: ModelConfig,
+    shapes: Shapes,
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
@@ -65,17 +66,15 @@ def iter_weights(
     fmt = detect_format(path, load_format)
     source: _WeightSource
     if fmt == "gguf":
-        source = GGUFWeights(path, config, dtype)
+        source = GGUFWeights(path, dtype)
     elif fmt == "hf":
-        source = SafetensorsWeights(path, config, dtype)
+        source = SafetensorsWeights(path, shapes, dtype)
     else:
-        source = DummyWeights(config, dtype, seed=seed, device=device)
-    return _checked(source, weight_shapes(config), torch.device(device))
+        source = DummyWeights(shapes, dtype, seed=seed, device=device)
+    return _checked(source, shapes, torch.device(device))
 
 
-def _checked(
-    source: _WeightSource, shapes: dict[str, tuple[int, ...]], device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked(source: _WeightSource, shapes: Shapes, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in tqdm(source, total=len(source), desc="Loading weights", unit="tensor"):
         expected = shapes.get(name)
         if expected is not None and tuple(tensor.shape) != expected:

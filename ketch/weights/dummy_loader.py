@@ -8,12 +8,10 @@ they are reproducible for a given seed, dtype and device type.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from ketch.config import ModelConfig
-from ketch.weights.names import weight_shapes
 
 _STD = 0.02  # the usual initializer_range of HF decoders: keeps activations in a sane range
 
@@ -25,9 +23,11 @@ def tensor_seed(seed: int, name: str) -> int:
 
 class DummyWeights:
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu"
+        self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.shapes = weight_shapes(config)
+        """shapes: name -> shape of every tensor to draw (the family's `weight_shapes`)."""
+        self.shapes = dict(shapes)
         self.dtype = dtype
         self.seed = seed
         self.device = torch.device(device)

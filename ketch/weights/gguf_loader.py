@@ -1,4 +1,4 @@
-"""GGUF -> ModelConfig and Hugging Face-named tensors, value-identical to transformers' GGUF loader.
+"""GGUF -> config.json's dict and Hugging Face-named tensors, value-identical to transformers' GGUF loader.
 
 Values: `gguf.quants.dequantize` (what transformers calls) in float32, then one cast to the target
 dtype, so a float32 load equals `from_pretrained(..., gguf_file=...)` bit for bit.
@@ -8,18 +8,23 @@ Layout: GGUF dims are fastest-first, so a tensor written as [in, out] reads back
 
 Q/K rows: for `llama` the converter (convert_hf_to_gguf.py) reorders each head's q/k rows from
 HF's half-split rotary layout [x0..x(d/2-1), y0..y(d/2-1)] to ggml's interleaved [x0, y0, x1, y1, ..]
-(k uses the kv head count). We undo that. qwen2/qwen3 use NeoX rope in ggml and are not permuted.
+(k uses the kv head count). We undo that, with the head counts the file's own metadata gives.
+qwen2/qwen3 use NeoX rope in ggml and are not permuted.
+
+Config: the metadata is translated into the keys a config.json would have (`hf_config_from_gguf`),
+so the model family reads one format whatever the file (ketch/models/registry.py).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
+import dataclasses
+
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from ketch.config import ModelConfig
 from ketch.weights.gguf_file import GGUFFile
 from ketch.weights.gguf_rope import rope_scaling_from_gguf
 
@@ -70,7 +75,16 @@ def _uniform(value: Any, key: str) -> int:
     return int(value)
 
 
-def config_from_gguf(path: str, parsed: GGUFFile | None = None) -> ModelConfig:
+def _head_counts(meta: dict[str, Any], arch: str) -> tuple[int, int]:
+    """(q heads, kv heads) as the file says them."""
+    if f"{arch}.attention.head_count" not in meta:
+        raise ValueError(f"model: GGUF metadata lacks {arch}.attention.head_count")
+    heads = _uniform(meta[f"{arch}.attention.head_count"], "attention.head_count")
+    return heads, _uniform(meta.get(f"{arch}.attention.head_count_kv", heads), "attention.head_count_kv")
+
+
+def hf_config_from_gguf(path: str, parsed: GGUFFile | None = None) -> dict[str, Any]:
+    """The config.json a Hugging Face checkpoint of this GGUF file would carry (the keys we read)."""
     g = parsed or open_gguf(path)
     meta = g.metadata
     arch = _arch(meta, path)
@@ -82,8 +96,7 @@ def config_from_gguf(path: str, parsed: GGUFFile | None = None) -> ModelConfig:
         return value
 
     hidden = int(key("embedding_length"))
-    heads = _uniform(key("attention.head_count"), "attention.head_count")
-    kv_heads = _uniform(key("attention.head_count_kv", heads), "attention.head_count_kv")
+    heads, kv_heads = _head_counts(meta, arch)
     head_dim = int(
         meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // heads
     )
@@ -94,27 +107,27 @@ def config_from_gguf(path: str, parsed: GGUFFile | None = None) -> ModelConfig:
     rope_freqs = None
     if "rope_freqs.weight" in g.tensors:
         rope_freqs = dequantize(g.data("rope_freqs.weight"), g.tensors["rope_freqs.weight"].ggml_type)
+    scaling = rope_scaling_from_gguf(meta, arch, rope_freqs, head_dim, theta)
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    eos = [meta[k] for k in eos_keys if k in meta]
-    return ModelConfig(
-        architecture=_ARCHS[arch][0],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=_uniform(key("feed_forward_length"), "feed_forward_length"),
-        num_layers=int(key("block_count")),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=rope_scaling_from_gguf(meta, arch, rope_freqs, head_dim, theta),
-        max_position_embeddings=int(key("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in g.tensors,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
-        qk_norm=arch == "qwen3" or "blk.0.attn_q_norm.weight" in g.tensors,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-    )
+    return {
+        "architectures": [_ARCHS[arch][0]],
+        "model_type": arch,  # llama.cpp's names for these three are transformers' model types
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": _uniform(key("feed_forward_length"), "feed_forward_length"),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": None if scaling is None else dataclasses.asdict(scaling),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in g.tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(meta[k]) for k in eos_keys if k in meta)),
+    }
 
 
 def hf_name(gguf_name: str) -> str:
@@ -137,11 +150,12 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class GGUFWeights:
     """Iterates (hf_name, tensor) over a GGUF file, dequantizing one tensor at a time."""
 
-    def __init__(self, path: str, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, path: str, dtype: torch.dtype) -> None:
         self.gguf = open_gguf(path)
-        self.config = config
         self.dtype = dtype
-        self.permute_qk = _ARCHS[_arch(self.gguf.metadata, path)][1]
+        arch = _arch(self.gguf.metadata, path)
+        self.permute_qk = _ARCHS[arch][1]
+        self.heads, self.kv_heads = _head_counts(self.gguf.metadata, arch)
         self.names = [n for n in self.gguf.tensors if n not in _SKIP]
         for n in self.names:  # fail on unknown tensors before the first yield
             hf_name(n)
@@ -159,8 +173,13 @@ class GGUFWeights:
         if not values.flags.writeable:  # a plain F32 tensor is a view of the read-only mapping
             values = values.copy()
         t = torch.from_numpy(np.ascontiguousarray(values)).to(self.dtype)
-        if self.permute_qk and ".attn_q." in name:
-            t = unpermute_rotary(t, self.config.num_heads)
-        elif self.permute_qk and ".attn_k." in name:
-            t = unpermute_rotary(t, self.config.num_kv_heads)
+        heads = self.rotary_heads(name)
+        if heads:
+            t = unpermute_rotary(t, heads)
         return t.contiguous()
+
+    def rotary_heads(self, gguf_name: str) -> int | None:
+        """The head count whose rows the converter permuted in this tensor (q or k), else None."""
+        if not self.permute_qk:
+            return None
+        return self.heads if ".attn_q." in gguf_name else self.kv_heads if ".attn_k." in gguf_name else None

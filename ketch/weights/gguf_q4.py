@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from ketch.config import ModelConfig
 from ketch.layers.q4 import BLOCK, Q4Weight  # the matrix type: a layer's, this file only fills it
 from ketch.weights.gguf_loader import GGUFWeights, hf_name, unpermute_rotary
 
@@ -33,16 +32,15 @@ def decode_q4(raw: np.ndarray, ggml_type: GGMLQuantizationType, rows: int, cols:
     return Q4Weight(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-def iter_q4_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, Q4Weight]]:
+def iter_q4_weights(path: str) -> Iterator[tuple[str, Q4Weight]]:
     """(hf_name, Q4Weight) for every 2-D Q4_0/Q4_1 tensor, q/k rows un-permuted like the dense loader."""
-    source = GGUFWeights(path, config, torch.float32)
+    source = GGUFWeights(path, torch.float32)
     for name in source.names:
         info = source.gguf.tensors[name]
         if info.ggml_type not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) or len(info.shape) != 2:
             continue
         w = decode_q4(source.gguf.data(name), info.ggml_type, *info.shape)
-        hf = hf_name(name)
-        if source.permute_qk and (".q_proj." in hf or ".k_proj." in hf):
-            heads = config.num_heads if ".q_proj." in hf else config.num_kv_heads
+        heads = source.rotary_heads(name)
+        if heads:
             w = Q4Weight(*(unpermute_rotary(t, heads) for t in (w.q, w.scale, w.zero)))
-        yield hf, w
+        yield hf_name(name), w

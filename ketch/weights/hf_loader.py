@@ -1,16 +1,14 @@
 """Hugging Face model directories: config.json (+ generation_config.json) and *.safetensors."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from ketch.config import ModelConfig
 
 _INDEX = "model.safetensors.index.json"
 
@@ -26,23 +24,22 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def config_from_hf(config_path: str) -> ModelConfig:
-    """`config_path` is a directory holding config.json, or a config.json file itself."""
+def read_hf_config(config_path: str) -> tuple[str, dict[str, Any]]:
+    """(the config.json path, its dict); `config_path` is a directory holding config.json, or the
+    file itself. Chat models often list their end-of-turn token only in generation_config.json
+    (Llama 3): its eos ids are merged into `eos_token_id` (a list)."""
     if os.path.isdir(config_path):
         config_path = os.path.join(config_path, "config.json")
     d = _read_json(config_path)
-    try:
-        config = ModelConfig.from_hf_dict(d)
-    except KeyError as e:
-        raise ValueError(f"model: {config_path!r} lacks {e.args[0]!r}") from None
-    # Chat models often list their end-of-turn token only in generation_config.json (Llama 3).
     gen_path = os.path.join(os.path.dirname(config_path), "generation_config.json")
     if os.path.isfile(gen_path):
-        eos = _read_json(gen_path).get("eos_token_id")
-        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
-        config = dataclasses.replace(config, eos_token_ids=merged)
-    return config
+        eos = [*_as_list(d.get("eos_token_id")), *_as_list(_read_json(gen_path).get("eos_token_id"))]
+        d["eos_token_id"] = list(dict.fromkeys(int(e) for e in eos))
+    return config_path, d
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [] if value is None else [value]
 
 
 def safetensors_files(directory: str) -> list[str]:
@@ -63,16 +60,16 @@ def safetensors_files(directory: str) -> list[str]:
     return paths
 
 
-def _skip(name: str, config: ModelConfig) -> bool:
+def _skip(name: str, shapes: Mapping[str, tuple[int, ...]]) -> bool:
     # Old checkpoints store the rotary inv_freq buffer; tied ones sometimes store lm_head anyway.
-    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in shapes)
 
 
 class SafetensorsWeights:
     """Iterates (name, tensor) over every shard, one tensor in memory at a time."""
 
-    def __init__(self, directory: str, config: ModelConfig, dtype: torch.dtype) -> None:
-        self.config = config
+    def __init__(self, directory: str, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+        """shapes: the tensors the model expects (its family's `weight_shapes`)."""
         self.dtype = dtype
         self.entries: list[tuple[str, str]] = []  # (file, tensor name), in file order
         for path in safetensors_files(directory):
@@ -81,7 +78,7 @@ class SafetensorsWeights:
                     names = list(f.keys())
             except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
                 raise ValueError(f"model: {path!r} is not a readable safetensors file: {e}") from None
-            self.entries += [(path, n) for n in names if not _skip(n, config)]
+            self.entries += [(path, n) for n in names if not _skip(n, shapes)]
 
     def __len__(self) -> int:
         return len(self.entries)

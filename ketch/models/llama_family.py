@@ -1,12 +1,22 @@
-"""The Hugging Face parameter names and shapes of a Llama-family decoder; every loader yields these."""
+"""The Llama family's declaration (ketch/models/family.py): Llama 2/3, SmolLM2, Mistral, Qwen2,
+Qwen3 share one config (`ModelConfig`), one KV layout (K and V per layer) and one checkpoint
+naming; the model is llama.py."""
 from __future__ import annotations
 
-from ketch.config import ModelConfig
+from ketch.config import KVSpec, ModelConfig
+from ketch.layers.parallel_linear import kv_heads_per_rank
+from ketch.models.family import ModelFamily
+from ketch.models.llama import LlamaForCausalLM
+from ketch.parallel import ParallelContext
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape (Linear weights are [out_features, in_features]), in loading order."""
-    c = config
+def kv_spec(cfg: ModelConfig, parallel: ParallelContext) -> KVSpec:
+    """K and V of [kv_heads / tp, head_dim] per layer: each rank keeps its own kv heads."""
+    return KVSpec.mha(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, parallel), cfg.head_dim)
+
+
+def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> full shape (Linear weights are [out_features, in_features]), in loading order."""
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -32,6 +42,11 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_weight_names(config: ModelConfig) -> set[str]:
-    """Exactly the tensors a complete checkpoint for `config` provides."""
-    return set(weight_shapes(config))
+LLAMA: ModelFamily[ModelConfig] = ModelFamily(
+    name="llama",
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    config_from_hf=ModelConfig.from_hf_dict,
+    kv_spec=kv_spec,
+    weight_shapes=weight_shapes,
+    model_class=LlamaForCausalLM,
+)

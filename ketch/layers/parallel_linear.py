@@ -1,0 +1,112 @@
+"""Tensor-parallel linear layers (Megatron's split): each holds its rank's share of the weight
+and loads that share itself from the full checkpoint tensor (`weight_loader`).
+
+    ColumnParallelLinear        W's rows (output features) split; y comes out split, nothing
+                                is communicated
+    MergedColumnParallelLinear  several column-parallel projections of one input stacked
+                                (gate|up): each rank holds [gate_r | up_r]
+    QKVParallelLinear           q|k|v stacked: each rank holds its q heads and its kv heads
+    RowParallelLinear           W's columns (input features) split; takes the split y of a
+                                column-parallel layer, all-reduces the partial products
+
+So attention (q/k/v heads) and the MLP (intermediate features) run rank-locally between one
+column- and one row-parallel layer, with one all-reduce each. With TP=1 every layer is exactly
+`Linear` (the same fused layout, the same dense or 4-bit product, the bias inside the GEMM).
+
+A layer's `shard_ids` are the checkpoint tensors it is made of (("q", "k", "v"), (0, 1), or
+(None,) for one); `weight_loader(param, full, shard_id)` copies this rank's part of one of them
+into its slot, `int4_part(q4, shard_id)` slices a 4-bit GGUF weight the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ketch.layers.linear import Linear
+from ketch.layers.q4 import Q4Weight
+from ketch.layers.sharding import load_shard, shard_q4
+from ketch.parallel import SINGLE, ParallelContext
+
+ShardId = str | int | None
+Dense = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class ColumnParallelLinear(Linear):
+    shard_ids: tuple[ShardId, ...] = (None,)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear, field: str = "out_features") -> None:
+        super().__init__(in_features, parallel.split(out_features, field), bias=bias, dense=dense)
+        self.parallel = parallel
+
+    def slot(self, shard_id: ShardId) -> tuple[int, int]:
+        """(first row, rows) of `shard_id`'s part inside this rank's weight."""
+        return 0, self.out_features
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, rows = self.slot(shard_id)
+        load_shard(param.data.narrow(0, offset, rows), loaded, self.parallel, dim=0)
+
+    def int4_part(self, w: Q4Weight, shard_id: ShardId = None) -> Q4Weight | None:
+        return shard_q4(w, self.parallel, dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False, *,
+                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear, field: str = "output_sizes") -> None:
+        self.local_sizes = tuple(parallel.split(n, field) for n in output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, parallel=parallel, dense=dense, field=field)
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def slot(self, shard_id: ShardId) -> tuple[int, int]:
+        assert isinstance(shard_id, int), f"merged projection: shard id {shard_id!r} is not a part index"
+        return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
+
+
+def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelContext) -> int:
+    """KV heads are split, never replicated: TP must divide the kv head count."""
+    if num_kv_heads % parallel.world_size:
+        raise ValueError(f"num_kv_heads: {num_kv_heads} kv heads do not split over tensor parallel size "
+                         f"{parallel.world_size} (replicating kv heads across ranks is not supported)")
+    return num_kv_heads // parallel.world_size
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    shard_ids = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
+                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear) -> None:
+        self.num_heads = parallel.split(num_heads, "num_heads")  # this rank's
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, parallel)
+        self.head_dim = head_dim
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel=parallel, dense=dense)
+
+    def slot(self, shard_id: ShardId) -> tuple[int, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]  # type: ignore[index]
+
+
+class RowParallelLinear(Linear):
+    shard_ids: tuple[ShardId, ...] = (None,)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear, field: str = "in_features") -> None:
+        super().__init__(parallel.split(in_features, field), out_features, bias=bias, dense=dense)
+        self.parallel = parallel
+        self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs plain Linear.forward
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        # the bias is whole on every rank: added once, after the sum
+        load_shard(param.data, loaded, self.parallel, dim=1 if param is self.weight else None)
+
+    def int4_part(self, w: Q4Weight, shard_id: ShardId = None) -> Q4Weight | None:
+        return shard_q4(w, self.parallel, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce:
+            return super().forward(x)
+        y = self.parallel.all_reduce(self.project(x, None))
+        return y if self.bias is None else y + self.bias

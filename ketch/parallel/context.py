@@ -1,0 +1,70 @@
+"""ParallelContext: which tensor-parallel rank this process is, of how many, and the group the
+collectives run over.
+
+It is handed to the model's constructor (like `LayerOps`) and from there to every parallel
+layer, so two models with different contexts can live in one process (the TP=2 tests run a TP=1
+reference beside them). Nothing here is a module-level "current group".
+
+`SINGLE` is TP=1: no group, every collective is the identity and every split is the whole.
+A context of world_size > 1 without a group is allowed for planning (shapes, KV bytes per
+rank); its collectives raise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # torch.distributed.ProcessGroup; None for TP=1 (or shapes-only planning)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+
+    @classmethod
+    def from_group(cls, group: Any) -> ParallelContext:
+        """This process's place in an initialized torch.distributed group."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def split(self, total: int, field: str) -> int:
+        """This rank's share of `total` (heads, features, rows); `field` names what is split."""
+        if total % self.world_size:
+            raise ValueError(f"{field}: {total} does not split evenly over tensor parallel size {self.world_size}")
+        return total // self.world_size
+
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous slice of `full` along `dim` (a view; world_size must divide it)."""
+        size = self.split(full.shape[dim], f"tensor dim {dim} of shape {tuple(full.shape)}")
+        return full.narrow(dim, self.rank * size, size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self._group())
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' `x` concatenated along `dim`, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self._group())
+        return torch.cat(parts, dim=dim)
+
+    def _group(self) -> Any:
+        if self.group is None:
+            raise ValueError(f"ParallelContext: world_size {self.world_size} without a process group "
+                             f"(a planning context) cannot run collectives")
+        return self.group
+
+
+SINGLE = ParallelContext()  # TP=1, the default of every model and layer
