@@ -13,6 +13,7 @@ from conftest import assert_drained, drain, make_tiny_engine
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.manager import KVCacheManager
 from ketch.cache.radix_node import Node
+from ketch.config import KVSpec
 from ketch.sampling.params import SamplingParams
 
 PS = 4
@@ -64,7 +65,7 @@ class Recorder:
 
 
 def manager(num_pages: int = 16, events: Recorder | None = None) -> KVCacheManager:
-    pool = KVPool(2, num_pages, PS, 1, 4, torch.float32, torch.device("cpu"))
+    pool = KVPool(KVSpec.mha(2, 1, 4), num_pages, PS, torch.float32, torch.device("cpu"))
     return KVCacheManager(pool, events=events)
 
 
@@ -160,6 +161,7 @@ def test_export_describes_every_pool_buffer() -> None:
     assert [(b.layer, b.name) for b in bufs] == [(0, "k"), (0, "v"), (1, "k"), (1, "v")]
     for b in bufs:
         t = getattr(kv.pool, b.name)[b.layer]
+        assert t is kv.pool.tensor(b.layer, b.name)
         assert b.ptr == t.data_ptr() and b.nbytes == t.numel() * t.element_size() == 6 * b.page_bytes
         page = 3  # page p is at ptr + p * page_bytes
         assert t[page].data_ptr() == b.ptr + page * b.page_bytes

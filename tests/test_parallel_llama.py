@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gloo_util import run_on_ranks
-from ketch.attention.base import SeqChunk
+from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.attention.torch_backend import TorchAttentionBackend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import ModelConfig
@@ -59,7 +59,7 @@ def run_model(parallel: ParallelContext, family: str) -> list[torch.Tensor]:
         lens = [n + 1 for n in lens]
     logits = []
     for seqs, step_ids, pos in zip(steps, ids, positions, strict=True):
-        hidden = model(torch.tensor(step_ids), torch.tensor(pos), attn, attn.init_metadata(seqs))
+        hidden = model(torch.tensor(step_ids), torch.tensor(pos), attn, attn.init_metadata(ForwardBatch.build(seqs, PAGE)))
         logits.append(model.compute_logits(hidden))
     return logits
 

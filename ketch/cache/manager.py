@@ -56,7 +56,7 @@ class LayerBuffer:
     """One KV tensor of one layer, as a transport registers it."""
 
     layer: int
-    name: str  # "k", "v"
+    name: str  # as the model's KV spec names it: "k", "v"; "latent" for MLA
     ptr: int
     nbytes: int
     page_bytes: int  # bytes of one page: page p lives at ptr + p * page_bytes
@@ -159,13 +159,10 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- transports
     def export(self) -> list[LayerBuffer]:
-        """Every KV tensor of the pool: where it lives and how big a page of it is."""
-        out = []
-        for layer, (k, v) in enumerate(zip(self.pool.k, self.pool.v, strict=True)):
-            for name, t in (("k", k), ("v", v)):
-                out.append(LayerBuffer(layer, name, t.data_ptr(), t.numel() * t.element_size(),
-                                       t[0].numel() * t.element_size()))
-        return out
+        """Every KV tensor the model's spec declares, per layer: where it lives and how big a page
+        of it is (K and V for attention with heads; one latent for an MLA model)."""
+        return [LayerBuffer(layer, name, t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
+                for layer, tensors in enumerate(self.pool.layers) for name, t in tensors.items()]
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self, holders: Iterable[PageHolder]) -> None:
