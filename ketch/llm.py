@@ -19,7 +19,7 @@ from ketch.sampling.params import SamplingParams
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.sample_text import SampleText as _SampleText
 from ketch.text.tokenizer import Tokenizer
-from ketch.weights.source import tokenizer_source
+from ketch.weights.source import ModelSource
 
 Prompt = str | list[int]
 
@@ -67,7 +67,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, **engine_args)
-        source = tokenizer_source(model, self.config.load_format, self.config.tokenizer)
+        source = ModelSource.resolve(model, self.config.load_format, self.config.tokenizer).tokenizer
         self.tokenizer = None if source is None else Tokenizer.load(source)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.engine = Engine(self.config, eos_token_ids=eos)

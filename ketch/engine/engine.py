@@ -38,7 +38,7 @@ from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
 from ketch.models import load_model_config
-from ketch.weights.source import tokenizer_source
+from ketch.weights.source import ModelSource
 
 
 GATE_WAIT_S = 0.01  # an idle step waits this long at a gate (a compile); new requests wait at most this
@@ -55,14 +55,15 @@ class LaunchedStep:
 class Engine:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
-        self.model_config = load_model_config(config.model, config.load_format)
+        # the model's path, weight format and tokenizer, resolved once for everything below
+        self.source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
+        self.model_config = load_model_config(self.source)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tuple(eos_token_ids)))
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source)
         self.kv = KVCacheManager(self.runner.pool, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.kv)
-        tokenizer_path = tokenizer_source(config.model, config.load_format, config.tokenizer)
-        self.grammars = GrammarGate(tokenizer_path, self.vocab_size, self.eos_ids, self.runner.device)
+        self.grammars = GrammarGate(self.source.tokenizer, self.vocab_size, self.eos_ids, self.runner.device)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []

@@ -12,7 +12,7 @@ from typing import Any
 
 from ketch.models.family import ModelFamily
 from ketch.models.llama_family import LLAMA
-from ketch.weights import read_config
+from ketch.weights import ModelSource, read_config
 
 FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA,)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
@@ -32,7 +32,7 @@ def config_from_hf(d: dict[str, Any]) -> Any:
     return family_for(architecture).config_from_hf(d)
 
 
-def load_model_config(path: str | None, load_format: str = "auto") -> Any:
+def load_model_config(path: "str | ModelSource | None", load_format: str = "auto") -> Any:
     """Config from a GGUF file's metadata, an HF directory's config.json, or a config.json file."""
     source, d = read_config(path, load_format)
     try:

@@ -35,9 +35,8 @@ from ketch.parallel import SINGLE, ParallelContext
 from ketch.runner.cuda_graph import DecodeGraphs
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
-from ketch.weights import detect_format, iter_weights
+from ketch.weights import ModelSource, iter_weights
 from ketch.weights.gguf_q4 import iter_q4_weights
-from ketch.weights.source import resolve_model_path
 
 
 def kv_budget_bytes(config: EngineConfig) -> int:
@@ -63,9 +62,12 @@ class ModelRunner:
     # engine spawns one runner per rank and hands each its own)
     parallel: ParallelContext = SINGLE
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 source: ModelSource | None = None) -> None:
+        """source: the model as the engine resolved it (None: resolve it from `config` here)."""
         self.config = config
         self.model_config = model_config
+        self.source = source or ModelSource.resolve(config.model, config.load_format, config.tokenizer)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if config.num_threads:
@@ -114,20 +116,17 @@ class ModelRunner:
             param.data = param.data.to(self.dtype)
         # Every rank reads the full tensors and keeps its slice. Dummy weights are drawn on the
         # target device (seconds for 8B on a GPU, not minutes on the CPU).
-        weights = iter_weights(self.config.model, family.weight_shapes(cfg), self.dtype, self.config.load_format,
-                               seed=self.config.seed, device=self.device)
+        weights = iter_weights(self.source, family.weight_shapes(cfg), self.dtype, seed=self.config.seed,
+                               device=self.device)
         model.load_weights(weights)
         if self._keeps_4bit():
-            model.load_int4(iter_q4_weights(resolve_model_path(self.config.model)))
+            model.load_int4(iter_q4_weights(self.source.path))
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
         """The int4 kernel is a CPU kernel with bf16 activations; only GGUF files carry 4-bit blocks."""
-        ec = self.config
-        return (
-            ec.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16
-            and detect_format(resolve_model_path(ec.model), ec.load_format) == "gguf"
-        )
+        return (self.config.quantization == "auto" and self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and self.source.is_gguf)
 
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config

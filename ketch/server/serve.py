@@ -29,7 +29,7 @@ from ketch.server.http_protocol import GuardedHttpProtocol
 from ketch.server.state import Admission, ServerState
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
-from ketch.weights.source import default_model_path, tokenizer_source
+from ketch.weights.source import ModelSource, default_model_path
 
 
 _ANSWER_GRACE_S = 5.0  # after our deadline, time for the shutdown answers to leave before uvicorn cancels
@@ -63,7 +63,7 @@ class _Server(uvicorn.Server):
 
 
 def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    source = tokenizer_source(config.model, config.load_format, config.tokenizer)
+    source = ModelSource.resolve(config.model, config.load_format, config.tokenizer).tokenizer
     if source is None:
         return None
     try:

@@ -22,9 +22,10 @@ from tqdm.auto import tqdm
 from ketch.weights.dummy_loader import DummyWeights
 from ketch.weights.gguf_loader import GGUFWeights, hf_config_from_gguf
 from ketch.weights.hf_loader import SafetensorsWeights, read_hf_config
-from ketch.weights.source import default_model_path, detect_format, is_gguf_file, resolve_model_path
+from ketch.weights.source import ModelSource, default_model_path, detect_format, is_gguf_file, resolve_model_path
 
 __all__ = [
+    "ModelSource",
     "default_model_path",
     "detect_format",
     "iter_weights",
@@ -40,17 +41,20 @@ class _WeightSource(Protocol):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-def read_config(path: str | None, load_format: str = "auto") -> tuple[str, dict[str, Any]]:
+def _source(path: str | ModelSource | None, load_format: str) -> ModelSource:
+    return path if isinstance(path, ModelSource) else ModelSource.resolve(path, load_format)
+
+
+def read_config(path: str | ModelSource | None, load_format: str = "auto") -> tuple[str, dict[str, Any]]:
     """(where it came from, config.json's dict) of a GGUF file, an HF directory or a config.json."""
-    path = resolve_model_path(path)
-    detect_format(path, load_format)  # validates the path/format pair
+    path = _source(path, load_format).path
     if not os.path.isdir(path) and is_gguf_file(path):
         return path, hf_config_from_gguf(path)
     return read_hf_config(path)
 
 
 def iter_weights(
-    path: str | None,
+    path: str | ModelSource | None,
     shapes: Shapes,
     dtype: torch.dtype,
     load_format: str = "auto",
@@ -62,8 +66,8 @@ def iter_weights(
     The path is checked and the file header parsed here, so bad input fails at the call, not at
     the first `next()`. `seed` only matters for dummy weights.
     """
-    path = resolve_model_path(path)
-    fmt = detect_format(path, load_format)
+    model = _source(path, load_format)
+    path, fmt = model.path, model.format
     source: _WeightSource
     if fmt == "gguf":
         source = GGUFWeights(path, dtype)

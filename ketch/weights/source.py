@@ -1,8 +1,10 @@
-"""Where a model comes from: the bundled default, and which loader a path calls for."""
+"""Where a model comes from: the bundled default, which loader a path calls for, and the
+tokenizer — resolved once per process into a `ModelSource` that everything else reads."""
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 WeightFormat = Literal["gguf", "hf", "dummy"]
@@ -68,12 +70,36 @@ def detect_format(path: str, load_format: str = "auto") -> WeightFormat:
     raise ValueError(f"model: {path!r} is neither a .gguf file, a Hugging Face directory nor a config.json")
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model, resolved: its path (the bundled default when none was given), the loader its
+    weights take ("gguf", "hf", or "dummy": random weights of the model's shapes) and where its
+    tokenizer comes from (None: dummy weights and no `tokenizer` given)."""
+
+    path: str
+    format: WeightFormat
+    tokenizer: str | None
+
+    @classmethod
+    def resolve(cls, model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> "ModelSource":
+        """Check the path/format pair once (ValueError naming `model`, `load_format` or `tokenizer`)."""
+        path = resolve_model_path(model)
+        fmt = detect_format(path, load_format)
+        if tokenizer is not None:
+            if not os.path.exists(tokenizer):
+                raise ValueError(f"tokenizer: path {tokenizer!r} does not exist")
+            tok: str | None = os.fspath(tokenizer)
+        else:
+            tok = None if fmt == "dummy" else path
+        return cls(path, fmt, tok)
+
+    @property
+    def is_gguf(self) -> bool:
+        """Real weights from a GGUF file (which carries 4-bit blocks the CPU kernel can keep)."""
+        return self.format == "gguf"
+
+
 def tokenizer_source(model: str | None, load_format: str = "auto", tokenizer: str | None = None) -> str | None:
     """Where the tokenizer comes from: `tokenizer` when given, else the model itself, except that
     dummy weights have none (None)."""
-    if tokenizer is not None:
-        if not os.path.exists(tokenizer):
-            raise ValueError(f"tokenizer: path {tokenizer!r} does not exist")
-        return os.fspath(tokenizer)
-    path = resolve_model_path(model)
-    return None if detect_format(path, load_format) == "dummy" else path
+    return ModelSource.resolve(model, load_format, tokenizer).tokenizer
