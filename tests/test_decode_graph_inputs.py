@@ -1,6 +1,7 @@
-"""The CUDA-graph decode path's static inputs (runner/cuda_graph.py), checked on the CPU.
+"""The CUDA-graph decode path's static inputs over the torch backend (runner/graph_runner.py and
+the torch backend's graph hooks), checked on the CPU.
 
-Off CUDA, DecodeGraphs runs its static-buffer forward eagerly, so the parts a graph depends on
+Off CUDA, GraphRunner runs its static-buffer forward eagerly, so the parts a graph depends on
 (batch and page buckets, padding rows copied from row 0, padded pages masked out) are tested
 here against the ordinary eager step; tests/test_gpu.py checks the captured graphs on a GPU.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import greedy_ids_and_logprobs, make_tiny_engine
-from ketch.runner.cuda_graph import DecodeGraphs, bucket
+from ketch.runner.graph_runner import GraphRunner, bucket
 
 
 def test_bucket_is_the_next_power_of_two():
@@ -29,7 +30,8 @@ def test_static_buffer_decode_equals_the_eager_step(tiny_config_path, overlap):
     # overlap: each decode row's input id is a placeholder, resolved inside the static forward
     padded = make_tiny_engine(tiny_config_path, overlap_schedule=overlap)
     r = padded.runner
-    r.graphs = DecodeGraphs(r.model, r.attn, max_bs=8, max_pages=64, device=r.device, future=r.future)
+    r.graphs = GraphRunner(r.model, r.attn, max_bs=8, max_model_len=padded.max_model_len, device=r.device,
+                           future=r.future)
     calls = []
     run = r.graphs.run
     r.graphs.run = lambda chunks: calls.append(len(chunks)) or run(chunks)

@@ -21,8 +21,7 @@ from conftest import greedy_ids_and_logprobs, make_tiny_engine
 from ketch.cli_args import add_engine_args, engine_kwargs
 from ketch.config import EngineConfig, KVSpec
 from ketch.engine.engine import Engine
-from ketch.runner.cuda_graph import DecodeGraphs
-from ketch.runner.triton_graphs import TritonDecodeGraphs
+from ketch.runner.graph_runner import GraphRunner
 
 FP8 = torch.float8_e4m3fn
 
@@ -90,11 +89,8 @@ def test_static_buffer_decode_equals_the_eager_step_under_fp8(tiny_config_path, 
     model's dtype, not the pool's; both store and read fp8 like the eager step."""
     engine = _fp8_engine(tiny_config_path, attention_backend=backend, layer_kernels=backend)
     r = engine.runner
-    if backend == "torch":
-        r.graphs = DecodeGraphs(r.model, r.attn, max_bs=8, max_pages=64, device=r.device, future=r.future)
-    else:
-        r.graphs = TritonDecodeGraphs(r.model, r.attn, max_bs=8, max_model_len=engine.max_model_len, device=r.device,
-                                      future=r.future)
+    r.graphs = GraphRunner(r.model, r.attn, max_bs=8, max_model_len=engine.max_model_len, device=r.device,
+                           future=r.future)
     calls = []
     run = r.graphs.run
     r.graphs.run = lambda chunks: calls.append(len(chunks)) or run(chunks)

@@ -1,10 +1,10 @@
 """The runner's kernel choices (attention backend, layer kernels, CUDA graphs) and the Triton
-decode-graph runner's static buffers, checked on the CPU through Triton's interpreter.
+backend's decode-graph buffers, checked on the CPU through Triton's interpreter.
 
-Without CUDA, TritonDecodeGraphs runs its static-buffer forward eagerly, so the parts a graph
-depends on (padded sizes, padded rows that write nothing, the page table copied into a
-fixed-stride buffer) are checked here against the ordinary eager step; tests/test_gpu.py
-checks the captured graphs on a GPU. fp32 only: the interpreter's bf16 is not trustworthy.
+Without CUDA, the graph runner (runner/graph_runner.py) runs its static-buffer forward eagerly
+over the Triton backend's graph hooks, so the parts a graph depends on (padded sizes, padded
+rows that write nothing, the page table copied into a fixed-stride buffer) are checked here
+against the ordinary eager step; tests/test_gpu.py checks the captured graphs on a GPU. fp32 only: the interpreter's bf16 is not trustworthy.
 """
 import os
 
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from conftest import greedy_ids_and_logprobs, make_tiny_engine  # noqa: E402
 from ketch.config import EngineConfig  # noqa: E402
-from ketch.runner.triton_graphs import TritonDecodeGraphs, capture_sizes  # noqa: E402
+from ketch.runner.graph_runner import GraphRunner, capture_sizes  # noqa: E402
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; tests/test_gpu.py covers CUDA")
 PROMPTS = [[5, 9, 11], list(range(3, 40)), [7] * 9]  # 3 rows (padded to 4), 1 to 10 pages of 4
@@ -86,9 +86,9 @@ def test_static_buffer_decode_equals_the_eager_triton_step(tiny_config_path, tor
     # overlap: each decode row's input id is a placeholder, resolved inside the static forward
     padded = make_tiny_engine(tiny_config_path, device="cpu", attention_backend="triton", overlap_schedule=overlap)
     r = padded.runner
-    r.graphs = TritonDecodeGraphs(r.model, r.attn, max_bs=8, max_model_len=padded.max_model_len, device=r.device,
-                                  future=r.future)
-    r.graphs.table.fill_(10**6)  # stale columns beyond a row's length must never be read
+    r.graphs = GraphRunner(r.model, r.attn, max_bs=8, max_model_len=padded.max_model_len, device=r.device,
+                           future=r.future)
+    r.attn.graph_buffers.table.fill_(10**6)  # stale columns beyond a row's length must never be read
     sizes = []
     run = r.graphs.run
     r.graphs.run = lambda chunks: sizes.append((len(chunks), r.graphs.size_for(len(chunks)))) or run(chunks)

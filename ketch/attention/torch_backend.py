@@ -7,6 +7,17 @@ Per step:   tokens = [ decode-like chunks (1 token each) | prefill chunks (ragge
 - a prefill chunk after a cached prefix gathers its pages and uses an explicit causal mask
   shifted by the prefix length.
 
+Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
+    key          = (batch size, page bucket), the page bucket a power of two, captured on first
+                   use (a server meets few of them, and most (size, bucket) pairs never occur)
+    static       ids, positions, slots, lens [max_bs], pages [max_bs, bucket(max pages)] int64,
+                   filled by one host→device copy of the vectors and one of the page rows
+    padded rows  = copies of row 0 (same token, position, slot, pages): they compute the very
+                   same K/V and write it to row 0's slot, so padding never touches another
+                   request's pages, and rerunning a step (warm-up before capture) changes nothing
+    padded pages = the row's own first page, masked out (-inf) like the eager path's padding
+The mask is built inside the graph from the static lengths (`capture_inputs`).
+
 A narrower pool (fp8 KV) is read through `KVPool.gather`, which casts up to the model's dtype.
 A prefill chunk attends to its own new tokens at full precision (the K/V it was handed, not
 their fp8 copy), as the Triton extend kernel does; cached tokens and decode read the pool.
@@ -15,10 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ketch.attention.base import AttentionBackend
+from ketch.attention.base import AttentionBackend, GraphInputs, GraphKey
 from ketch.cache.kv_pool import KVPool
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
@@ -42,12 +54,33 @@ class TorchAttentionMetadata:
     prefills: list[PrefillMeta]
 
 
+@dataclass
+class GraphBuffers:
+    """The decode graphs' static inputs (module docstring), shared by every graph."""
+
+    ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor
+    slots: torch.Tensor
+    lens: torch.Tensor
+    pages: torch.Tensor  # [max_bs, bucket(max pages)] int64
+
+    @property
+    def max_pages(self) -> int:
+        return self.pages.shape[1]
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, head_dim: int, device: torch.device) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.scale = head_dim**-0.5
         self.device = device
+        self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
 
     def init_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         ps, nd = self.page_size, batch.num_decode
@@ -120,3 +153,43 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+    # ------------------------------------------------------------ decode-graph hooks
+    def init_capture(self, sizes: list[int], max_model_len: int) -> list[GraphKey]:
+        max_bs, long = max(sizes), dict(dtype=torch.long, device=self.device)
+        max_pages = _bucket(-(-max_model_len // self.page_size))
+        self.graph_buffers = GraphBuffers(
+            ids=torch.zeros(max_bs, **long), positions=torch.zeros(max_bs, **long),
+            slots=torch.zeros(max_bs, **long), lens=torch.ones(max_bs, **long),
+            pages=torch.zeros(max_bs, max_pages, **long),
+        )
+        return []  # each (size, page bucket) on first use
+
+    def graph_key(self, batch: ForwardBatch, bs: int) -> GraphKey | None:
+        pb = _bucket(int(batch.pages_used.max()))
+        return (bs, pb) if pb <= self.graph_buffers.max_pages else None
+
+    def capture_inputs(self, key: GraphKey) -> GraphInputs:
+        bs, pb = key
+        g = self.graph_buffers
+        visible = torch.arange(pb * self.page_size, device=self.device)[None, :] < g.lens[:bs, None]
+        meta = TorchAttentionMetadata(slots=g.slots[:bs], num_decode=bs, decode_pages=g.pages[:bs, :pb],
+                                      decode_mask=self._additive(visible)[:, None, None, :], prefills=[])
+        return GraphInputs(g.ids[:bs], g.positions[:bs], meta)
+
+    def prepare_replay(self, batch: ForwardBatch, key: GraphKey) -> None:
+        """Padded rows and pages as the module docstring says; two host→device copies."""
+        (bs, pb), g, n = key, self.graph_buffers, batch.num_seqs
+        used = batch.pages_used
+        rows = np.empty((bs, pb), np.int64)
+        rows[:n, : batch.page_table.shape[1]] = batch.page_table
+        # past its own pages a row repeats its first page (masked out, never written)
+        rows[:n] = np.where(np.arange(pb)[None, :] < used[:, None], rows[:n], rows[:n, :1])
+        rows[n:] = rows[0]  # padded rows are copies of row 0
+        pad = bs - n
+        vectors = np.stack([np.concatenate((v, v[:1].repeat(pad)))
+                            for v in (batch.input_ids, batch.positions, batch.slots, batch.kv_lens)])
+        dev = to_device(vectors, self.device, torch.long)
+        for i, static in enumerate((g.ids, g.positions, g.slots, g.lens)):
+            static[:bs].copy_(dev[i])
+        g.pages[:bs, :pb].copy_(to_device(rows, self.device, torch.long))

@@ -10,10 +10,22 @@ Per layer (forward): store K/V into their slots, decode kernel over rows [0, num
 extend kernel over the rest, both writing into one output: no host syncs, no Python loop
 over requests, so the decode path can be captured in a CUDA graph.
 
-CUDA graphs (ketch/runner/triton_graphs.py) build a `TritonAttentionMetadata` over static
-buffers once per captured batch size (page_table [max_bs, max_pages], seq_lens, scratch for a
-fixed `num_splits`), fill the buffers in place each step (padded rows: seq_len 0, slot -1 →
-zeros, nothing written) and replay.
+Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
+every runner size is captured at init, key (bs,). Static buffers, shared by every graph (they
+replay one at a time, on one stream):
+
+    stage  int32 [4 * max_bs + max_bs * max_pages]  ← the step's one host→device copy (pinned)
+           the graph of size bs reads ids, positions, kv_lens, slots at stage[0:bs],
+           [bs:2bs], [2bs:3bs], [3bs:4bs]; the page rows [n, w] follow them
+    table  int32 [max_bs, max_pages]   page table with a fixed row stride (baked into the
+           graph); each step copies its [n, w] block in from the stage (one device copy).
+           Columns past a row's length are stale and never read: kernels stop at kv_len.
+    scratch fp32 split-K partials for the largest bs × splits, viewed per size
+
+Padded rows: token 0 at position 0, kv_len 0, slot -1: the KV store writes nothing and
+attention returns zeros, so padding never touches a request's pages. The split count is
+fixed per size (`splits_for(bs, max_model_len)`), and an eager decode step of the same batch
+size uses the same count, so greedy output is bit-identical with graphs on or off.
 
 Split count: `decode_splits` fixes it; else it is picked per step from the batch size and
 `decode_splits_len` when given (the runner passes max_model_len, so the count depends on the
@@ -27,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ketch.attention.base import AttentionBackend
+from ketch.attention.base import AttentionBackend, GraphInputs, GraphKey
 from ketch.cache.kv_pool import KVPool
 from ketch.forward_batch import ForwardBatch
 from ketch.kernels._common import interpreting
@@ -39,6 +51,9 @@ from ketch.kernels.decode_attention import (
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.kv_store import store_kv
 from ketch.host_copy import to_device
+
+
+PAD = np.array((0, 0, 0, -1), dtype=np.int32)[:, None]  # token, position, kv_len, slot of a padded row
 
 
 @dataclass
@@ -64,6 +79,20 @@ class TritonAttentionMetadata:
     num_decode: int
     decode: DecodeMetadata | None
     extend: ExtendMetadata | None
+
+
+@dataclass
+class GraphBuffers:
+    """The decode graphs' static buffers (module docstring); one set serves every size."""
+
+    stage: torch.Tensor  # int32 [4 * max_bs + max_bs * max_pages], device
+    host: torch.Tensor  # its pinned host twin (CUDA), the source of the step's one copy
+    host_np: np.ndarray  # numpy view of `host`, filled per step
+    table: torch.Tensor  # int32 [max_bs, max_pages], fixed row stride
+    splits: dict[int, int]  # decode split count per size
+    mid_o: torch.Tensor  # fp32 split-K partial outputs for the largest bs × splits
+    mid_lse: torch.Tensor
+    copied: torch.cuda.Event | None  # the last copy has read `host` (CUDA only)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -93,6 +122,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_n = extend_block_n
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
+        self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
 
     def init_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         b, t, nd = batch.num_seqs, batch.num_tokens, batch.num_decode
@@ -133,3 +163,55 @@ class TritonAttentionBackend(AttentionBackend):
             extend_attention(q, k, v, kc, vc, e.page_table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new,
                              self.scale, out=out, block_m=self.extend_block_m, block_n=self.extend_block_n)
         return out
+
+    # ------------------------------------------------------------ decode-graph hooks
+    def init_capture(self, sizes: list[int], max_model_len: int) -> list[GraphKey]:
+        max_bs = max(sizes)
+        max_pages = -(-max_model_len // self.page_size)
+        splits = {bs: self.splits_for(bs, max_model_len) for bs in sizes}
+        n_stage = 4 * max_bs + max_bs * max_pages
+        cuda = self.device.type == "cuda"
+        host = torch.zeros(n_stage, dtype=torch.int32, pin_memory=cuda)
+        partials = max(bs * s for bs, s in splits.items()) * self.num_heads
+        self.graph_buffers = GraphBuffers(
+            stage=torch.zeros(n_stage, dtype=torch.int32, device=self.device), host=host, host_np=host.numpy(),
+            table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device), splits=splits,
+            mid_o=torch.empty(partials * self.head_dim, dtype=torch.float32, device=self.device),
+            mid_lse=torch.empty(partials, dtype=torch.float32, device=self.device),
+            copied=torch.cuda.Event() if cuda else None,
+        )
+        return [(bs,) for bs in sizes]  # all at init: no capture stalls a running server
+
+    def graph_key(self, batch: ForwardBatch, bs: int) -> GraphKey | None:
+        return (bs,)
+
+    def prepare_capture(self, key: GraphKey) -> None:
+        (bs,) = key
+        # padded rows only: warm-up and capture write nothing into the pool
+        self.graph_buffers.stage[: 4 * bs].view(4, bs).copy_(torch.from_numpy(PAD).expand(4, bs))
+
+    def capture_inputs(self, key: GraphKey) -> GraphInputs:
+        (bs,) = key
+        g, h, d = self.graph_buffers, self.num_heads, self.head_dim
+        s, splits = g.stage, g.splits[bs]
+        scratch = (g.mid_o[: bs * h * splits * d].view(bs, h, splits, d), g.mid_lse[: bs * h * splits].view(bs, h, splits))
+        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch)
+        return GraphInputs(s[:bs], s[bs : 2 * bs], TritonAttentionMetadata(s[3 * bs : 4 * bs], bs, decode, None))
+
+    def prepare_replay(self, batch: ForwardBatch, key: GraphKey) -> None:
+        """One pinned host→device copy of ids, positions, kv_lens, slots and page rows, then one
+        device copy of the rows into the fixed-stride table. No sync with the device."""
+        (bs,), g, n = key, self.graph_buffers, batch.num_seqs
+        width = batch.page_table.shape[1]  # the widest row's pages
+        if g.copied is not None:
+            g.copied.synchronize()  # the previous step's copy has read the host buffer
+        vec = g.host_np[: 4 * bs].reshape(4, bs)
+        vec[0, :n], vec[1, :n], vec[3, :n] = batch.input_ids, batch.positions, batch.slots
+        vec[2, :n] = vec[1, :n] + 1
+        vec[:, n:] = PAD
+        used = 4 * bs + n * width
+        g.host_np[4 * bs : used].reshape(n, width)[:] = batch.page_table
+        g.stage[:used].copy_(g.host[:used], non_blocking=True)
+        if g.copied is not None:
+            g.copied.record()
+        g.table[:n, :width].copy_(g.stage[4 * bs : used].view(n, width))

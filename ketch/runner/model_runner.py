@@ -6,8 +6,9 @@ the model and returns the fp32 logits of the rows that sample.
 
 Chosen once at init, never per step: the attention backend (`attention_backend`: Triton on
 CUDA, torch on the CPU), the layer kernels (`layer_kernels`, same rule) and the decode CUDA
-graphs (`cuda_graph`, on by default on CUDA; the Triton path captures every padded batch size
-up front, the torch path on first use).
+graphs (`cuda_graph`, on by default on CUDA; one graph runner, graph_runner.py, for every
+backend: the Triton backend has it capture every padded batch size up front, the torch
+backend each (size, page bucket) on first use).
 
 On CUDA the KV pool is sized by memory_plan.py (`mem_fraction_static`, measured headroom for
 the graphs and the largest eager step); on the CPU by `kv_cache_fraction` of the memory.
@@ -19,11 +20,11 @@ import functools
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
 
+from ketch.attention.base import AttentionBackend
 from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, ModelConfig
@@ -32,7 +33,7 @@ from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
-from ketch.runner.cuda_graph import DecodeGraphs
+from ketch.runner.graph_runner import GraphRunner
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
 from ketch.weights import ModelSource, iter_weights
@@ -90,21 +91,16 @@ class ModelRunner:
         self.pool = self._allocate_pool()
         self.attn = create_attention_backend(self.attention_backend, self.pool, model_config.num_heads,
                                              model_config.head_dim, self.device, max_model_len=max_model_len)
-        self.graphs: Any = build_graphs(self.attn) if build_graphs else None  # DecodeGraphs | TritonDecodeGraphs
+        self.graphs: GraphRunner | None = build_graphs(self.attn) if build_graphs else None
         if self.memory_plan is not None:
             free, _ = torch.cuda.mem_get_info(self.device)
             print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
                   file=sys.stderr)
 
-    def _build_graphs(self, attn: Any, max_model_len: int) -> Any:
+    def _build_graphs(self, attn: AttentionBackend, max_model_len: int) -> GraphRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
-        if self.attention_backend == "triton":
-            from ketch.runner.triton_graphs import TritonDecodeGraphs  # Triton is imported only on this path
-
-            return TritonDecodeGraphs(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
-        max_pages = -(-max_model_len // self.config.page_size)
-        return DecodeGraphs(self.model, attn, max_bs, max_pages, self.device, future=self.future)
+        return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg = self.model_config
