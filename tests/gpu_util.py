@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from conftest import collect, drain
+from logit_tap import LogitTap
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
@@ -60,33 +61,11 @@ def make_prompts(vocab: int) -> list[list[int]]:
     return prompts
 
 
-class _LogitTap:
-    """Records the fp32 logits the runner returns, per request, step by step."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.runner = engine.runner
-        self.forward = engine.runner.forward
-        self.rows: dict[str, list[torch.Tensor]] = {}
-
-    def __enter__(self) -> _LogitTap:
-        def tapped(chunks):
-            logits = self.forward(chunks)
-            for row, c in enumerate(c for c in chunks if c.samples):
-                self.rows.setdefault(c.req.rid, []).append(logits[row].clone())
-            return logits
-
-        self.runner.forward = tapped
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.runner.forward  # the class's method again
-
-
 def engine_greedy(engine: Engine, prompts: list[list[int]], batched: bool, tag: str) -> Run:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     groups = [range(len(prompts))] if batched else [[i] for i in range(len(prompts))]
     outs = []
-    with _LogitTap(engine) as tap:
+    with LogitTap(engine) as tap:
         for group in groups:
             for i in group:
                 engine.add_request(f"{tag}-{i}", prompts[i], params)

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("triton")
 
 from conftest import collect, drain
+from logit_tap import LogitTap
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
@@ -65,25 +66,14 @@ def _gpu_prompts(vocab: int) -> list[list[int]]:
 def _greedy_with_logits(engine: Engine, prompts: list[list[int]], tag: str,
                         batched: bool = True) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy tokens and every step's fp32 logits, per prompt; all at once or one at a time."""
-    rows: dict[str, list[torch.Tensor]] = {}
-    forward = engine.runner.forward
-
-    def tapped(chunks):
-        logits = forward(chunks)
-        for row, c in enumerate(c for c in chunks if c.samples):
-            rows.setdefault(c.req.rid, []).append(logits[row].float().cpu())
-        return logits
-
-    engine.runner.forward = tapped
     params = SamplingParams(temperature=0.0, max_tokens=GPU_NEW_TOKENS, ignore_eos=True)
     outs = []
-    try:
+    with LogitTap(engine, keep=lambda row: row.float().cpu()) as tap:
         for group in [range(len(prompts))] if batched else [[i] for i in range(len(prompts))]:
             for i in group:
                 engine.add_request(f"{tag}-{i}", prompts[i], params)
             outs += drain(engine)
-    finally:
-        del engine.runner.forward  # the class's method again
+    rows = tap.rows
     res = collect(outs)
     return [res[(f"{tag}-{i}", 0)]["ids"] for i in range(len(prompts))], [rows[f"{tag}-{i}"] for i in range(len(prompts))]
 

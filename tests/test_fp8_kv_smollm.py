@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logit_tap import LogitTap
 
 from ketch.sampling.params import SamplingParams
 
@@ -34,19 +35,10 @@ def smollm_runs(smollm_path):
     runs = {}
     for kv in ("auto", "fp8_e4m3"):
         llm = LLM(smollm_path, dtype="float32", kv_cache_dtype=kv)
-        rows: dict[str, list[torch.Tensor]] = {}
-        forward = llm.engine.runner.forward
-
-        def tapped(chunks, forward=forward, rows=rows):
-            logits = forward(chunks)
-            for row, c in enumerate(c for c in chunks if c.samples):
-                rows.setdefault(c.req.rid, []).append(logits[row].clone())
-            return logits
-
-        llm.engine.runner.forward = tapped
         prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in PARITY_PROMPTS]
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        runs[kv] = (llm.engine.runner.pool, outs, rows)
+        with LogitTap(llm.engine) as tap:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        runs[kv] = (llm.engine.runner.pool, outs, tap.rows)
     return runs
 
 
