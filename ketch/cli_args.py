@@ -44,6 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, torch on the CPU")
     g.add_argument("--layer-kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="RMSNorm/RoPE/SiLU kernels; auto: fused triton on CUDA, torch on the CPU")
+    g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
+                   help="ranks the model is split over (rank 0 in the engine, the rest spawned; gloo on CPU, nccl on CUDA)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
 
@@ -59,6 +61,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
         overlap_schedule=True if a.overlap_schedule else (False if a.disable_overlap_schedule else None),
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
+        tensor_parallel_size=a.tensor_parallel_size,
     )
 
 

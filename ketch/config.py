@@ -212,8 +212,13 @@ class EngineConfig:
     # of bf16's bytes: twice the tokens fit, decode reads half the bytes), per-tensor scale 1.0
     # (ketch/cache/kv_pool.py); any device (the CPU runs it through the torch path).
     kv_cache_dtype: KVCacheDtype = "auto"
+    # Tensor parallelism: the engine runs rank 0 and spawns ranks 1..N-1 (engine/tp_ranks.py);
+    # each rank holds 1/N of the heads, MLP features and vocabulary.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_num_seqs < 1:

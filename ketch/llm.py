@@ -114,6 +114,11 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers (tensor_parallel_size > 1; they also stop at
+        interpreter exit); the LLM is unusable afterwards."""
+        self.engine.close()
+
     def encode_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
         tok = self._require_tokenizer()
         if chat_template:

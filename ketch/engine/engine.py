@@ -20,7 +20,9 @@ ids (grammar, penalties) first processes the step in flight. Greedy output is th
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ from ketch.config import EngineConfig
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
+from ketch.engine.tp_ranks import TensorParallelRanks
 from ketch.engine.validation import validate_request
 from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
@@ -38,6 +41,7 @@ from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
 from ketch.models import load_model_config
+from ketch.parallel import SINGLE
 from ketch.weights.source import ModelSource
 
 
@@ -60,7 +64,12 @@ class Engine:
         self.model_config = load_model_config(self.source)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tuple(eos_token_ids)))
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source)
+        self._ranks: TensorParallelRanks | None = None  # TP > 1: the other ranks (tp_ranks.py)
+        if config.tensor_parallel_size > 1:
+            config = self.config = _without_graphs(config)
+            self._ranks = TensorParallelRanks(config, self.model_config, self.max_model_len, self.source)
+        parallel = self._ranks.parallel if self._ranks else SINGLE
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source, parallel)
         self.kv = KVCacheManager(self.runner.pool, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.kv)
         self.grammars = GrammarGate(self.source.tokenizer, self.vocab_size, self.eos_ids, self.runner.device)
@@ -130,6 +139,11 @@ class Engine:
         if samples:
             self._forget(samples[0])  # once for the group, not once per sample (n × n)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (TP > 1); idempotent, and a no-op at TP=1."""
+        if self._ranks:
+            self._ranks.close()
+
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._aborted) or self.scheduler.has_parked()
                 or self._in_flight is not None)
@@ -186,13 +200,18 @@ class Engine:
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         """Queue the step's forward and sampling; nothing here waits for the device."""
         sampling = [c.req for c in chunks if c.samples]
-        logits = self.runner.forward(forward_batch(chunks, self.config.page_size))
+        batch = forward_batch(chunks, self.config.page_size)
+        if self._ranks:
+            self._ranks.send_step(batch)  # every rank runs this forward
+        logits = self.runner.forward(batch)
         self.scheduler.after_forward(chunks)
         if not sampling:
             return None  # prefill chunks only: no token this step
         rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
                 for r in sampling]
         result = sample_on_device(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
+        if self._ranks:
+            self._ranks.send_sampled(result.token_ids)  # the workers publish them as below, in step
         placeholders = self.runner.future.publish(result.token_ids)
         filled: list[tuple[Request, int]] = []
         for req, placeholder in zip(sampling, placeholders):
@@ -288,3 +307,12 @@ class Engine:
         assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
         if not self.scheduler.running:
             self.kv.check_idle()
+
+
+def _without_graphs(config: EngineConfig) -> EngineConfig:
+    """CUDA graphs with TP > 1 are not built or tested yet: decode runs eagerly, and says so."""
+    if not config.use_cuda_graph:
+        return config
+    print(f"ketch: CUDA graphs are off with tensor_parallel_size={config.tensor_parallel_size} (not supported yet)",
+          file=sys.stderr)
+    return dataclasses.replace(config, cuda_graph=False)

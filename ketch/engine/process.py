@@ -35,8 +35,10 @@ def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], i
                          output_addr: str) -> multiprocessing.Process:
     """Spawn (never fork: torch and ZMQ state do not survive it) the engine process."""
     ctx = multiprocessing.get_context("spawn")
+    # daemonic processes may not start children: with TP > 1 the engine process starts its
+    # ranks, so it is not one (it still ends with the API process: Shutdown, or the orphan check)
     proc = ctx.Process(target=run_engine, args=(config, eos_token_ids, input_addr, output_addr, os.getpid()),
-                       name="ketch-engine", daemon=True)
+                       name="ketch-engine", daemon=config.tensor_parallel_size == 1)
     proc.start()
     return proc
 
@@ -90,6 +92,7 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr:
         outbox.send(m.encode(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity)))
         beat.start()  # after EngineReady: start-up has its own deadline in the API process
         _loop(engine, inbox, outbox, parent_pid, progress)
+        engine.close()
     except Exception as e:
         traceback.print_exc()
         outbox.send(m.encode(m.EngineError(f"{type(e).__name__}: {e}")))

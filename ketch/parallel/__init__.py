@@ -1,4 +1,4 @@
 """Tensor parallelism: the `ParallelContext` a model is built with (rank, size, process group)."""
-from ketch.parallel.context import SINGLE, ParallelContext
+from ketch.parallel.context import SINGLE, HeadShare, ParallelContext
 
-__all__ = ["SINGLE", "ParallelContext"]
+__all__ = ["SINGLE", "HeadShare", "ParallelContext"]

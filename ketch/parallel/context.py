@@ -19,6 +19,16 @@ import torch.distributed as dist
 
 
 @dataclass(frozen=True)
+class HeadShare:
+    """A rank's attention heads: a contiguous run of kv heads and the q heads of their groups."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     rank: int = 0
     world_size: int = 1
@@ -41,6 +51,21 @@ class ParallelContext:
             raise ValueError(f"{field}: {total} does not split evenly over tensor parallel size {self.world_size}")
         return total // self.world_size
 
+    def head_share(self, num_heads: int, num_kv_heads: int) -> HeadShare:
+        """This rank's heads. KV heads are split, never replicated, as evenly as whole GQA groups
+        allow (SmolLM2's 3 kv heads over 2 ranks: 2 and 1), each rank taking the q heads that
+        attend to its kv heads; an even split is `split`'s."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: {num_heads} heads do not form groups over {num_kv_heads} kv heads")
+        if num_kv_heads < self.world_size:
+            raise ValueError(f"num_kv_heads: {num_kv_heads} kv heads cannot give each of {self.world_size} tensor "
+                             f"parallel ranks one (replicating kv heads across ranks is not supported)")
+        base, extra = divmod(num_kv_heads, self.world_size)
+        kv_start = self.rank * base + min(self.rank, extra)
+        num_kv = base + (self.rank < extra)
+        group = num_heads // num_kv_heads
+        return HeadShare(kv_start * group, num_kv * group, kv_start, num_kv)
+
     def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's contiguous slice of `full` along `dim` (a view; world_size must divide it)."""
         size = self.split(full.shape[dim], f"tensor dim {dim} of shape {tuple(full.shape)}")
@@ -59,6 +84,14 @@ class ParallelContext:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self._group())
         return torch.cat(parts, dim=dim)
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (e.g. KV pages: the pool every rank can hold)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)  # nccl reduces GPU tensors only
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group())
+        return int(t.item())
 
     def _group(self) -> Any:
         if self.group is None:

@@ -144,7 +144,8 @@ def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: Mod
     free0, _ = torch.cuda.mem_get_info(device)
     spec = family_for(cfg.architecture).kv_spec(cfg, model.parallel)
     pool = KVPool(spec, 1, config.page_size, config.kv_torch_dtype, device, compute_dtype=config.torch_dtype)
-    attn = create_attention_backend(config.resolved_attention_backend, pool, cfg.num_heads, cfg.head_dim, device,
+    heads = model.parallel.head_share(cfg.num_heads, cfg.num_kv_heads).num_q  # this rank's
+    attn = create_attention_backend(config.resolved_attention_backend, pool, heads, cfg.head_dim, device,
                                     max_model_len=max_model_len)
     # no sequence is longer than max_model_len (nor has rotary rows past it)
     chunk = min(config.prefill_chunk, max_model_len)

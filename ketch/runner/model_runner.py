@@ -59,13 +59,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    # the rank's tensor-parallel context the model and the pool are built for (TP=1 until the
-    # engine spawns one runner per rank and hands each its own)
-    parallel: ParallelContext = SINGLE
-
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 source: ModelSource | None = None) -> None:
-        """source: the model as the engine resolved it (None: resolve it from `config` here)."""
+                 source: ModelSource | None = None, parallel: ParallelContext = SINGLE) -> None:
+        """source: the model as the engine resolved it (None: resolve it from `config` here);
+        parallel: the rank's tensor-parallel context: the model, the pool and the attention
+        backend hold this rank's heads (every rank builds its own runner; engine/tp_ranks.py)."""
+        self.parallel = parallel
         self.config = config
         self.model_config = model_config
         self.source = source or ModelSource.resolve(config.model, config.load_format, config.tokenizer)
@@ -89,13 +88,18 @@ class ModelRunner:
         self.memory_plan: MemoryPlan | None = None if self.device.type != "cuda" else \
             plan_gpu_pool(self.model, config, model_config, max_model_len, build_graphs)
         self.pool = self._allocate_pool()
-        self.attn = create_attention_backend(self.attention_backend, self.pool, model_config.num_heads,
+        self.attn = create_attention_backend(self.attention_backend, self.pool, self.local_num_heads,
                                              model_config.head_dim, self.device, max_model_len=max_model_len)
         self.graphs: GraphRunner | None = build_graphs(self.attn) if build_graphs else None
         if self.memory_plan is not None:
             free, _ = torch.cuda.mem_get_info(self.device)
             print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
                   file=sys.stderr)
+
+    @property
+    def local_num_heads(self) -> int:
+        """This rank's query heads (the attention backend sees only these)."""
+        return self.parallel.head_share(self.model_config.num_heads, self.model_config.num_kv_heads).num_q
 
     def _build_graphs(self, attn: AttentionBackend, max_model_len: int) -> GraphRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
@@ -130,7 +134,10 @@ class ModelRunner:
         spec = family_for(cfg.architecture).kv_spec(cfg, self.parallel)  # this rank's share
         per_page = spec.bytes_per_page(ec.page_size, kv_dtype, self.dtype)
         budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
-        return KVPool(spec, budget // per_page, ec.page_size, kv_dtype, self.device, compute_dtype=self.dtype)
+        # every rank's pool holds the same pages (rank 0 hands out page numbers for all): the
+        # smallest of the ranks' budgets (a collective: every rank builds its runner in step)
+        num_pages = self.parallel.min_over_ranks(budget // per_page, self.device)
+        return KVPool(spec, num_pages, ec.page_size, kv_dtype, self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
