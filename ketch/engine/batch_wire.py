@@ -71,7 +71,8 @@ def decode_step(header: np.ndarray, payload: np.ndarray) -> ForwardBatch:
     sizes = (t, t, t, b, b, b, b * pages, r, r)
     ids, positions, slots, starts, news, q_starts, table, rows, seqs = np.split(payload, np.cumsum(sizes)[:-1])
     table = table.reshape(b, pages)
-    chunks = tuple(SeqChunk(int(s), int(n), table[i]) for i, (s, n) in enumerate(zip(starts, news)))
+    used = -(-(starts + news) // page_size)  # each row's pages; the rest of the row is padding
+    chunks = tuple(SeqChunk(int(s), int(n), table[i, : used[i]]) for i, (s, n) in enumerate(zip(starts, news)))
     return ForwardBatch(_KINDS[kind], page_size, chunks, num_decode, ids, positions, slots, starts, news, q_starts,
                         table, rows, seqs)
 

@@ -1,0 +1,77 @@
+"""Tensor parallelism through the engine (CPU, gloo, 2 ranks): `LLM(..., tensor_parallel_size=2)`
+spawns rank 1 and gives the greedy token ids of TP=1, for tiny random Llama-3, Qwen2 and Qwen3
+checkpoints (transformers `from_config` + `save_pretrained`), with overlap scheduling off and on
+(on, rank 1 resolves the placeholders from the sampled ids rank 0 broadcasts)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ketch import LLM, SamplingParams
+from ketch.weights.source import default_model_path
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+            initializer_range=0.3)  # larger weights than the default: varied, not repetitive, ids
+FAMILIES = {
+    # odd vocab: the vocab-parallel embedding and head pad their shards
+    "llama3": ("LlamaConfig", dict(vocab_size=301, tie_word_embeddings=False,
+                                   rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(vocab_size=300, tie_word_embeddings=True)),  # q/k/v biases, tied head
+    "qwen3": ("Qwen3Config", dict(vocab_size=300, head_dim=32, tie_word_embeddings=False)),  # q/k norms
+}
+# prompts of several lengths, so one step mixes prefill chunks with decode rows
+PROMPTS = [list(range(5, 5 + n)) for n in (7, 19, 33)] + [[250, 3, 77, 9]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_each() -> Iterator[None]:
+    """Two ranks on a small shared box: one torch thread each (num_threads=1), restored after."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """The checkpoint's path and its TP=1 greedy ids (the same with overlap on or off)."""
+    import transformers
+
+    cls_name, extra = FAMILIES[request.param]
+    cfg = getattr(transformers, cls_name)(**BASE, **extra)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    ref = greedy_ids(str(path), 1, overlap=False)
+    assert all(len(ids) == PARAMS.max_tokens for ids in ref)
+    return str(path), ref
+
+
+def greedy_ids(path: str, tp: int, overlap: bool) -> list[list[int]]:
+    # the checkpoint has no tokenizer of its own; the prompts are ids (all below its vocab)
+    llm = LLM(path, tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1, kv_cache_memory=4 << 20, page_size=8,
+              max_num_batched_tokens=32, tensor_parallel_size=tp, overlap_schedule=overlap)
+    try:
+        return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_tp2_greedy_ids_equal_tp1(checkpoint, overlap):
+    path, ref = checkpoint
+    assert greedy_ids(path, 2, overlap) == ref
+
+
+def test_tensor_parallel_size_is_validated():
+    from ketch.config import EngineConfig
+
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            EngineConfig(tensor_parallel_size=bad)
