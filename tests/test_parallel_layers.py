@@ -125,8 +125,8 @@ def test_vocab_parallel_embedding_and_lm_head_give_the_whole(outputs):
 def test_kv_heads_that_do_not_split_name_the_field():
     with pytest.raises(ValueError, match="num_kv_heads: 1 kv heads .* tensor parallel size 2"):
         QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, 1, parallel=ParallelContext(0, 2))
-    with pytest.raises(ValueError, match="num_heads: 3 does not split"):
-        QKVParallelLinear(HIDDEN, HEAD_DIM, 3, 1, parallel=ParallelContext(1, 3 - 1))
+    with pytest.raises(ValueError, match="num_kv_heads: 3 heads do not form groups over 2 kv heads"):
+        QKVParallelLinear(HIDDEN, HEAD_DIM, 3, 2, parallel=ParallelContext(1, 3 - 1))
     with pytest.raises(ValueError, match="intermediate_size: 5 does not split"):
         MergedColumnParallelLinear(HIDDEN, [5, 5], parallel=ParallelContext(0, 2), field="intermediate_size")
 

@@ -24,6 +24,9 @@ CONFIGS = {
                   tie_word_embeddings=True),  # q/k/v biases, tied head
     "qwen3": dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=300, head_dim=32,
                   tie_word_embeddings=False),  # q/k norms, head_dim != hidden / heads
+    # SmolLM2's shape of heads: 3 kv heads in groups of 3 over 2 ranks, split 2 + 1 (head_share)
+    "uneven": dict(BASE, model_type="llama", vocab_size=300, num_attention_heads=9, num_key_value_heads=3,
+                   head_dim=16, tie_word_embeddings=True),
 }
 PROMPTS = [[5, 17, 42, 9, 250, 3, 77], [8, 1, 299, 64, 12]]
 DECODE_IDS = [[101, 7], [33, 290]]  # fixed inputs of the two decode steps (the same on both sides)
@@ -46,7 +49,7 @@ def run_model(parallel: ParallelContext, family: str) -> list[torch.Tensor]:
     model = LlamaForCausalLM(cfg, max_positions=64, parallel=parallel)
     model.load_weights(checkpoint(cfg).items())
     spec = LLAMA.kv_spec(cfg, parallel)
-    assert spec.tensors[0].shape == (cfg.num_kv_heads // parallel.world_size, cfg.head_dim)
+    assert spec.tensors[0].shape == (parallel.head_share(cfg.num_heads, cfg.num_kv_heads).num_kv, cfg.head_dim)
     attn = TorchAttentionBackend(KVPool(spec, 8, PAGE, torch.float32, "cpu"), cfg.head_dim, torch.device("cpu"))
     tables = [[0, 1, 2], [3, 4, 5]]
     steps = [[SeqChunk(0, len(p), t) for p, t in zip(PROMPTS, tables)]]

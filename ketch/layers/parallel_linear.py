@@ -27,7 +27,7 @@ from torch import nn
 
 from ketch.layers.linear import Linear
 from ketch.layers.q4 import Q4Weight
-from ketch.layers.sharding import load_shard, shard_q4
+from ketch.layers.sharding import load_range, load_shard, narrow_q4, shard_q4
 from ketch.parallel import SINGLE, ParallelContext
 
 ShardId = str | int | None
@@ -66,43 +66,62 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
 
 
-def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelContext) -> int:
-    """KV heads are split, never replicated: TP must divide the kv head count."""
-    if num_kv_heads % parallel.world_size:
-        raise ValueError(f"num_kv_heads: {num_kv_heads} kv heads do not split over tensor parallel size "
-                         f"{parallel.world_size} (replicating kv heads across ranks is not supported)")
-    return num_kv_heads // parallel.world_size
-
-
 class QKVParallelLinear(ColumnParallelLinear):
+    """Each rank holds its `ParallelContext.head_share`: a contiguous run of kv heads (as even as
+    whole GQA groups allow: 3 kv heads over 2 ranks are 2 and 1) and the q heads that attend to them."""
+
     shard_ids = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, *,
                  parallel: ParallelContext = SINGLE, dense: Dense = F.linear) -> None:
-        self.num_heads = parallel.split(num_heads, "num_heads")  # this rank's
-        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, parallel)
+        self.share = parallel.head_share(num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads = self.share.num_q, self.share.num_kv  # this rank's
         self.head_dim = head_dim
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, parallel=parallel, dense=dense)
+        self.full_heads = {"q": num_heads, "k": num_kv_heads, "v": num_kv_heads}
+        # not ColumnParallelLinear's even split: the share may be uneven
+        Linear.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias, dense=dense)
+        self.parallel = parallel
 
     def slot(self, shard_id: ShardId) -> tuple[int, int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]  # type: ignore[index]
+
+    def source_rows(self, shard_id: ShardId) -> int:
+        """First row of this rank's part inside the checkpoint's full q, k or v tensor."""
+        return (self.share.q_start if shard_id == "q" else self.share.kv_start) * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, rows = self.slot(shard_id)
+        full = self.full_heads[shard_id] * self.head_dim  # type: ignore[index]
+        load_range(param.data.narrow(0, offset, rows), loaded, 0, self.source_rows(shard_id), full)
+
+    def int4_part(self, w: Q4Weight, shard_id: ShardId = None) -> Q4Weight | None:
+        return narrow_q4(w, 0, self.source_rows(shard_id), self.slot(shard_id)[1])
 
 
 class RowParallelLinear(Linear):
     shard_ids: tuple[ShardId, ...] = (None,)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear, field: str = "in_features") -> None:
-        super().__init__(parallel.split(in_features, field), out_features, bias=bias, dense=dense)
+                 parallel: ParallelContext = SINGLE, dense: Dense = F.linear, field: str = "in_features",
+                 part: tuple[int, int] | None = None) -> None:
+        # part: (first input feature, count) of an uneven share (o_proj under a GQA head_share);
+        # None: the even split
+        self.in_full, self.part = in_features, part
+        super().__init__(part[1] if part else parallel.split(in_features, field), out_features, bias=bias, dense=dense)
         self.parallel = parallel
         self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs plain Linear.forward
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         # the bias is whole on every rank: added once, after the sum
+        if param is self.weight and self.part is not None:
+            load_range(param.data, loaded, 1, self.part[0], self.in_full)
+            return
         load_shard(param.data, loaded, self.parallel, dim=1 if param is self.weight else None)
 
     def int4_part(self, w: Q4Weight, shard_id: ShardId = None) -> Q4Weight | None:
+        if self.part is not None:
+            return narrow_q4(w, 1, *self.part)
         return shard_q4(w, self.parallel, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,17 @@ def load_shard(dst: torch.Tensor, loaded: torch.Tensor, parallel: ParallelContex
     dst.copy_(loaded)
 
 
+def load_range(dst: torch.Tensor, loaded: torch.Tensor, dim: int, start: int, full: int) -> None:
+    """Copy `loaded[start : start + len]` along `dim` into `dst`: an uneven share (whole GQA
+    groups, ParallelContext.head_share) that `load_shard`'s rank * size cannot place.
+    ValueError("has shape ...") when `loaded` is not the full tensor of `full` along `dim`."""
+    want = list(dst.shape)
+    want[dim] = full
+    if list(loaded.shape) != want:
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(want)}")
+    dst.copy_(loaded.narrow(dim, start, dst.shape[dim]))
+
+
 def replicated_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     """The loader of a parameter every rank holds whole (norm scales)."""
     load_shard(param.data, loaded, SINGLE, None)
@@ -43,3 +54,14 @@ def shard_q4(w: Q4Weight, parallel: ParallelContext, dim: int) -> Q4Weight | Non
     if dim == 1 and (w.q.shape[1] // parallel.world_size) % BLOCK:
         return None
     return Q4Weight(*(parallel.shard(t, dim) for t in (w.q, w.scale, w.zero)))
+
+
+def narrow_q4(w: Q4Weight, dim: int, start: int, size: int) -> Q4Weight | None:
+    """Rows (dim 0) or input columns (dim 1) [start, start + size) of a 4-bit weight; None when
+    a column range would cut a block of 32."""
+    if dim == 0:
+        return Q4Weight(*(t.narrow(0, start, size) for t in (w.q, w.scale, w.zero)))
+    if start % BLOCK or size % BLOCK:
+        return None
+    q = w.q.narrow(1, start, size)
+    return Q4Weight(q, *(t.narrow(1, start // BLOCK, size // BLOCK) for t in (w.scale, w.zero)))

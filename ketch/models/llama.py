@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        share = self.qkv_proj.share  # o_proj reads the same q heads' features
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=False, parallel=parallel, dense=ops.linear,
-                                        field="num_heads * head_dim")
+                                        part=(share.q_start * self.head_dim, self.q_size))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 

@@ -4,15 +4,15 @@ naming; the model is llama.py."""
 from __future__ import annotations
 
 from ketch.config import KVSpec, ModelConfig
-from ketch.layers.parallel_linear import kv_heads_per_rank
 from ketch.models.family import ModelFamily
 from ketch.models.llama import LlamaForCausalLM
 from ketch.parallel import ParallelContext
 
 
 def kv_spec(cfg: ModelConfig, parallel: ParallelContext) -> KVSpec:
-    """K and V of [kv_heads / tp, head_dim] per layer: each rank keeps its own kv heads."""
-    return KVSpec.mha(cfg.num_layers, kv_heads_per_rank(cfg.num_kv_heads, parallel), cfg.head_dim)
+    """K and V of [this rank's kv heads, head_dim] per layer (ParallelContext.head_share: kv / tp,
+    or whole GQA groups as evenly as they go)."""
+    return KVSpec.mha(cfg.num_layers, parallel.head_share(cfg.num_heads, cfg.num_kv_heads).num_kv, cfg.head_dim)
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

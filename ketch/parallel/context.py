@@ -58,8 +58,8 @@ class ParallelContext:
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: {num_heads} heads do not form groups over {num_kv_heads} kv heads")
         if num_kv_heads < self.world_size:
-            raise ValueError(f"num_kv_heads: {num_kv_heads} kv heads cannot give each of {self.world_size} tensor "
-                             f"parallel ranks one (replicating kv heads across ranks is not supported)")
+            raise ValueError(f"num_kv_heads: {num_kv_heads} kv heads cannot give one to each rank of tensor parallel "
+                             f"size {self.world_size} (replicating kv heads across ranks is not supported)")
         base, extra = divmod(num_kv_heads, self.world_size)
         kv_start = self.rank * base + min(self.rank, extra)
         num_kv = base + (self.rank < extra)
