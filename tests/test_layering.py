@@ -35,7 +35,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "llm": frozenset({"engine", "sampling"}) | LEAVES,  # the in-process API, beside server
     "server": frozenset({"engine", "parsers", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
-    "engine": frozenset({"cache", "models", "runner", "sampling", "scheduler"}) | LEAVES,  # models: the config
+    # models: the config; parallel: the engine starts the TP ranks and hands each its context
+    "engine": frozenset({"cache", "models", "parallel", "runner", "sampling", "scheduler"}) | LEAVES,
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
     "sampling": LEAVES,
     "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
