@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from ketch import LLM, SamplingParams
+from ketch.cli import build_parser
+from ketch.cli_args import engine_kwargs
+from ketch.config import EngineConfig
 from ketch.weights.source import default_model_path
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,9 +72,18 @@ def test_tp2_greedy_ids_equal_tp1(checkpoint, overlap):
     assert greedy_ids(path, 2, overlap) == ref
 
 
-def test_tensor_parallel_size_is_validated():
-    from ketch.config import EngineConfig
-
+def test_tensor_parallel_size_is_validated(checkpoint):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineConfig(tensor_parallel_size=bad)
+    # 2 kv heads cannot go to 3 ranks: refused before any rank starts
+    with pytest.raises(ValueError, match="num_kv_heads: 2 kv heads .* size 3"):
+        greedy_ids(checkpoint[0], 3, overlap=False)
+
+
+@pytest.mark.parametrize("argv", [["generate", "x"], ["chat"], ["serve"], ["bench", "offline"],
+                                  ["bench", "one-batch"]])
+def test_every_engine_command_takes_tp(argv):
+    for flag in ("--tp", "--tensor-parallel-size"):
+        args = build_parser().parse_args([*argv, flag, "2"])
+        assert EngineConfig(**engine_kwargs(args)).tensor_parallel_size == 2

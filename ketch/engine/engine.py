@@ -68,8 +68,13 @@ class Engine:
         if config.tensor_parallel_size > 1:
             config = self.config = _without_graphs(config)
             self._ranks = TensorParallelRanks(config, self.model_config, self.max_model_len, self.source)
-        parallel = self._ranks.parallel if self._ranks else SINGLE
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source, parallel)
+        try:
+            self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source,
+                                      self._ranks.parallel if self._ranks else SINGLE)
+        except BaseException:
+            if self._ranks:
+                self._ranks.abandon()  # the workers wait in a collective rank 0 will never join
+            raise
         self.kv = KVCacheManager(self.runner.pool, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(config, self.kv)
         self.grammars = GrammarGate(self.source.tokenizer, self.vocab_size, self.eos_ids, self.runner.device)

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from ketch.config import EngineConfig, ModelConfig
 from ketch.engine import batch_wire as wire
 from ketch.forward_batch import ForwardBatch
+from ketch.models.registry import family_for
 from ketch.parallel import ParallelContext
 from ketch.weights.source import ModelSource
 
@@ -52,11 +53,15 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return replace(config, device=f"cuda:{rank}")
 
 
-def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
-    """Join the ranks' group (gloo on the CPU, nccl on CUDA) through rank 0's TCP store."""
+def check_no_group() -> None:
     if dist.is_initialized():
         raise ValueError("tensor_parallel_size: this process already belongs to a tensor-parallel group "
                          "(close the other engine first)")
+
+
+def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
+    """Join the ranks' group (gloo on the CPU, nccl on CUDA) through rank 0's TCP store."""
+    check_no_group()
     device = rank_config(config, rank).torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -73,6 +78,10 @@ class TensorParallelRanks:
                  source: ModelSource) -> None:
         from ketch.engine.tp_worker import run_worker  # the workers' entry point (spawn imports it)
 
+        # a second TP engine in this process, or a split the model cannot take, fails here
+        # (naming the field) before any rank starts
+        check_no_group()
+        family_for(model_config.architecture).kv_spec(model_config, ParallelContext(0, config.tensor_parallel_size))
         self.device = rank_config(config, 0).torch_device
         self._closing = False
         port = free_port()
@@ -97,7 +106,7 @@ class TensorParallelRanks:
 
     def close(self) -> None:
         """Tell the workers to stop and wait for them; idempotent."""
-        if self._closing:
+        if self._closing or not dist.is_initialized():
             return
         self._closing = True
         try:
@@ -109,6 +118,15 @@ class TensorParallelRanks:
             if p.is_alive():
                 p.kill()
                 p.join()
+        dist.destroy_process_group()
+
+    def abandon(self) -> None:
+        """Rank 0 failed while starting: kill the workers (they may be inside a collective that
+        will never complete) without a word to them."""
+        self._closing = True
+        for p in self.procs:
+            p.kill()
+            p.join()
         dist.destroy_process_group()
 
     def _send(self, header: np.ndarray, payload: np.ndarray | None) -> None:
