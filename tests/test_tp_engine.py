@@ -87,3 +87,30 @@ def test_every_engine_command_takes_tp(argv):
     for flag in ("--tp", "--tensor-parallel-size"):
         args = build_parser().parse_args([*argv, flag, "2"])
         assert EngineConfig(**engine_kwargs(args)).tensor_parallel_size == 2
+
+
+def test_rank0_failing_at_start_kills_its_workers_and_raises(checkpoint, monkeypatch):
+    """Rank 0's runner fails after rank 1 started (rank 1 then waits in a collective forever):
+    the error reaches the caller, rank 1 is gone, the watcher did not end this process, and
+    the group is released (a TP engine can start again)."""
+    import ketch.engine.engine as engine_module
+
+    started: list = []
+
+    def failing_runner(*args, **kwargs):
+        started.extend(engine_module.TensorParallelRanks.last.procs)
+        raise RuntimeError("rank 0 cannot build its runner")
+
+    real_init = engine_module.TensorParallelRanks.__init__
+
+    def remember(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        engine_module.TensorParallelRanks.last = self
+
+    monkeypatch.setattr(engine_module.TensorParallelRanks, "__init__", remember)
+    monkeypatch.setattr(engine_module, "ModelRunner", failing_runner)
+    with pytest.raises(RuntimeError, match="rank 0 cannot build its runner"):
+        greedy_ids(checkpoint[0], 2, overlap=False)
+    assert started and all(not p.is_alive() for p in started)
+    monkeypatch.undo()
+    assert greedy_ids(checkpoint[0], 2, overlap=False) == checkpoint[1]

@@ -94,7 +94,11 @@ class TensorParallelRanks:
         # from here a worker that dies (during its start-up too) ends this process
         threading.Thread(target=self._watch, name="ketch-tp-watch", daemon=True).start()
         atexit.register(self.close)  # before multiprocessing's exit hook terminates the workers
-        self.parallel = init_rank(config, 0, port)
+        try:
+            self.parallel = init_rank(config, 0, port)
+        except BaseException:
+            self._kill_workers()  # they wait for a rank 0 that will not come
+            raise
 
     def send_step(self, batch: ForwardBatch) -> None:
         self._send(wire.step_header(batch), wire.step_payload(batch))
@@ -123,11 +127,14 @@ class TensorParallelRanks:
     def abandon(self) -> None:
         """Rank 0 failed while starting: kill the workers (they may be inside a collective that
         will never complete) without a word to them."""
-        self._closing = True
+        self._kill_workers()
+        dist.destroy_process_group()
+
+    def _kill_workers(self) -> None:
+        self._closing = True  # their exits are expected now: the watcher stays quiet
         for p in self.procs:
             p.kill()
             p.join()
-        dist.destroy_process_group()
 
     def _send(self, header: np.ndarray, payload: np.ndarray | None) -> None:
         dist.broadcast(wire.to_wire(header, self.device), src=0, group=self.parallel.group)
