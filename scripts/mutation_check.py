@@ -43,9 +43,9 @@ MUTATIONS = (
     Mutation(
         name="abort-leaks-a-page-reference",
         path="ketch/engine/engine.py",
-        old="            pending = req.state is RequestState.PENDING\n",
-        new="            pending = req.state is RequestState.PENDING\n"
-            "            self.allocator.incref(req.page_table[:1])  # planted: abort forgets a reference\n",
+        old="            if self.scheduler.finish(req, FinishReason.ABORT):\n                self._aborted.append",
+        new="            self.allocator.incref(req.page_table[:1])  # planted: abort forgets a reference\n"
+            "            if self.scheduler.finish(req, FinishReason.ABORT):\n                self._aborted.append",
         tests=(
             "tests/test_engine.py::test_abort_prefilling",
             "tests/test_engine.py::test_abort_decoding_and_after_finish",
