@@ -3,7 +3,7 @@
 # bf16 weights), a profile of the bs1 decode step, the offline throughput run. Results land in
 # $OUT as few files (the device tool returns at most 8): session.log, results.jsonl (one line
 # per benchmark), trace_*.json.gz.
-#   usage: [KETCH_COMMIT=<sha>] bash scripts/h200_bench.sh [steps...]
+#   usage: [KETCH_COMMIT=<sha>] [SKIP_SUITE=<why>] bash scripts/h200_bench.sh [steps...]
 #   steps (default all): suite bs1 bs1-sync bs1-nopdl bs1-torch bs1-tattn bs1-eager kernels tests tests-new gemv
 #                        pdl-tests tests-4l kernels-gemv
 #                        bs64 bs64-torch bs256 bs256-sync bs256-torch p8k p8k-torch offline offline-sync
@@ -54,7 +54,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to session.log,
 KTREE=$(find ketch/kernels ketch/attention ketch/runner -name '*.py' -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 echo "commit ${KETCH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}; kernel tree $KTREE" | tee -a "$LOG"
 SUITE_DONE=
-if has suite || ! grep -qs -- "=== suite passed at kernel tree $KTREE" docs/perf-logs/*.log; then
+if [ -n "${SKIP_SUITE:-}" ] && ! has suite; then  # the caller ran (or runs) the suite in its own call
+  echo "=== suite not run here: $SKIP_SUITE" | tee -a "$LOG"
+elif has suite || ! grep -qs -- "=== suite passed at kernel tree $KTREE" docs/perf-logs/*.log; then
   has suite || echo "=== kernel tree $KTREE has no passing suite in docs/perf-logs: running the suite first" | tee -a "$LOG"
   step suite-gpu 480 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py; rc_gpu=$?
   step suite-rest 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py \

@@ -161,9 +161,9 @@ def test_pool_is_sized_by_the_plan_and_the_largest_step_runs(sliced_8b, fraction
         step_tokens: list[int] = []
         forward = runner.forward
 
-        def tapped(chunks, *args, **kw):
-            step_tokens.append(sum(c.num_new for c in chunks))
-            return forward(chunks, *args, **kw)
+        def tapped(batch, *args, **kw):
+            step_tokens.append(batch.num_tokens)
+            return forward(batch, *args, **kw)
 
         runner.forward = tapped
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
