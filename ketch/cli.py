@@ -59,6 +59,7 @@ def _serve(a: argparse.Namespace) -> int:
         shutdown_timeout=a.shutdown_timeout, tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
         max_n=a.max_n, request_timeout=a.request_timeout, watchdog_timeout=a.watchdog_timeout,
         max_connections=a.max_connections, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
+        api_server_count=a.api_server_count,
     )
     return run(EngineConfig(**engine_kwargs(a)), server)
 
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "before the server fails in-flight requests and exits 1")
     s.add_argument("--max-connections", type=int, default=None,
                    help="open HTTP connections at most; more are answered 503 and closed (default: no cap)")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP API processes sharing the port (SO_REUSEPORT) in front of the one engine: more "
+                        "streams' tokenizing, detokenizing and SSE work in parallel (default 1)")
     s.add_argument("--header-timeout", type=float, default=30.0, help="seconds a client may take to send headers")
     s.add_argument("--body-timeout", type=float, default=60.0, help="seconds a client may take to send a body")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "deepseek-v3"],

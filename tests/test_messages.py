@@ -14,6 +14,7 @@ import zmq
 from conftest import make_tiny_engine
 
 from ketch.engine import messages as m
+from ketch.engine.outboxes import Outboxes
 from ketch.engine.process import _handle, _loop, _Progress
 from ketch.sampling.grammar.spec import GrammarSpec
 from ketch.sampling.params import SamplingParams
@@ -116,7 +117,7 @@ def test_the_loop_answers_a_mistyped_request_and_keeps_serving(engine):
     to_engine.connect("inproc://in")
     from_engine.bind("inproc://out")
     outbox.connect("inproc://out")
-    loop = threading.Thread(target=_loop, args=(engine, inbox, outbox, os.getppid(), _Progress()))
+    loop = threading.Thread(target=_loop, args=(engine, inbox, Outboxes([outbox]), os.getppid(), _Progress()))
     try:
         to_engine.send(_raw_request(top_k="5"))
         to_engine.send(EngineClient.encode_request("ok", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4)))

@@ -74,6 +74,7 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     prompt_ids: list[int]
     params: WireSamplingParams
+    origin: int = 0  # the API process that sent it (--api-server-count): its outputs go back there
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):
@@ -83,6 +84,7 @@ class AbortRequest(msgspec.Struct, tag=True, frozen=True):
 
 class Ping(msgspec.Struct, tag=True, frozen=True):
     nonce: int
+    origin: int = 0  # the API process that asks: the Pong goes back there
 
 
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
@@ -193,6 +195,16 @@ def undecodable_request(data: bytes, error: msgspec.ValidationError) -> RequestE
         what = match.group("what")
         text = f"{match.group('field')}: {what[:1].lower()}{what[1:]}"
     return RequestError(request_id, text)
+
+
+def origin_of(data: bytes) -> int:
+    """The sending API process of a message the typed decode refused (0 when it does not say)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return 0
+    origin = raw.get("origin", 0) if isinstance(raw, dict) else 0
+    return origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
 
 
 def decode_from_engine(data: bytes) -> FromEngine:

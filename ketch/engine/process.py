@@ -2,6 +2,10 @@
 
     API ──PUSH──▶ [input PULL]  drain → add/abort/ping → engine.step() → [output PUSH] ──▶ API
 
+With `--api-server-count N` there are N API processes: the input socket pulls from all of them
+(fair-queued), and each has its own output socket (outboxes.py): a request's outputs go back to
+the process that sent it.
+
 When requests are running the loop drains its input without blocking and steps; when idle it
 blocks on the input socket (with a timeout, to notice a parent that died without a word). Aborts
 and new requests are applied between steps only. A bad request (a field of the wrong type for the
@@ -27,17 +31,19 @@ import zmq
 
 from ketch.config import EngineConfig
 from ketch.engine import messages as m
+from ketch.engine.outboxes import Outboxes
 
 _IDLE_POLL_MS = 1000  # idle: wake this often to check that the parent is still alive
 
 
-def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr: str,
-                         output_addr: str) -> multiprocessing.Process:
-    """Spawn (never fork: torch and ZMQ state do not survive it) the engine process."""
+def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs: list[str],
+                         output_addrs: list[str]) -> multiprocessing.Process:
+    """Spawn (never fork: torch and ZMQ state do not survive it) the engine process; one input and
+    one output address per API process, in origin order."""
     ctx = multiprocessing.get_context("spawn")
     # daemonic processes may not start children: with TP > 1 the engine process starts its
     # ranks, so it is not one (it still ends with the API process: Shutdown, or the orphan check)
-    proc = ctx.Process(target=run_engine, args=(config, eos_token_ids, input_addr, output_addr, os.getpid()),
+    proc = ctx.Process(target=run_engine, args=(config, eos_token_ids, input_addrs, output_addrs, os.getpid()),
                        name="ketch-engine", daemon=config.tensor_parallel_size == 1)
     proc.start()
     return proc
@@ -52,32 +58,35 @@ class _Progress:
     busy: bool = False
 
 
-def _beat(zctx: zmq.Context, output_addr: str, progress: _Progress, stop: threading.Event) -> None:
-    sock = zctx.socket(zmq.PUSH)  # a socket per thread: ZMQ sockets are not thread-safe
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(output_addr)
+def _beat(zctx: zmq.Context, output_addrs: list[str], progress: _Progress, stop: threading.Event) -> None:
+    socks = [zctx.socket(zmq.PUSH) for _ in output_addrs]  # sockets of this thread: ZMQ's are not thread-safe
+    for sock, addr in zip(socks, output_addrs, strict=True):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
     try:
         while not stop.wait(m.HEARTBEAT_S):
-            try:
-                sock.send(m.encode(m.Heartbeat(progress.steps, progress.busy)), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the API process is not reading right now: this beat is dropped, the next one goes
+            beat = m.encode(m.Heartbeat(progress.steps, progress.busy))
+            for sock in socks:
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # that API process is not reading right now: this beat is dropped, the next one goes
     except zmq.ZMQError:
         pass  # the context is closing
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
 
 
-def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr: str, output_addr: str,
-               parent_pid: int) -> None:
+def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs: list[str],
+               output_addrs: list[str], parent_pid: int) -> None:
     zctx = zmq.Context()
     inbox = zctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = zctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (e.g. EngineError) leave before exit
-    outbox.connect(output_addr)
+    for addr in input_addrs:
+        inbox.connect(addr)
+    outboxes = Outboxes.connect(zctx, output_addrs)
     progress, stop = _Progress(), threading.Event()
-    beat = threading.Thread(target=_beat, args=(zctx, output_addr, progress, stop), name="ketch-heartbeat",
+    beat = threading.Thread(target=_beat, args=(zctx, output_addrs, progress, stop), name="ketch-heartbeat",
                             daemon=True)
     code = 0
     try:
@@ -89,32 +98,32 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addr:
         # ~0.15 s each in long runs.
         gc.freeze()
         capacity = engine.runner.pool.num_pages * config.page_size
-        outbox.send(m.encode(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity)))
+        outboxes.send_all(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity))
         beat.start()  # after EngineReady: start-up has its own deadline in the API process
-        _loop(engine, inbox, outbox, parent_pid, progress)
+        _loop(engine, inbox, outboxes, parent_pid, progress)
         engine.close()
     except Exception as e:
         traceback.print_exc()
-        outbox.send(m.encode(m.EngineError(f"{type(e).__name__}: {e}")))
+        outboxes.send_all(m.EngineError(f"{type(e).__name__}: {e}"))
         code = 1
     stop.set()
     if beat.is_alive():
         beat.join()
-    outbox.close()
+    outboxes.close()
     inbox.close()
     zctx.term()
     if code:
         sys.exit(code)
 
 
-def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progress: _Progress) -> None:
+def _loop(engine, inbox: zmq.Socket, outboxes: Outboxes, parent_pid: int, progress: _Progress) -> None:
     while True:
         if os.getppid() != parent_pid:  # orphaned: the API process is gone, and nobody reads our work
             return
         busy = progress.busy = engine.has_unfinished()
         if not busy and not inbox.poll(_IDLE_POLL_MS):
+            outboxes.forget_unless(engine.requests)
             continue
-        replies: list[m.FromEngine] = []
         while True:  # drain whatever has arrived, without blocking
             try:
                 data = inbox.recv(zmq.NOBLOCK)
@@ -126,21 +135,21 @@ def _loop(engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, progre
                 reply = m.undecodable_request(data, e)
                 if reply is None:  # not a request we can answer: the two processes disagree
                     raise
-                replies.append(reply)
+                outboxes.send_to(m.origin_of(data), reply)
                 continue
             if isinstance(msg, m.Shutdown):
                 return
             reply = _handle(engine, msg)
             if reply is not None:
-                replies.append(reply)
-        for reply in replies:
-            outbox.send(m.encode(reply))
+                outboxes.send_to(msg.origin, reply)  # only requests and pings are answered: both name it
+            elif isinstance(msg, m.GenerateRequest):
+                outboxes.owned(msg.request_id, msg.origin)
         if engine.has_unfinished():
             progress.busy = True
             outputs = engine.step()
             progress.steps += 1
             if outputs:
-                outbox.send(m.encode(m.TokenOutputs([m.TokenDelta.from_output(o) for o in outputs])))
+                outboxes.send_outputs([m.TokenDelta.from_output(o) for o in outputs], engine.requests)
 
 
 def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:

@@ -70,7 +70,6 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = await state.client.stats(_STATS_TIMEOUT_S)
-        state.metrics.admitted.set(state.admission.in_flight)
         return Response(state.metrics.render(stats, state.client), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

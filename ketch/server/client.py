@@ -6,6 +6,11 @@ so they can happen anywhere, including a `finally` of a cancelled stream (the ab
 Engine death is noticed through the process sentinel (a pipe fd the event loop watches): every
 queue gets an EngineGone and `on_death` runs. A hung engine is noticed by the watchdog (see
 watchdog.py): the process is killed and the same happens, with the watchdog's reason.
+
+With `--api-server-count N` the first API process starts the engine (`start(api_servers=N)`) and
+each other one attaches to it (`attach`): its own pair of sockets, origin k, the same engine. An
+attached client is not the engine's parent, so it watches the engine's pid (and its own parent,
+the first API process) instead of a sentinel.
 """
 from __future__ import annotations
 
@@ -40,9 +45,13 @@ Item = m.TokenDelta | m.RequestError | Exception  # an exception item ends the r
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], watchdog_timeout: float = 300.0) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], watchdog_timeout: float = 300.0,
+                 origin: int = 0, workdir: str | None = None) -> None:
+        """origin: this API process's index (0: the one that starts the engine); workdir: where the
+        ipc sockets live (shared by every API process of a server; None: a fresh one, owned here)."""
         self.config = config
         self.eos_token_ids = eos_token_ids
+        self.origin = origin
         self.ready: m.EngineReady | None = None
         self.alive = False
         self.failure: str | None = None  # why the engine is gone (exit code, or the watchdog's verdict)
@@ -52,7 +61,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._pongs: dict[int, asyncio.Future[EngineStats]] = {}
         self._nonces = itertools.count()
-        self._dir = tempfile.mkdtemp(prefix="ketch-")
+        self._owns_dir = workdir is None
+        self.workdir = workdir or tempfile.mkdtemp(prefix="ketch-")
         self._sync = zmq.Context()
         self._async = zmq.asyncio.Context()
         self._push = self._sync.socket(zmq.PUSH)
@@ -61,30 +71,67 @@ class EngineClient:
         self._pull = self._async.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._proc = None
+        self._engine_pid: int | None = None  # attached: the engine we did not start
+        self._parent_pid: int | None = None  # attached: the API process that started it
         self._router: asyncio.Task | None = None
 
+    @staticmethod
+    def addresses(workdir: str, origin: int) -> tuple[str, str]:
+        """The ipc input/output addresses of API process `origin`."""
+        return f"ipc://{workdir}/input-{origin}", f"ipc://{workdir}/output-{origin}"
+
     # ---------------------------------------------------------------- lifecycle
-    async def start(self, timeout: float = 600.0) -> m.EngineReady:
-        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self._push.bind(input_addr)
-        self._pull.bind(output_addr)
-        self._proc = start_engine_process(self.config, self.eos_token_ids, input_addr, output_addr)
+    async def start(self, timeout: float = 600.0, api_servers: int = 1) -> m.EngineReady:
+        """Start the engine process (for `api_servers` API processes) and wait until it is ready."""
+        self._bind()
+        addrs = [self.addresses(self.workdir, k) for k in range(api_servers)]
+        self._proc = start_engine_process(self.config, self.eos_token_ids, [a[0] for a in addrs],
+                                          [a[1] for a in addrs])
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))
-        first = asyncio.ensure_future(self._pull.recv())
-        done, _ = await asyncio.wait([first, exited], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if first not in done:
-            first.cancel()
-            self.close()
-            raise EngineStartError("the engine process exited during startup" if exited.done()
-                                   else f"the engine was not ready after {timeout:.0f} s")
-        msg = m.decode_from_engine(first.result())
-        if not isinstance(msg, m.EngineReady):
-            self.close()
-            raise EngineStartError(getattr(msg, "message", f"unexpected first message {type(msg).__name__}"))
+        msg = await self._first_message(timeout, exited)
         loop.remove_reader(self._proc.sentinel)
         loop.add_reader(self._proc.sentinel, self._on_exit)
+        return self._running(msg)
+
+    async def attach(self, engine_pid: int, parent_pid: int, timeout: float = 600.0) -> m.EngineReady:
+        """Join the engine another API process started (this one's origin is > 0)."""
+        self._bind()
+        self._engine_pid, self._parent_pid = engine_pid, parent_pid
+        return self._running(await self._first_message(timeout, asyncio.get_running_loop().create_future()))
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else self._engine_pid
+
+    def _bind(self) -> None:
+        input_addr, output_addr = self.addresses(self.workdir, self.origin)
+        self._push.bind(input_addr)
+        self._pull.bind(output_addr)
+
+    async def _first_message(self, timeout: float, exited: asyncio.Future) -> m.EngineReady:
+        """EngineReady (heartbeats before it are skipped: an API process that attaches late may get
+        the heartbeat thread's first beats before the ready message, which left on another socket)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            first = asyncio.ensure_future(self._pull.recv())
+            done, _ = await asyncio.wait([first, exited], timeout=max(0.0, deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if first not in done:
+                first.cancel()
+                self.close()
+                raise EngineStartError("the engine process exited during startup" if exited.done()
+                                       else f"the engine was not ready after {timeout:.0f} s")
+            msg = m.decode_from_engine(first.result())
+            if isinstance(msg, m.EngineReady):
+                return msg
+            if not isinstance(msg, m.Heartbeat):
+                self.close()
+                raise EngineStartError(getattr(msg, "message", f"unexpected first message {type(msg).__name__}"))
+
+    def _running(self, msg: m.EngineReady) -> m.EngineReady:
         self.ready, self.alive = msg, True
         self.watchdog = Watchdog(self.watchdog.timeout, time.monotonic())
         self._router = asyncio.create_task(self._route())
@@ -106,7 +153,8 @@ class EngineClient:
             if task is not None:
                 task.cancel()
         self.alive = False
-        shutil.rmtree(self._dir, ignore_errors=True)  # the ipc socket files
+        if self._owns_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)  # the ipc socket files
 
     def _on_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
@@ -129,11 +177,28 @@ class EngineClient:
         period = min(1.0, self.watchdog.timeout / 4)
         while self.alive:
             await asyncio.sleep(period)  # a timer, not a synchronisation: the verdict reads the clock
+            if self._engine_pid is not None and not self._attached_engine_alive():
+                return
             verdict = self.watchdog.verdict(time.monotonic())
             if verdict is not None and self.alive:
                 print(f"error: {verdict}; killing it", flush=True)
                 self._gone(f"the engine stopped answering: {verdict}")
+                if self._proc is None:  # attached: the first API process owns the engine; it ends it
+                    os.kill(self._engine_pid, 9)
+                    return
                 self._proc.kill()  # a stopped (SIGSTOP) process dies of SIGKILL too
+
+    def _attached_engine_alive(self) -> bool:
+        """Attached: the engine's pid gone (its parent reaps it at once), or our parent gone, ends it."""
+        if os.getppid() != self._parent_pid:
+            self._gone("the first API process (which started the engine) is gone")
+            return False
+        try:
+            os.kill(self._engine_pid, 0)
+        except ProcessLookupError:
+            self._gone("the engine process exited")
+            return False
+        return True
 
     def healthy(self) -> str | None:
         """None when the engine is up and answering; else why not (for /health)."""
@@ -152,9 +217,10 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
     @staticmethod
-    def encode_request(request_id: str, prompt_ids: list[int], params: SamplingParams) -> bytes:
+    def encode_request(request_id: str, prompt_ids: list[int], params: SamplingParams, origin: int = 0) -> bytes:
         """The wire form of a request (made before any admission slot is taken: it may raise)."""
-        return m.encode(m.GenerateRequest(request_id, prompt_ids, m.WireSamplingParams.from_params(params)))
+        return m.encode(m.GenerateRequest(request_id, prompt_ids, m.WireSamplingParams.from_params(params),
+                                          origin))
 
     def add(self, request_id: str, message: bytes, queue: asyncio.Queue[Item]) -> None:
         """Send an encoded request; its outputs go to `queue`."""
@@ -177,7 +243,7 @@ class EngineClient:
             return None
         nonce = next(self._nonces)
         fut = self._pongs[nonce] = asyncio.get_running_loop().create_future()
-        self._send(m.Ping(nonce))
+        self._send(m.Ping(nonce, self.origin))
         try:
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, EngineGone):

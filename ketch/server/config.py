@@ -23,6 +23,9 @@ class ServerConfig:
     max_connections: int | None = None  # open HTTP connections; more are answered 503 and closed
     header_timeout: float = 30.0  # seconds a connection may take to send a request's headers
     body_timeout: float = 60.0  # seconds a request may take to send its body
+    # HTTP API processes on one port (SO_REUSEPORT), one engine; the queue and connection limits
+    # are split evenly between them (each holds its share, rounded up)
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -45,5 +48,7 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
         if not 2.0 <= self.watchdog_timeout < float("inf"):  # several heartbeats must fit in it
             raise ValueError(f"watchdog_timeout: must be >= 2 seconds, got {self.watchdog_timeout}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count: must be >= 1, got {self.api_server_count}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {self.max_connections}")

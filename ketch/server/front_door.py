@@ -25,8 +25,10 @@ REQUEST_ID_KEY = "ketch.request_id"
 
 
 class FrontDoor:
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], state: ServerState) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], state: ServerState,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """headers: added to every answer (with --api-server-count: which API process answered)."""
+        self.app, self.state, self.headers = app, state, headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,7 +40,7 @@ class FrontDoor:
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), header, *self.headers]
             await send(message)
 
         if scope["path"] not in OPEN_PATHS:

@@ -96,7 +96,7 @@ class Generation:
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
         # encode first: a value the wire cannot carry fails here, before a slot is taken
-        messages = [(rid, self.client.encode_request(rid, ids, self.params)) for rid, ids in self.prompts.items()]
+        messages = [(rid, self.client.encode_request(rid, ids, self.params, self.client.origin)) for rid, ids in self.prompts.items()]
         try:
             self._admission.acquire(len(self.samples))
         except APIError as e:

@@ -6,14 +6,20 @@ Two sources:
 - the API process's view of each sample's timing (TTFT, inter-token latency, end to end),
   observed as outputs arrive, and the requests it finished or turned away.
 
-Each server has its own registry (several apps can live in one test process).
+Each server has its own registry (several apps can live in one test process). With several API
+processes (`--api-server-count`) a scrape reaches one of them, so their own metrics (latencies,
+finished and rejected requests, admitted sequences) are kept in prometheus_client's multiprocess
+files in a directory they share and summed at scrape time (`shared_dir`); the engine's figures
+and the engine's health are the same from every process.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,12 +71,36 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
-class ServerMetrics:
+class _HealthCollector(Collector):
+    """The engine's health as this process sees it, computed at each scrape."""
+
     def __init__(self) -> None:
+        self.client: "EngineClient | None" = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.client is None:
+            return
+        yield GaugeMetricFamily("ketch_engine_healthy", "1 while the engine is up and its watchdog is content",
+                                value=1 if self.client.healthy() is None else 0)
+        yield GaugeMetricFamily("ketch_engine_heartbeat_age_seconds", "Seconds since the engine process's last "
+                                "heartbeat", value=self.client.watchdog.age(time.monotonic()))
+
+
+class ServerMetrics:
+    def __init__(self, shared_dir: str | None = None) -> None:
+        """shared_dir: the multiprocess directory of a server with several API processes (every
+        one of them passes the same; None: this process's metrics alone)."""
         self.registry = CollectorRegistry()
-        self._engine = _EngineCollector()
+        self._engine, self._health = _EngineCollector(), _HealthCollector()
         self.registry.register(self._engine)
-        r = self.registry
+        self.registry.register(self._health)
+        r: CollectorRegistry | None = self.registry
+        if shared_dir is not None:
+            # values written to per-process files in shared_dir; the scrape sums every process's
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared_dir  # where the value files go
+            values.ValueClass = values.MultiProcessValue()
+            MultiProcessCollector(self.registry, shared_dir)
+            r = None  # the collector reads them back; registering them too would count this process twice
         self.ttft = Histogram("ketch_time_to_first_token_seconds", "Time from arrival to a sample's first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("ketch_inter_token_latency_seconds", "Time between a sample's consecutive tokens",
@@ -80,18 +110,12 @@ class ServerMetrics:
         self.finished = Counter("ketch_requests_finished", "Samples finished, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("ketch_requests_rejected", "Requests turned away, by reason", ["reason"], registry=r)
-        self.engine_healthy = Gauge("ketch_engine_healthy", "1 while the engine is up and its watchdog is content",
-                                    registry=r)
         self.admitted = Gauge("ketch_admitted_sequences",
-                              "Sequences the API process has admitted and not yet seen end (running or queued)",
-                              registry=r)
-        self.heartbeat_age = Gauge("ketch_engine_heartbeat_age_seconds",
-                                   "Seconds since the engine process's last heartbeat", registry=r)
+                              "Sequences the API processes have admitted and not yet seen end (running or queued)",
+                              registry=r, multiprocess_mode="livesum")
 
     def render(self, stats: EngineStats | None, client: "EngineClient | None" = None) -> bytes:
         """The exposition text; engine metrics are left out when the engine did not answer."""
         self._engine.stats = stats
-        if client is not None:
-            self.engine_healthy.set(1 if client.healthy() is None else 0)
-            self.heartbeat_age.set(client.watchdog.age(time.monotonic()))
+        self._health.client = client
         return generate_latest(self.registry)

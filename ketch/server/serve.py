@@ -3,6 +3,10 @@
 The exit code is 0 after a normal shutdown (Ctrl-C / SIGTERM) and 1 when the engine process died,
 hung (the watchdog) or never became ready: a supervisor should restart a server whose engine is gone.
 
+`--api-server-count N`: this process starts the engine and N - 1 more API processes
+(api_workers.py), all serving the same port through SO_REUSEPORT sockets; one of them dying takes
+the server down (exit 1), as the engine dying does.
+
 SIGTERM: stop accepting, give in-flight requests `shutdown_timeout` seconds, then end those still
 running with a `server_shutdown` error (an error event and [DONE] on a stream, a 503 otherwise);
 uvicorn's own deadline comes a little later, so those answers are written before it cancels tasks.
@@ -12,20 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from typing import Iterator
 
 import uvicorn
 
 from ketch.config import EngineConfig
+from ketch.server.api_workers import ApiWorkerError, ApiWorkers, reuseport_socket, shared_metrics_dir
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
 from ketch.server.config import ServerConfig
 from ketch.server.errors import server_shutdown
 from ketch.server.front_door import FrontDoor
 from ketch.server.http_protocol import GuardedHttpProtocol
+from ketch.server.metrics import ServerMetrics
 from ketch.server.state import Admission, ServerState
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
@@ -42,6 +50,10 @@ class _Server(uvicorn.Server):
 
     state: ServerState | None = None
     deadline_s: float = 30.0
+    # the signals that start the graceful shutdown; the extra API processes take only SIGTERM (from
+    # the first one): a terminal's Ctrl-C reaches the whole process group, and a second signal
+    # would make uvicorn skip the draining
+    signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
     async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
         if self.state is not None:
@@ -54,7 +66,7 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.signals}
         try:
             yield
         finally:
@@ -74,34 +86,61 @@ def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
         return None
 
 
-async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
-    sc = server_config
-    tokenizer = _load_tokenizer(config)
+def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, tokenizer: Tokenizer | None,
+                metrics_dir: str | None = None) -> _Server:
+    """The uvicorn server of one API process (each of `api_server_count` builds its own)."""
+    share = sc.api_server_count  # the queue and connection limits are split between the API processes
     template_src = sc.chat_template or (tokenizer.chat_template if tokenizer else None)
     template = ChatTemplate(template_src) if template_src else None
-    client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else (), sc.watchdog_timeout)
-    try:
-        ready = await client.start()
-    except EngineStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     name = sc.served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
-    limit = None if sc.max_queued_requests is None else config.max_num_seqs + sc.max_queued_requests
+    limit = None if sc.max_queued_requests is None else -(-(config.max_num_seqs + sc.max_queued_requests) // share)
     state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit),
                         tool_call_parser=sc.tool_call_parser, reasoning_parser=sc.reasoning_parser,
-                        max_n=sc.max_n, request_timeout=sc.request_timeout)
-    app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state)
-    protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, sc.max_connections)
+                        max_n=sc.max_n, request_timeout=sc.request_timeout, metrics=ServerMetrics(metrics_dir))
+    which = ((b"x-ketch-api-process", str(client.origin).encode()),) if share > 1 else ()
+    app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
+    connections = None if sc.max_connections is None else -(-sc.max_connections // share)
+    protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections)
     server = _Server(uvicorn.Config(app, host=sc.host, port=sc.port, http=protocol, log_level="warning",
                                     timeout_graceful_shutdown=sc.shutdown_timeout + _ANSWER_GRACE_S))
     server.state, server.deadline_s = state, sc.shutdown_timeout
     client.on_death = lambda: setattr(server, "should_exit", True)
-    print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{sc.host}:{sc.port}", flush=True)
+    return server
+
+
+async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
+    sc = server_config
+    tokenizer = _load_tokenizer(config)
+    many = sc.api_server_count > 1
+    workdir = tempfile.mkdtemp(prefix="ketch-") if many else None
+    sock = reuseport_socket(sc.host, sc.port) if many else None  # bound first: port 0 picks one port for all
+    port = sock.getsockname()[1] if sock is not None else sc.port
+    metrics_dir = shared_metrics_dir(workdir) if workdir else None
+    client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else (), sc.watchdog_timeout, workdir=workdir)
+    workers: ApiWorkers | None = None
     try:
-        await server.serve()
+        try:
+            ready = await client.start(api_servers=sc.api_server_count)
+            if many:
+                workers = ApiWorkers.start(config, sc, workdir, client.engine_pid, port)
+                await workers.wait_ready()
+        except (EngineStartError, ApiWorkerError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        server = http_server(config, sc, client, tokenizer, metrics_dir)
+        if workers is not None:
+            workers.on_death = lambda reason: (setattr(server, "should_exit", True), setattr(workers, "failure", reason))
+        name = server.state.model_name
+        count = f" ({sc.api_server_count} API processes)" if many else ""
+        print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{sc.host}:{port}{count}", flush=True)
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
-        failure = client.failure  # set when the engine died or hung; a clean stop leaves it None
+        if workers is not None:
+            workers.stop(sc.shutdown_timeout + 2 * _ANSWER_GRACE_S)
+        failure = client.failure or (workers.failure if workers is not None else None)
         client.close()
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
         return 1

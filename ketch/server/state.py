@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ketch.server.client import EngineClient
@@ -23,10 +24,13 @@ class Admission:
 
     limit: int | None
     in_flight: int = 0
+    # told every new count (the admitted-sequences gauge: with several API processes each one's
+    # count must be current in its metric file, not only when a scrape reaches that process)
+    watch: Callable[[int], None] | None = None
 
     def acquire(self, n: int) -> None:
         if self.limit is None:
-            self.in_flight += n
+            self._add(n)
             return
         if n > self.limit:
             raise APIError(400, f"n: this request needs {n} sequences (prompts × n); the server holds at most "
@@ -34,11 +38,16 @@ class Admission:
         if self.in_flight + n > self.limit:
             raise APIError(429, f"the server is at capacity ({self.in_flight} of {self.limit} sequences running "
                                 "or queued); retry later", type="rate_limit_error", code="queue_full")
-        self.in_flight += n
+        self._add(n)
 
     def release(self, n: int = 1) -> None:
-        self.in_flight -= n
+        self._add(-n)
         assert self.in_flight >= 0, "admission released more than it acquired"
+
+    def _add(self, n: int) -> None:
+        self.in_flight += n
+        if self.watch is not None:
+            self.watch(self.in_flight)
 
 
 @dataclass
@@ -56,6 +65,9 @@ class ServerState:
     max_n: int = 128  # --max-n
     request_timeout: float | None = None  # --request-timeout: a request's deadline unless it sets one
     shutting_down: bool = False  # SIGTERM received: new generation requests get a 503
+
+    def __post_init__(self) -> None:
+        self.admission.watch = self.metrics.admitted.set
 
     def check_api_key(self, authorization: str | None) -> None:
         if self.api_key is None:
