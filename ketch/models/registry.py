@@ -1,6 +1,9 @@
 """HF architecture name -> model family; a model's config from its files, through its family.
 
     family_for(architecture)                -> ModelFamily      (ValueError naming the choices)
+    register_family(family)                 -> undo()           a family defined outside ketch
+                                                                (a plugin, a test) serves its
+                                                                architectures in this process
     config_from_hf(d)                       -> the family's config (config.json's dict)
     load_model_config(path, load_format)    -> the family's config of a GGUF file / HF directory
                                                / config.json (ketch.weights reads the dict)
@@ -8,15 +11,37 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ketch.models.family import ModelFamily
 from ketch.models.llama_family import LLAMA
 from ketch.weights import ModelSource, read_config
 
-FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA,)
-_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
+FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA,)  # built in; register_family adds others
+_BY_ARCHITECTURE: dict[str, ModelFamily[Any]] = {arch: family for family in FAMILIES for arch in family.architectures}
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # config.json files without `architectures`
+
+
+def register_family(family: ModelFamily[Any]) -> Callable[[], None]:
+    """Serve `family`'s architectures from now on, in this process; returns the call that takes
+    them out again (idempotent). An architecture some family already serves is a ValueError:
+    nothing is replaced silently. Spawned tensor-parallel workers are fresh processes: a family
+    registered at run time must be registered there too (at the import of its module)."""
+    if not family.architectures:
+        raise ValueError(f"family {family.name!r}: architectures must name at least one HF architecture")
+    taken = sorted(a for a in family.architectures if a in _BY_ARCHITECTURE)
+    if taken:
+        raise ValueError(f"family {family.name!r}: {taken} already served by "
+                         f"{sorted({_BY_ARCHITECTURE[a].name for a in taken})}")
+    _BY_ARCHITECTURE.update(dict.fromkeys(family.architectures, family))
+
+    def unregister() -> None:
+        for arch in family.architectures:
+            if _BY_ARCHITECTURE.get(arch) is family:
+                del _BY_ARCHITECTURE[arch]
+
+    return unregister
 
 
 def family_for(architecture: str) -> ModelFamily[Any]:

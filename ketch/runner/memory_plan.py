@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from ketch.forward_batch import ForwardBatch, SeqChunk
-from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
-from ketch.config import EngineConfig, ModelConfig
+from ketch.config import EngineConfig
+from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 
 # Not profiled: sampling's sorts over [rows, vocab], allocator fragmentation across step shapes,
@@ -132,7 +132,7 @@ def run_largest_step(model: torch.nn.Module, attn: Any, lens: list[int], page_si
     return model.compute_logits(hidden.index_select(0, rows))
 
 
-def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: FamilyConfig, max_model_len: int,
                  build_graphs: Callable[[Any], Any] | None) -> Profile:
     """CUDA only. Measure the largest eager step and the decode graphs (`build_graphs(attn)`
     captures them against `attn`) on a one-page scratch pool, then free all of it."""
@@ -142,11 +142,11 @@ def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: Mod
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     free0, _ = torch.cuda.mem_get_info(device)
-    spec = family_for(cfg.architecture).kv_spec(cfg, model.parallel)
-    pool = KVPool(spec, 1, config.page_size, config.kv_torch_dtype, device, compute_dtype=config.torch_dtype)
-    heads = model.parallel.head_share(cfg.num_heads, cfg.num_kv_heads).num_q  # this rank's
-    attn = create_attention_backend(config.resolved_attention_backend, pool, heads, cfg.head_dim, device,
-                                    max_model_len=max_model_len)
+    family = family_for(cfg.architecture)
+    pool = KVPool(family.kv_spec(cfg, model.parallel), 1, config.page_size, config.kv_torch_dtype, device,
+                  compute_dtype=config.torch_dtype)
+    attn = family.make_attention(cfg, pool, backend=config.resolved_attention_backend, parallel=model.parallel,
+                                 device=device, max_model_len=max_model_len)  # the runner's, on the scratch pool
     # no sequence is longer than max_model_len (nor has rotary rows past it)
     chunk = min(config.prefill_chunk, max_model_len)
     lens = profile_step_lens(config.max_num_batched_tokens, config.max_num_seqs, chunk)
@@ -161,7 +161,7 @@ def profile_peak(model: torch.nn.Module, config: EngineConfig, model_config: Mod
     return Profile(step=step, peak=peak)
 
 
-def plan_gpu_pool(model: torch.nn.Module, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+def plan_gpu_pool(model: torch.nn.Module, config: EngineConfig, model_config: FamilyConfig, max_model_len: int,
                   build_graphs: Callable[[Any], Any] | None) -> MemoryPlan:
     """CUDA only, after the weights load and before the pool exists. An explicit
     kv_cache_memory skips the profile (the caller has chosen the size)."""

@@ -4,11 +4,12 @@ The engine hands over the step's `ForwardBatch` (ketch/forward_batch.py: one tok
 decode-like sequences first, slots computed); the runner builds attention metadata once, runs
 the model and returns the fp32 logits of the rows that sample.
 
-Chosen once at init, never per step: the attention backend (`attention_backend`: Triton on
-CUDA, torch on the CPU), the layer kernels (`layer_kernels`, same rule) and the decode CUDA
-graphs (`cuda_graph`, on by default on CUDA; one graph runner, graph_runner.py, for every
-backend: the Triton backend has it capture every padded batch size up front, the torch
-backend each (size, page bucket) on first use).
+Chosen once at init, never per step: the attention backend (the family's `make_attention`:
+a family with its own KV layout brings its own backend, the others get the registry's,
+`attention_backend`: Triton on CUDA, torch on the CPU), the layer kernels (`layer_kernels`,
+same rule) and the decode CUDA graphs (`cuda_graph`, on by default on CUDA; one graph runner,
+graph_runner.py, for every backend: the Triton backend has it capture every padded batch size
+up front, the torch backend each (size, page bucket) on first use).
 
 On CUDA the KV pool is sized by memory_plan.py (`mem_fraction_static`, measured headroom for
 the graphs and the largest eager step); on the CPU by `kv_cache_fraction` of the memory.
@@ -25,12 +26,12 @@ import numpy as np
 import torch
 
 from ketch.attention.base import AttentionBackend
-from ketch.attention.registry import create_attention_backend
 from ketch.cache.kv_pool import KVPool
-from ketch.config import EngineConfig, ModelConfig
+from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
+from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
 from ketch.runner.graph_runner import GraphRunner
@@ -59,7 +60,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+    def __init__(self, config: EngineConfig, model_config: FamilyConfig, max_model_len: int,
                  source: ModelSource | None = None, parallel: ParallelContext = SINGLE) -> None:
         """source: the model as the engine resolved it (None: resolve it from `config` here);
         parallel: the rank's tensor-parallel context: the model, the pool and the attention
@@ -67,6 +68,9 @@ class ModelRunner:
         self.parallel = parallel
         self.config = config
         self.model_config = model_config
+        # model, KV layout, weights and attention backend all come from the family: nothing
+        # here reads a family's config fields (head counts, dims)
+        self.family = family_for(model_config.architecture)
         self.source = source or ModelSource.resolve(config.model, config.load_format, config.tokenizer)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -88,18 +92,13 @@ class ModelRunner:
         self.memory_plan: MemoryPlan | None = None if self.device.type != "cuda" else \
             plan_gpu_pool(self.model, config, model_config, max_model_len, build_graphs)
         self.pool = self._allocate_pool()
-        self.attn = create_attention_backend(self.attention_backend, self.pool, self.local_num_heads,
-                                             model_config.head_dim, self.device, max_model_len=max_model_len)
+        self.attn = self.family.make_attention(model_config, self.pool, backend=self.attention_backend,
+                                               parallel=self.parallel, device=self.device, max_model_len=max_model_len)
         self.graphs: GraphRunner | None = build_graphs(self.attn) if build_graphs else None
         if self.memory_plan is not None:
             free, _ = torch.cuda.mem_get_info(self.device)
             print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
                   file=sys.stderr)
-
-    @property
-    def local_num_heads(self) -> int:
-        """This rank's query heads (the attention backend sees only these)."""
-        return self.parallel.head_share(self.model_config.num_heads, self.model_config.num_kv_heads).num_q
 
     def _build_graphs(self, attn: AttentionBackend, max_model_len: int) -> GraphRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
@@ -107,8 +106,7 @@ class ModelRunner:
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
-        cfg = self.model_config
-        family = family_for(cfg.architecture)
+        cfg, family = self.model_config, self.family
         # Rotary tables are built with an explicit fp32 dtype, so they stay fp32 here.
         with torch.device(self.device), default_dtype(self.dtype):
             model = family.model_class(cfg, max_positions=max_model_len, ops=self.ops, parallel=self.parallel)
@@ -131,7 +129,7 @@ class ModelRunner:
     def _allocate_pool(self) -> KVPool:
         cfg, ec = self.model_config, self.config
         kv_dtype = ec.kv_torch_dtype  # the model dtype, or fp8 (half the bytes: twice the pages)
-        spec = family_for(cfg.architecture).kv_spec(cfg, self.parallel)  # this rank's share
+        spec = self.family.kv_spec(cfg, self.parallel)  # this rank's share
         per_page = spec.bytes_per_page(ec.page_size, kv_dtype, self.dtype)
         budget = self.memory_plan.pool_bytes if self.memory_plan else kv_budget_bytes(ec)
         # every rank's pool holds the same pages (rank 0 hands out page numbers for all): the
