@@ -138,3 +138,44 @@ def test_llm_takes_the_options(tiny_config_path: str) -> None:
               enable_hierarchical_cache=True, hicache_ratio=3.0, hicache_write_policy="write_back")
     assert llm.engine.kv.host_pool is not None and llm.engine.kv.host_pool.num_pages == 24
     assert llm.engine.kv.tree.write_policy == "write_back"  # type: ignore[attr-defined]
+
+
+# ---- the bundled SmolLM2 (real weights, fp32) ------------------------------------------------
+
+SMOL_TOPICS = ["the sea", "a clock", "bread", "the moon", "rivers"]
+SMOL_PAGES = 18  # page_size 4: 72 tokens; the 5 conversations' ~75 pages are > 4x that
+
+
+def smol_multi_turn(llm: LLM) -> list[list[int]]:
+    """5 conversations x 3 turns of real text, each turn re-sending the whole conversation."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    history = [[] for _ in SMOL_TOPICS]
+    answers = []
+    for turn in range(3):
+        for c, topic in enumerate(SMOL_TOPICS):
+            history[c] = history[c] + llm.tokenizer.encode(f" Tell me one more short fact about {topic}, please.",
+                                                           add_special_tokens=False)
+        outs = llm.generate(history, params)
+        llm.engine.check_invariants()
+        for c, out in enumerate(outs):
+            answers.append(out.token_ids)
+            history[c] = history[c] + out.token_ids
+    return answers
+
+
+def test_smollm_multi_turn_output_is_identical_with_the_host_tier(smollm_path: str) -> None:
+    """Real weights (attention that tells pages apart), write_back (the policy whose copy happens
+    at eviction); write_through and the other switches run on the tiny model above."""
+    runs = {}
+    for name, switches in [("off", {}), ("write_back", dict(enable_hierarchical_cache=True, hicache_ratio=8.0,
+                                                            hicache_write_policy="write_back"))]:
+        llm = LLM(smollm_path, dtype="float32", page_size=PS, kv_cache_memory=SMOL_PAGES * 4 * 46_080,
+                  max_num_seqs=1, **switches)  # one at a time: no preemption churn on 2 cores
+        assert llm.engine.allocator.num_pages == SMOL_PAGES
+        runs[name] = smol_multi_turn(llm)
+        if switches:
+            assert llm.engine.kv.hits.host_tokens > 0
+            assert_host_drained(llm.engine)
+        else:
+            assert_drained(llm.engine)
+    assert runs["write_back"] == runs["off"]
