@@ -48,6 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is split over (rank 0 in the engine, the rest spawned; gloo on CPU, nccl on CUDA)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
+    g.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="keep KV pages evicted from the device in a host-memory pool (L2) and load them back on a hit")
+    g.add_argument("--hicache-ratio", type=float, default=2.0, help="host pool size as a multiple of the device pool")
+    g.add_argument("--hicache-size", type=float, default=None, help="host pool size in GB (overrides --hicache-ratio)")
+    g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
+                   help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -61,7 +67,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
         overlap_schedule=True if a.overlap_schedule else (False if a.disable_overlap_schedule else None),
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
-        tensor_parallel_size=a.tensor_parallel_size,
+        tensor_parallel_size=a.tensor_parallel_size, enable_hierarchical_cache=a.enable_hierarchical_cache,
+        hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
     )
 
 

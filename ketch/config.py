@@ -12,6 +12,8 @@ LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
+HiCacheWritePolicy = Literal["write_through", "write_back"]
+HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,17 @@ class EngineConfig:
     # Tensor parallelism: the engine runs rank 0 and spawns ranks 1..N-1 (engine/tp_ranks.py);
     # each rank holds 1/N of the heads, MLP features and vocabulary.
     tensor_parallel_size: int = 1
+    # Hierarchical KV cache (SGLang's HiCache flags): pages evicted from the device pool go to a
+    # host-memory pool (L2) and come back on a hit (ketch/cache/hiradix.py). Host pool size:
+    # hicache_size GB when given, else hicache_ratio × the device pool. write_through copies pages
+    # to the host when they enter the prefix cache, write_back when they leave the device.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float | None = None  # GB (10^9 bytes); takes precedence over the ratio
+    hicache_write_policy: HiCacheWritePolicy = "write_through"
 
     def __post_init__(self) -> None:
+        _check_hicache(self)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.page_size < 1:
@@ -291,6 +302,26 @@ class EngineConfig:
         """Most new tokens one request may take in a step."""
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
         return min(chunk, self.max_num_batched_tokens)
+
+
+def _check_hicache(c: EngineConfig) -> None:
+    """The hierarchical-cache fields; a size, ratio or policy without the switch is a mistake."""
+    if c.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+        raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
+    if not c.hicache_ratio > 1.0:
+        raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
+    if c.hicache_size is not None and not c.hicache_size > 0:
+        raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
+    if not c.enable_hierarchical_cache:
+        for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through")):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "
+                                 f"add --enable-hierarchical-cache (enable_hierarchical_cache=True)")
+        return
+    if not c.enable_prefix_cache:
+        raise ValueError("enable_hierarchical_cache: needs the prefix cache (drop --disable-prefix-cache)")
+    if c.tensor_parallel_size > 1:
+        raise ValueError("enable_hierarchical_cache: not supported with tensor_parallel_size > 1 yet")
 
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects

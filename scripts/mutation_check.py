@@ -72,6 +72,29 @@ MUTATIONS = (
             "tests/test_sampling.py::test_greedy_is_exact_argmax_and_top_k_1_is_greedy",
         ),
     ),
+    # The host tier (issue 15). Loading a prefix's pages into each other's places is invisible to
+    # greedy output (attention over a whole prefix does not depend on the order of its pages:
+    # each key carries its own rotary phase), so only the page-content checks catch it.
+    Mutation(
+        name="hicache-loads-into-the-wrong-pages",
+        path="ketch/cache/hiradix.py",
+        old="        self.host_pool.load([h for n in run for h in n.host], pages)\n",
+        new="        self.host_pool.load([h for n in run for h in n.host], pages[::-1])\n",
+        tests=(
+            "tests/test_hiradix.py::test_evicted_pages_go_to_the_host_and_a_hit_loads_them_back[write_back]",
+            "tests/test_hiradix.py::test_random_workload_keeps_contents_and_invariants[write_back-1]",
+        ),
+    ),
+    Mutation(
+        name="hicache-write-back-skips-the-copy",
+        path="ketch/cache/hiradix.py",
+        old="                self._copy_to_host(leaf)  # write_back's copy",
+        new="                leaf.host = self.host_pool.alloc(len(leaf.pages))  # planted: no copy",
+        tests=(
+            "tests/test_hicache_l2.py::test_multi_turn_output_is_identical_and_hits_the_host[write_back]",
+            "tests/test_hiradix.py::test_evicted_pages_go_to_the_host_and_a_hit_loads_them_back[write_back]",
+        ),
+    ),
 )
 
 

@@ -2,8 +2,9 @@
 
 The scheduler decides who runs; this class does what a decision means for pages:
 
-    match(ids)              → Hit(pages, length, node, tier)       no side effects beyond LRU
-    admit(holder, hit, n)   lock the hit, take its pages, add pages for n tokens (or change nothing)
+    match(ids)              → Hit(pages, length, node, tier, host_tokens)   no side effects beyond LRU
+    admit(holder, hit, n)   lock the hit, take its pages, add pages for n tokens (or change nothing);
+                            a hit's host-only part is loaded back into the new pages first
     reserve(holder, n)      pages for n tokens (evicting unlocked cache pages if needed)
     publish(holder)         full, resolved pages into the tree (the holder keeps its references)
     release(holder)         publish, unlock, drop every reference: the holder holds nothing
@@ -11,7 +12,11 @@ The scheduler decides who runs; this class does what a decision means for pages:
                             after a stop; rejected draft tokens)
     make_room(n)            evict until n pages are free
     export()                the pool's buffers (pointers, sizes) for a KV transport
-    check_invariants(hs)    the shadow count of every page's holders
+    check_invariants(hs)    the shadow count of every page's holders (and the host tier's owners)
+    usage()                 per tier: total, free, cached (unlocked tree pages), used
+
+With a host pool (the hierarchical cache, cache/hiradix.py) the tree keeps pages evicted from the
+device in host memory and a match may reach them; everything else is the same to the scheduler.
 
 A holder is any object with the fields of `PageHolder` (the scheduler's `Request`); the cache
 layer never imports the scheduler. Ownership (cache/README.md): a holder has one reference per
@@ -25,10 +30,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ketch.cache.allocator import PageAllocator
+from ketch.cache.hiradix import HiRadixCache
+from ketch.cache.host_pool import HostPool, host_pages_for
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.page_hash import CacheEvents
 from ketch.cache.radix import RadixCache
 from ketch.cache.radix_node import Node
+from ketch.config import EngineConfig
 
 
 class PageHolder(Protocol):
@@ -48,7 +56,30 @@ class Hit:
     pages: list[int]  # cached pages covering the first `length` tokens
     length: int  # a multiple of page_size
     node: Node  # the deepest node of the hit (the root for a miss)
-    tier: str = "device"  # where the pages came from (host and storage tiers are to come)
+    tier: str = "device"  # the deepest tier the hit reaches: "device" or "host" (storage is to come)
+    host_tokens: int = 0  # its trailing tokens only on the host: `pages` covers the rest, admit loads these
+
+    @property
+    def device_tokens(self) -> int:
+        return self.length - self.host_tokens
+
+
+@dataclass
+class TierHits:
+    """Tokens of admitted hits by the tier that served them (every admission, re-admissions too)."""
+
+    device_tokens: int = 0
+    host_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's pages: free + cached + used == total (cached: unlocked tree pages, evictable)."""
+
+    total: int
+    free: int
+    cached: int
+    used: int
 
 
 @dataclass(frozen=True)
@@ -63,11 +94,24 @@ class LayerBuffer:
 
 
 class KVCacheManager:
-    def __init__(self, pool: KVPool, enable_prefix_cache: bool = True, events: CacheEvents | None = None) -> None:
+    def __init__(self, pool: KVPool, enable_prefix_cache: bool = True, events: CacheEvents | None = None,
+                 host_pool: HostPool | None = None, write_policy: str = "write_through") -> None:
+        """host_pool: turns on the host tier (L2) with `write_policy` (write_through | write_back)."""
         self.pool = pool
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
-        self.tree = RadixCache(pool.page_size, self.allocator, enabled=enable_prefix_cache, events=events)
+        self.host_pool = host_pool
+        self.hits = TierHits()
+        self.tree: RadixCache = (
+            RadixCache(pool.page_size, self.allocator, enabled=enable_prefix_cache, events=events)
+            if host_pool is None else
+            HiRadixCache(pool.page_size, self.allocator, host_pool, write_policy, enable_prefix_cache, events))
+
+    @classmethod
+    def from_config(cls, pool: KVPool, config: EngineConfig) -> KVCacheManager:
+        """The manager the engine's config asks for (prefix cache, hierarchical cache)."""
+        host = HostPool(pool, host_pages_for(pool, config)) if config.enable_hierarchical_cache else None
+        return cls(pool, config.enable_prefix_cache, host_pool=host, write_policy=config.hicache_write_policy)
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -90,12 +134,13 @@ class KVCacheManager:
         """The longest cached page-aligned prefix of `ids`; pass all but the last prompt token
         (its logits are needed, so a hit may not cover it)."""
         m = self.tree.match(ids)
-        return Hit(m.pages, m.length, m.node)
+        return Hit(m.pages, m.length, m.node, "host" if m.host_len else "device", m.host_len)
 
     # ---------------------------------------------------------------- holders
     def admit(self, holder: PageHolder, hit: Hit, tokens: int) -> bool:
         """Give `holder` the hit's pages (locked, referenced) and fresh ones up to `tokens`;
-        False, with nothing changed, when the pool cannot make room for them."""
+        False, with nothing changed, when the pool cannot make room for them. The lock also keeps
+        the hit's host-only nodes from host eviction while room is made."""
         self.tree.lock(hit.node)
         self.allocator.incref(hit.pages)
         need = self.pages_for(tokens) - len(hit.pages)
@@ -103,7 +148,15 @@ class KVCacheManager:
             self.tree.unlock(hit.node)
             self.allocator.decref(hit.pages)
             return False
-        holder.page_table = list(hit.pages) + self.allocator.alloc(need)
+        fresh = self.allocator.alloc(need)
+        if hit.host_tokens:
+            # CPU: copied here, before the step that reads these pages is launched. CUDA (issue 15,
+            # to come): a side stream overlapping the step, layer by layer (HostPool.load's hook).
+            assert isinstance(self.tree, HiRadixCache)
+            self.tree.load_back(hit.node, fresh[: hit.host_tokens // self.page_size])
+        holder.page_table = list(hit.pages) + fresh
+        self.hits.device_tokens += hit.device_tokens
+        self.hits.host_tokens += hit.host_tokens
         holder.cache_node = hit.node
         holder.num_computed = hit.length
         holder.num_inserted_pages = hit.length // self.page_size
@@ -181,6 +234,22 @@ class KVCacheManager:
         self.tree.check_invariants(refs, locks)
 
     def check_idle(self) -> None:
-        """Nothing runs: every page is free or an unlocked cache page."""
-        assert self.allocator.num_free + self.tree.evictable_pages == self.allocator.num_pages, \
-            f"idle, yet {self.allocator.num_pages - self.allocator.num_free - self.tree.evictable_pages} pages are held"
+        """Nothing runs: on every tier, every page is free or an unlocked cache page
+        (free + cached == total, used == 0)."""
+        for tier, u in self.usage().items():
+            assert u.free + u.cached + u.used == u.total, f"{tier}: {u} does not add up"
+            assert u.used == 0, f"idle, yet {u.used} {tier} pages are held ({u})"
+
+    def usage(self) -> dict[str, TierUsage]:
+        """Pages per tier, each count taken on its own (a check, and what /metrics will show).
+        device: cached = evictable tree pages, used = held by requests or locked nodes;
+        host: cached / used = host pages of unlocked / locked nodes (O(tree))."""
+        a = self.allocator
+        out = {"device": TierUsage(a.num_pages, a.num_free, self.tree.evictable_pages,
+                                   sum(1 for c in a.refcounts() if c) - self.tree.evictable_pages)}
+        if self.host_pool is not None:
+            nodes = self.tree.nodes()
+            out["host"] = TierUsage(self.host_pool.num_pages, self.host_pool.num_free,
+                                    sum(len(n.host) for n in nodes if n.lock_ref == 0),
+                                    sum(len(n.host) for n in nodes if n.lock_ref))
+        return out

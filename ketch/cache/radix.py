@@ -241,7 +241,9 @@ class RadixCache:
                      node.start, node.last_access)
         upper.lock_ref = node.lock_ref  # every lock below passes through upper
         parent.children[upper.key[:ps]] = upper  # same first page: replaces node
+        upper.host = node.host[: k // ps]  # host copies (hiradix.py) split with the pages; [] stays []
         node.key, node.pages, node.hashes = node.key[k:], node.pages[k // ps:], node.hashes[k // ps:]
+        node.host = node.host[k // ps:]
         node.start += k
         node.parent = upper
         upper.children[node.key[:ps]] = node
@@ -299,7 +301,10 @@ class RadixCache:
         for n in self.nodes():
             p = n.parent
             need(p is not None and p.children.get(n.key[:ps]) is n, f"bad child key {n!r}")
-            need(len(n.pages) > 0 and len(n.key) == len(n.pages) * ps, f"bad edge {n!r}")
+            need(len(n.hashes) > 0 and len(n.key) == len(n.hashes) * ps, f"bad edge {n!r}")
+            # device pages, host pages (hiradix.py) or both, each list covering the whole edge
+            need(len(n.pages) in (0, len(n.hashes)) and len(n.host) in (0, len(n.hashes)) and (n.pages or n.host),
+                 f"a node's pages must cover its edge on some tier {n!r}")
             need(n.hashes == chain_hashes(p.last_hash, n.key, ps), f"page hashes do not chain from the parent's in {n!r}")
             need(n.start == p.end, f"start {n.start} != parent end {p.end} in {n!r}")
             own = n.lock_ref - sum(c.lock_ref for c in n.children.values())
@@ -334,7 +339,7 @@ class RadixCache:
         while stack:
             n, indent, last = stack.pop()
             lines.append(f"{indent}{'└── ' if last else '├── '}[{n.short_key()}] "
-                         f"pages={n.pages} lock={n.lock_ref} t={n.last_access}")
+                         f"pages={n.pages}{f' host={n.host}' if n.host else ''} lock={n.lock_ref} t={n.last_access}")
             kids = self._sorted(n)
             sub = indent + ("    " if last else "│   ")
             stack.extend((c, sub, c is kids[-1]) for c in reversed(kids))

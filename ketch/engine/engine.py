@@ -75,7 +75,7 @@ class Engine:
             if self._ranks:
                 self._ranks.abandon()  # the workers wait in a collective rank 0 will never join
             raise
-        self.kv = KVCacheManager(self.runner.pool, enable_prefix_cache=config.enable_prefix_cache)
+        self.kv = KVCacheManager.from_config(self.runner.pool, config)  # prefix cache, host tier
         self.scheduler = Scheduler(config, self.kv)
         self.grammars = GrammarGate(self.source.tokenizer, self.vocab_size, self.eos_ids, self.runner.device)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
