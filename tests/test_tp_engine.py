@@ -93,7 +93,7 @@ def test_rank0_failing_at_start_kills_its_workers_and_raises(checkpoint, monkeyp
     """Rank 0's runner fails after rank 1 started (rank 1 then waits in a collective forever):
     the error reaches the caller, rank 1 is gone, the watcher did not end this process, and
     the group is released (a TP engine can start again)."""
-    import ketch.engine.engine as engine_module
+    import ketch.engine.build as engine_module  # the composition root builds the ranks and the runner
 
     started: list = []
 

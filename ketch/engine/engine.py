@@ -20,29 +20,21 @@ ids (grammar, penalties) first processes the step in flight. Greedy output is th
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import sys
 import time
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
-from ketch.cache.manager import KVCacheManager
 from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
-from ketch.engine.grammar_gate import GrammarGate
+from ketch.engine.build import build_engine
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
-from ketch.engine.tp_ranks import TensorParallelRanks
 from ketch.engine.validation import validate_request
-from ketch.runner.model_runner import ModelRunner
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
-from ketch.scheduler.scheduler import ScheduledChunk, Scheduler
-from ketch.models import load_model_config
-from ketch.parallel import SINGLE
-from ketch.weights.source import ModelSource
+from ketch.scheduler.scheduler import ScheduledChunk
 
 
 GATE_WAIT_S = 0.01  # an idle step waits this long at a gate (a compile); new requests wait at most this
@@ -58,26 +50,12 @@ class LaunchedStep:
 
 class Engine:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
-        self.config = config
-        # the model's path, weight format and tokenizer, resolved once for everything below
-        self.source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
-        self.model_config = load_model_config(self.source)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.eos_ids = tuple(dict.fromkeys(self.model_config.eos_token_ids + tuple(eos_token_ids)))
-        self._ranks: TensorParallelRanks | None = None  # TP > 1: the other ranks (tp_ranks.py)
-        if config.tensor_parallel_size > 1:
-            config = self.config = _without_graphs(config)
-            self._ranks = TensorParallelRanks(config, self.model_config, self.max_model_len, self.source)
-        try:
-            self.runner = ModelRunner(config, self.model_config, self.max_model_len, self.source,
-                                      self._ranks.parallel if self._ranks else SINGLE)
-        except BaseException:
-            if self._ranks:
-                self._ranks.abandon()  # the workers wait in a collective rank 0 will never join
-            raise
-        self.kv = KVCacheManager.from_config(self.runner.pool, config)  # prefix cache, host tier
-        self.scheduler = Scheduler(config, self.kv)
-        self.grammars = GrammarGate(self.source.tokenizer, self.vocab_size, self.eos_ids, self.runner.device)
+        parts = build_engine(config, eos_token_ids)  # the composition root (build.py)
+        self.config = parts.config
+        self.source, self.model_config, self.max_model_len = parts.source, parts.model_config, parts.max_model_len
+        self.eos_ids = parts.eos_ids
+        self._ranks = parts.ranks  # TP > 1: the other ranks (tp_ranks.py)
+        self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -312,12 +290,3 @@ class Engine:
         assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
         if not self.scheduler.running:
             self.kv.check_idle()
-
-
-def _without_graphs(config: EngineConfig) -> EngineConfig:
-    """CUDA graphs with TP > 1 are not built or tested yet: decode runs eagerly, and says so."""
-    if not config.use_cuda_graph:
-        return config
-    print(f"ketch: CUDA graphs are off with tensor_parallel_size={config.tensor_parallel_size} (not supported yet)",
-          file=sys.stderr)
-    return dataclasses.replace(config, cuda_graph=False)

@@ -1,0 +1,74 @@
+"""The composition root: an `EngineConfig` becomes the parts of an engine, wired here and only here.
+
+    config ─▶ ModelSource (path, weight format, tokenizer: resolved once)
+           ─▶ the family's config (models/registry) ─▶ max_model_len, EOS ids
+           ─▶ TP > 1: the other ranks started (tp_ranks.py; each builds its own runner below)
+           ─▶ ModelRunner for rank 0: model ─▶ memory plan ─▶ KV pool ─▶ attention backend ─▶ graphs
+              (runner/model_runner.py: the per-rank device side, the same for every rank)
+           ─▶ KVCacheManager over that pool (prefix cache, host tier)
+           ─▶ Scheduler over the manager ─▶ gates (grammar compilation)
+
+Nothing below the engine builds a part of another layer, and nothing else builds these: the
+`Engine` takes what `build_engine` returns. A rank-0 failure after the other ranks started
+abandons them (they wait in a collective rank 0 will never join) before it re-raises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ketch.cache.manager import KVCacheManager
+from ketch.config import EngineConfig
+from ketch.engine.grammar_gate import GrammarGate
+from ketch.engine.tp_ranks import TensorParallelRanks
+from ketch.models import load_model_config
+from ketch.parallel import SINGLE
+from ketch.runner.model_runner import ModelRunner
+from ketch.scheduler.scheduler import Scheduler
+from ketch.weights.source import ModelSource
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    config: EngineConfig  # as the engine runs it (CUDA graphs off with TP > 1)
+    source: ModelSource
+    model_config: Any  # the family's frozen config (models/family.py FamilyConfig)
+    max_model_len: int
+    eos_ids: tuple[int, ...]
+    ranks: TensorParallelRanks | None  # TP > 1: the other ranks
+    runner: ModelRunner
+    kv: KVCacheManager
+    scheduler: Scheduler
+    grammars: GrammarGate
+
+
+def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> EngineParts:
+    source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
+    model_config = load_model_config(source)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    eos_ids = tuple(dict.fromkeys(model_config.eos_token_ids + tuple(eos_token_ids)))
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        config = _without_graphs(config)
+        ranks = TensorParallelRanks(config, model_config, max_model_len, source)
+    try:
+        runner = ModelRunner(config, model_config, max_model_len, source, ranks.parallel if ranks else SINGLE)
+    except BaseException:
+        if ranks:
+            ranks.abandon()
+        raise
+    kv = KVCacheManager.from_config(runner.pool, config)
+    scheduler = Scheduler(config, kv)
+    grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
+    return EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars)
+
+
+def _without_graphs(config: EngineConfig) -> EngineConfig:
+    """CUDA graphs with TP > 1 are not built or tested yet: decode runs eagerly, and says so."""
+    if not config.use_cuda_graph:
+        return config
+    print(f"ketch: CUDA graphs are off with tensor_parallel_size={config.tensor_parallel_size} (not supported yet)",
+          file=sys.stderr)
+    return dataclasses.replace(config, cuda_graph=False)
