@@ -13,6 +13,7 @@ from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
 from ketch.llm import LLM
 from ketch.sampling.params import SamplingParams
+from ketch.server.metrics import ServerMetrics
 
 PS = 4
 DEVICE_PAGES = 24  # the tiny model's pages are 2,048 bytes
@@ -41,6 +42,13 @@ def multi_turn(engine: Engine) -> list[list[int]]:
     return answers
 
 
+def scraped(engine: Engine) -> dict[str, float]:
+    """The engine's stats as /metrics renders them: {'name{labels}': value}."""
+    text = ServerMetrics().render(engine.stats()).decode()
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def assert_host_drained(engine: Engine) -> None:
     assert_drained(engine)  # resets the tree: device pages all free ...
     host = engine.kv.host_pool
@@ -53,6 +61,9 @@ def reference(tiny_config_path: str) -> tuple[list[list[int]], int]:
     eng = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS)
     assert eng.allocator.num_pages == DEVICE_PAGES and eng.kv.host_pool is None
     answers = multi_turn(eng)
+    shown = scraped(eng)
+    assert shown['ketch_cache_hit_tokens_total{tier="host"}'] == 0 and "ketch_kv_host_pages_total" not in shown
+    assert shown['ketch_cache_hit_tokens_total{tier="device"}'] == eng.kv.hits.device_tokens > 0
     assert_drained(eng)
     return answers, eng.scheduler.stats.cached_prompt_tokens
 
@@ -72,6 +83,12 @@ def test_multi_turn_output_is_identical_and_hits_the_host(tiny_config_path: str,
     assert multi_turn(eng) == ref_answers
     host = eng.kv.host_pool
     assert eng.kv.hits.host_tokens > 0 and host.stats.loaded_pages > 0 and host.stats.saved_pages > 0
+    shown = scraped(eng)  # what /metrics says: the same counters, per tier
+    assert shown['ketch_cache_hit_tokens_total{tier="host"}'] == eng.kv.hits.host_tokens
+    assert shown['ketch_cache_hit_tokens_total{tier="device"}'] == eng.kv.hits.device_tokens
+    assert shown["ketch_hicache_loaded_bytes_total"] == host.stats.loaded_bytes == host.stats.loaded_pages * host.bytes_per_page
+    assert shown["ketch_hicache_saved_bytes_total"] == host.stats.saved_bytes > 0
+    assert shown["ketch_kv_host_pages_total"] == host.num_pages
     assert eng.scheduler.stats.cached_prompt_tokens > ref_cached  # the host served what the device lost
     if "hicache_ratio" not in switches:
         assert eng.kv.tree.host_evicted_pages > 0

@@ -73,6 +73,18 @@ class TierHits:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """The host tier's counters for /metrics (all 0 without a host tier); O(1) to take."""
+
+    pages_total: int = 0
+    pages_free: int = 0
+    loaded_bytes: int = 0  # host -> device
+    saved_bytes: int = 0  # device -> host
+    evicted_pages: int = 0  # host pages freed by host LRU eviction
+    dropped_pages: int = 0  # device pages evicted with no host copy (gone from both tiers)
+
+
+@dataclass(frozen=True)
 class TierUsage:
     """One tier's pages: free + cached + used == total (cached: unlocked tree pages, evictable)."""
 
@@ -239,6 +251,14 @@ class KVCacheManager:
         for tier, u in self.usage().items():
             assert u.free + u.cached + u.used == u.total, f"{tier}: {u} does not add up"
             assert u.used == 0, f"idle, yet {u.used} {tier} pages are held ({u})"
+
+    def host_stats(self) -> HostTierStats:
+        host = self.host_pool
+        if host is None:
+            return HostTierStats()
+        assert isinstance(self.tree, HiRadixCache)
+        return HostTierStats(host.num_pages, host.num_free, host.stats.loaded_bytes, host.stats.saved_bytes,
+                             self.tree.host_evicted_pages, self.tree.dropped_pages)
 
     def usage(self) -> dict[str, TierUsage]:
         """Pages per tier, each count taken on its own (a check, and what /metrics will show).

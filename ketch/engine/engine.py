@@ -133,7 +133,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot for /metrics: queue sizes, page accounting and token counters."""
-        s, alloc, cache = self.scheduler.stats, self.allocator, self.cache
+        s, alloc, cache, host = self.scheduler.stats, self.allocator, self.cache, self.kv.host_stats()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -150,6 +150,14 @@ class Engine:
             kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
             steps=self._steps,
             step_seconds=self._step_seconds,
+            device_hit_tokens=self.kv.hits.device_tokens,
+            host_hit_tokens=self.kv.hits.host_tokens,
+            kv_host_pages_total=host.pages_total,
+            kv_host_pages_free=host.pages_free,
+            host_loaded_bytes=host.loaded_bytes,
+            host_saved_bytes=host.saved_bytes,
+            host_evicted_pages=host.evicted_pages,
+            host_dropped_pages=host.dropped_pages,
         )
 
     # ---------------------------------------------------------------- step

@@ -54,6 +54,15 @@ class EngineStats(msgspec.Struct, frozen=True):
     # flight): a client compares its inter-token latency with the mean step under the same load.
     steps: int = 0
     step_seconds: float = 0.0
+    # Prefix-cache hits by the tier that served them, and the host tier (L2; all 0 when it is off)
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    kv_host_pages_total: int = 0
+    kv_host_pages_free: int = 0
+    host_loaded_bytes: int = 0  # host -> device
+    host_saved_bytes: int = 0  # device -> host
+    host_evicted_pages: int = 0  # host LRU evictions
+    host_dropped_pages: int = 0  # device evictions with no host copy
 
     @property
     def kv_pages_in_use(self) -> int:

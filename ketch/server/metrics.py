@@ -69,6 +69,23 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        hits = CounterMetricFamily("ketch_cache_hit_tokens", "Prompt tokens served from the cache, by the tier that "
+                                   "held them (device: the GPU/CPU pool; host: L2, loaded back)", labels=["tier"])
+        hits.add_metric(["device"], s.device_hit_tokens)
+        hits.add_metric(["host"], s.host_hit_tokens)
+        yield hits
+        if s.kv_host_pages_total:  # the hierarchical cache is on
+            yield GaugeMetricFamily("ketch_kv_host_pages_total", "Pages in the host tier (L2)", value=s.kv_host_pages_total)
+            yield GaugeMetricFamily("ketch_kv_host_pages_free", "Host-tier pages holding nothing", value=s.kv_host_pages_free)
+            host = {
+                "ketch_hicache_loaded_bytes": ("KV bytes loaded from the host tier to the device", s.host_loaded_bytes),
+                "ketch_hicache_saved_bytes": ("KV bytes copied from the device to the host tier", s.host_saved_bytes),
+                "ketch_hicache_host_evicted_pages": ("Host-tier pages freed by LRU eviction", s.host_evicted_pages),
+                "ketch_hicache_dropped_pages": ("Device pages evicted without a host copy (gone from both tiers)",
+                                                s.host_dropped_pages),
+            }
+            for name, (doc, value) in host.items():
+                yield CounterMetricFamily(name, doc, value=value)
 
 
 class _HealthCollector(Collector):
