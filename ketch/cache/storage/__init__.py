@@ -1,0 +1,37 @@
+"""L3 storage: the `StorageBackend` interface and its backends (the file backend so far).
+
+`open_backend("file", url)` builds one from the engine's flags; `url` None is the default
+directory under the user's cache directory ($XDG_CACHE_HOME/ketch/kv, else ~/.cache/ketch/kv).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from ketch.cache.storage.backend import StorageBackend, StorageStats, check_key
+from ketch.cache.storage.file import FileStorage
+
+BACKENDS = ("file",)
+
+__all__ = ["BACKENDS", "FileStorage", "StorageBackend", "StorageStats", "check_key", "default_file_dir",
+           "open_backend"]
+
+
+def default_file_dir() -> Path:
+    """Where the file backend keeps pages when no URL is given (XDG base directory spec)."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"  # the spec ignores a relative value
+    return root / "ketch" / "kv"
+
+
+def open_backend(kind: str, url: str | None = None) -> StorageBackend:
+    """The backend `kind` at `url` (ValueError naming the field on anything else)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"hicache_storage_backend must be one of {'|'.join(BACKENDS)}, got {kind!r}")
+    if url is None:
+        return FileStorage(default_file_dir())
+    parsed = urlparse(url)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path:
+        raise ValueError(f"hicache_storage_url: the file backend takes file:///absolute/dir, got {url!r}")
+    return FileStorage(unquote(parsed.path))

@@ -1,0 +1,85 @@
+"""The file backend of L3: one file per key under a directory (`file:///dir`).
+
+Files live in 256 shard folders named by the key's first two characters, so no folder grows
+to millions of entries. A write goes to a temp file in the shard folder, then `os.replace`
+renames it over the key: a reader (another engine on the same directory, or this one after a
+crash) sees the old value or the new one, never a half-written page. There is no fsync: after a
+power loss a page may be missing or torn, and the codec's checksum rejects a torn page, so
+durability would buy nothing a cache needs.
+
+Any OSError on a write (ENOSPC, EACCES, EROFS, a path that is not a folder) drops the write,
+counts it and returns False; the engine keeps serving from its other tiers.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ketch.cache.storage.backend import StorageStats, check_key
+
+
+class FileStorage:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        """root: the directory; created on the first write (not here: a bad path must not stop
+        the engine from starting, its writes are dropped and counted instead)."""
+        self.root = Path(root)
+        if not self.root.is_absolute():
+            raise ValueError(f"hicache_storage_url: the file backend needs an absolute directory, got {root!r}")
+        self.stats = StorageStats()
+
+    def path(self, key: str) -> Path:
+        check_key(key)
+        return self.root / key[:2] / key
+
+    def get(self, key: str) -> bytes | None:
+        path = self.path(key)
+        self.stats.gets += 1
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.stats.read_errors += 1
+            return None
+        self.stats.hits += 1
+        self.stats.read_bytes += len(data)
+        return data
+
+    def set(self, key: str, value: bytes) -> bool:
+        path = self.path(key)
+        self.stats.sets += 1
+        try:
+            _write_atomic(path, value)
+        except OSError:
+            self.stats.dropped_writes += 1
+            return False
+        self.stats.written_bytes += len(value)
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+
+def _write_atomic(path: Path, value: bytes) -> None:
+    """Write `value` to `path` through a temp file in the same folder (a rename is atomic only
+    within one file system); the temp file is removed when anything fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(value)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
