@@ -195,6 +195,7 @@ def test_a_pool_that_does_not_match_the_format_is_a_value_error():
     ("fingerprint", {"fingerprint": ""}), ("fingerprint", {"fingerprint": "a\nb"}),
     ("kv_dtype", {"kv_dtype": "float99"}), ("page_size", {"page_size": 0}), ("num_layers", {"num_layers": 0}),
     ("tp_rank", {"tp_rank": 2, "tp_size": 2}), ("tp_size", {"tp_size": 0}), ("tensors", {"tensors": ()}),
+    ("tensors", {"tensors": (TensorLayout("k", (2, 4), "float32"), "v")}),
 ])
 def test_a_bad_format_is_a_value_error_naming_the_field(field, change):
     good = dict(fingerprint=FP, kv_dtype="float32", page_size=PS, num_layers=1,
@@ -202,6 +203,13 @@ def test_a_bad_format_is_a_value_error_naming_the_field(field, change):
     PageFormat(**good)
     with pytest.raises(ValueError, match=field):
         PageFormat(**{**good, **change})
+
+
+@pytest.mark.parametrize("name, shape, dtype", [("", (2,), "float32"), ("k", (), "float32"), ("k", (0,), "float32"),
+                                                ("k", (2,), "complex999")])
+def test_a_bad_tensor_layout_is_a_value_error_naming_tensors(name, shape, dtype):
+    with pytest.raises(ValueError, match="tensors"):
+        TensorLayout(name, shape, dtype)
 
 
 def test_a_damaged_file_in_storage_is_refused_with_its_reason(tmp_path):

@@ -26,10 +26,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+def dtype_of(name: str, field: str = "dtype") -> torch.dtype:
+    """The torch dtype called `name`; ValueError naming `field` when there is none."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: {name!r} is not a torch dtype")
+        raise ValueError(f"{field}: {name!r} is not a torch dtype")
     return dtype
 
 
@@ -40,6 +41,12 @@ class TensorLayout:
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.name or any(not isinstance(n, int) or n < 1 for n in self.shape) or not self.shape:
+            raise ValueError(f"tensors: {self.name!r} needs a name and a per-token shape of positive ints, "
+                             f"got {self.shape}")
+        dtype_of(self.dtype, f"tensors: {self.name!r} dtype")
 
     def bytes_per_token(self) -> int:
         return math.prod(self.shape) * dtype_of(self.dtype).itemsize
@@ -58,14 +65,14 @@ class PageFormat:
     def __post_init__(self) -> None:
         if not self.fingerprint or len(self.fingerprint) > _MAX_FINGERPRINT or not self.fingerprint.isprintable():
             raise ValueError(f"fingerprint: 1-{_MAX_FINGERPRINT} printable characters, got {self.fingerprint!r}")
-        dtype_of(self.kv_dtype)
+        dtype_of(self.kv_dtype, "kv_dtype")
         for name in ("page_size", "num_layers", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
-        if not self.tensors:
-            raise ValueError("tensors: a page holds at least one tensor")
+        if not self.tensors or not all(isinstance(t, TensorLayout) for t in self.tensors):
+            raise ValueError(f"tensors: a page holds one or more TensorLayouts, got {self.tensors!r}")
 
     @classmethod
     def for_pool(cls, pool: KVPool, fingerprint: str, tp_rank: int = 0, tp_size: int = 1) -> PageFormat:
