@@ -101,12 +101,26 @@ def metrics(base: str, headers: dict | None = None) -> dict[str, float]:
         text = resp.read().decode()
     finally:
         conn.close()
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus exposition text as {'name{labels}': value} (comments left out)."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (no such pid, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def pages_all_back(m: dict[str, float]) -> bool:

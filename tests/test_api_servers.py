@@ -16,7 +16,7 @@ import time
 
 import pytest
 import zmq
-from server_util import connect, running_server
+from server_util import connect, gone, parse_metrics, running_server
 
 from ketch.engine import messages as m
 from ketch.engine.outboxes import Outboxes
@@ -92,12 +92,7 @@ def scrape(base: str) -> tuple[int, dict[str, float]]:
         process, text = int(resp.getheader(PROCESS_HEADER)), resp.read().decode()
     finally:
         conn.close()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return process, values
+    return process, parse_metrics(text)
 
 
 def listeners(port: int) -> set[int]:
@@ -130,14 +125,6 @@ def children(pid: int) -> set[int]:
         except OSError:
             continue
     return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def wait_gone(pids: set[int], what: str) -> None:

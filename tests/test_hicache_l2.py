@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_drained, collect, drain, make_tiny_engine
+from server_util import parse_metrics
 
 from ketch.cli import build_parser, main
 from ketch.cli_args import engine_kwargs
@@ -44,9 +45,7 @@ def multi_turn(engine: Engine) -> list[list[int]]:
 
 def scraped(engine: Engine) -> dict[str, float]:
     """The engine's stats as /metrics renders them: {'name{labels}': value}."""
-    text = ServerMetrics().render(engine.stats()).decode()
-    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return parse_metrics(ServerMetrics().render(engine.stats()).decode())
 
 
 def assert_host_drained(engine: Engine) -> None:

@@ -4,36 +4,19 @@ that checks every page's contents (a page loaded into the wrong place fails it).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+from page_holder import Holder
 from ketch.cache.hiradix import HiRadixCache
 from ketch.cache.host_pool import HostPool, host_pages_for
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.manager import KVCacheManager
-from ketch.cache.radix_node import Node
 from ketch.config import EngineConfig, KVSpec
 
 PS = 4
 LAYERS = 2
-
-
-@dataclass(eq=False)
-class Holder:
-    ids: list[int]
-    page_table: list[int] = field(default_factory=list)
-    cache_node: Node | None = None
-    num_computed: int = 0
-    num_inserted_pages: int = 0
-
-    @property
-    def num_resolved(self) -> int:
-        return len(self.ids)
-
-    def tokens(self, lo: int, hi: int) -> list[int]:
-        return self.ids[lo:hi]
 
 
 def manager(device_pages: int, host_pages: int, policy: str = "write_through",

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 from conftest import assert_drained, drain, make_tiny_engine
 
+from page_holder import Holder
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.manager import KVCacheManager
-from ketch.cache.radix_node import Node
 from ketch.config import KVSpec
 from ketch.sampling.params import SamplingParams
 
@@ -26,24 +25,6 @@ def expected_hashes(tokens: list[int], page_size: int) -> list[bytes]:
         parent = hashlib.sha256(parent + struct.pack(f"<{page_size}I", *tokens[lo : lo + page_size])).digest()
         out.append(parent)
     return out
-
-
-@dataclass(eq=False)
-class Holder:
-    """The fields a page holder has (the scheduler's Request has these among others)."""
-
-    ids: list[int]
-    page_table: list[int] = field(default_factory=list)
-    cache_node: Node | None = None
-    num_computed: int = 0
-    num_inserted_pages: int = 0
-
-    @property
-    def num_resolved(self) -> int:
-        return len(self.ids)
-
-    def tokens(self, lo: int, hi: int) -> list[int]:
-        return self.ids[lo:hi]
 
 
 class Recorder:

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from server_util import running_server
+from server_util import gone, running_server
 
 from ketch.weights.source import default_model_path
 
@@ -56,14 +56,6 @@ def engine_and_worker(server: subprocess.Popen) -> tuple[int, int]:
     [engine] = spawned_children(server.pid)
     [worker] = spawned_children(engine)
     return engine, worker
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited
-    except OSError:
-        return True
 
 
 def test_serve_tp2_answers_the_openai_sdk(tiny_dir):
