@@ -8,6 +8,7 @@ read the generated ids, aborts of in-flight rows.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -161,3 +162,23 @@ def test_tokens_arrive_one_step_late(tiny_config_path):
         assert not eng.has_unfinished()
     assert got[False] == [1, 1, 1, 0]  # prefill samples the first token
     assert got[True] == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_side_tpot_counts_each_finished_requests_token_intervals_once(tiny_config_path, overlap):
+    """The decode clock behind /metrics' engine-side TPOT: each finished sample adds its
+    output length - 1 intervals (the overlapped row a stop token dropped is not one of them,
+    a one-token sample adds none), and the time between its first and last token, which lies
+    inside the run (three samples with two or more tokens: at most three runs' worth)."""
+    ids = prompt(11, 5)
+    stop = _reference(tiny_config_path, ids, 12)[4]
+    reqs = [("stopped", ids, SamplingParams(max_tokens=12, stop_token_ids=[stop], **GREEDY)),
+            ("one", prompt(7, 8), SamplingParams(max_tokens=1, **GREEDY)),
+            ("pair", prompt(9, 9), SamplingParams(max_tokens=6, n=2, **GREEDY))]
+    t0 = time.perf_counter()
+    res, eng = run(tiny_config_path, overlap, reqs)
+    wall = time.perf_counter() - t0
+    s = eng.stats()
+    assert [len(res[k]["ids"]) for k in [("stopped", 0), ("one", 0), ("pair", 0), ("pair", 1)]] == [5, 1, 6, 6]
+    assert s.decode_intervals == 4 + 0 + 5 + 5
+    assert 0 < s.decode_seconds < 3 * wall

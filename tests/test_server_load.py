@@ -118,5 +118,13 @@ def test_bench_serve_reads_the_engine_step_clock_of_its_own_run(server, tmp_path
     seconds = after["ketch_engine_step_seconds_total"] - before["ketch_engine_step_seconds_total"]
     assert steps >= 5 and engine["steps"] == steps  # five tokens each take at least five steps
     assert engine["mean_step_ms"] == pytest.approx(1000 * seconds / steps)
+    # the engine-side TPOT: six requests of exactly five tokens finished, four intervals each
+    intervals = after["ketch_engine_decode_intervals_total"] - before["ketch_engine_decode_intervals_total"]
+    decode = after["ketch_engine_decode_seconds_total"] - before["ketch_engine_decode_seconds_total"]
+    assert intervals == 6 * 4
+    assert engine["decode_tpot_ms"] == pytest.approx(1000 * decode / intervals)
+    assert engine["median_tpot_over_decode_tpot"] == pytest.approx(
+        json.loads(out_file.read_text())["metrics"]["median_tpot_ms"] / engine["decode_tpot_ms"])
     printed = capsys.readouterr().out
     assert f"Engine steps during the run (server /metrics): {int(steps)}" in printed
+    assert "median TPOT / engine-side TPOT = " in printed

@@ -18,7 +18,7 @@ import time
 
 from ketch.bench.datasets import SampleRequest, random_requests, sharegpt_requests
 from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, make_client
-from ketch.bench.serve_engine_steps import mean_step_ms, read_step_clock
+from ketch.bench.serve_engine_steps import StepWindow, read_step_clock, step_window
 from ketch.bench.serve_http import HTTPClient
 from ketch.bench.serve_load import Load, limited, new_event_loop, run_load
 from ketch.bench.serve_metrics import RequestResult, compute_metrics, format_report, summarize_errors
@@ -106,7 +106,7 @@ def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: 
             runner.run(client.close())
     if a.num_client_processes > 1:
         results, duration, cpu = run_in_processes(cfg, requests, load, a.num_client_processes, show)
-    steps = mean_step_ms(clock0, read_step_clock(base_url, api_key))
+    steps = step_window(clock0, read_step_clock(base_url, api_key))
     return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu, "engine_steps": steps}
 
 
@@ -117,15 +117,20 @@ def _client_cpu(cpu: list[tuple[float, float]], total_output: int) -> dict:
             "us_per_output_token": 1e6 * sum(c for c, _ in cpu) / max(1, total_output)}
 
 
-def _engine_steps(steps: tuple[int, float] | None, median_tpot_ms: float) -> dict | None:
-    """The server's mean engine step over the run (ketch's /metrics) beside the client's TPOT."""
-    if steps is None:
+def _engine_steps(w: StepWindow | None, median_tpot_ms: float) -> dict | None:
+    """The server's engine clocks over the run (ketch's /metrics) beside the client's TPOT."""
+    if w is None:
         return None
-    n, step_ms = steps
-    ratio = median_tpot_ms / step_ms if step_ms > 0 else float("nan")
-    print(f"Engine steps during the run (server /metrics): {n}, mean step {step_ms:.2f} ms; "
+    ratio = median_tpot_ms / w.mean_step_ms if w.mean_step_ms > 0 else float("nan")
+    print(f"Engine steps during the run (server /metrics): {w.steps}, mean step {w.mean_step_ms:.2f} ms; "
           f"median TPOT / mean step = {ratio:.3f}")
-    return {"steps": n, "mean_step_ms": step_ms, "median_tpot_over_step": ratio}
+    out = {"steps": w.steps, "mean_step_ms": w.mean_step_ms, "median_tpot_over_step": ratio,
+           "decode_tpot_ms": w.decode_tpot_ms, "median_tpot_over_decode_tpot": None}
+    if w.decode_tpot_ms:
+        out["median_tpot_over_decode_tpot"] = median_tpot_ms / w.decode_tpot_ms
+        print(f"Engine-side TPOT (first to last token in the engine, finished requests): {w.decode_tpot_ms:.2f} ms; "
+              f"median TPOT / engine-side TPOT = {out['median_tpot_over_decode_tpot']:.3f}")
+    return out
 
 
 def run_bench_serve(a: argparse.Namespace) -> int:

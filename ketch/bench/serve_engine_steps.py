@@ -1,9 +1,11 @@
 """The server's own step clock, read from its /metrics around a benchmark run.
 
 Median TPOT is what a client sees; the engine's mean step under the same load is what the GPU
-(and the engine loop) needed. Their ratio says how much the API path adds per token: with
-every request in every step, TPOT equals the mean step when nothing waits between the engine
-and the client. Only a ketch server exports these counters; for another server this is None.
+(and the engine loop) needed. The mean step counts every step, prompt-heavy ones included, which
+a request spends before its first token (in its TTFT, not its TPOT); the engine's decode clock
+is the like-for-like yardstick: finished requests' time from first to last token *in the engine*
+over their token intervals, the engine-side TPOT. Client TPOT over it says how much the API path
+adds per token (1.0: nothing). Only a ketch server exports these counters; otherwise None.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 class StepClock:
     steps: float
     seconds: float
+    decode_seconds: float = 0.0
+    decode_intervals: float = 0.0
 
 
 def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -> StepClock | None:
@@ -34,12 +38,24 @@ def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -
             values[sample.name] = sample.value
     if "ketch_engine_steps_total" not in values:
         return None
-    return StepClock(values["ketch_engine_steps_total"], values["ketch_engine_step_seconds_total"])
+    return StepClock(values["ketch_engine_steps_total"], values["ketch_engine_step_seconds_total"],
+                     values.get("ketch_engine_decode_seconds_total", 0.0),
+                     values.get("ketch_engine_decode_intervals_total", 0.0))
 
 
-def mean_step_ms(before: StepClock | None, after: StepClock | None) -> tuple[int, float] | None:
-    """(steps, mean step in ms) between two readings; None without both or without a step."""
+@dataclass(frozen=True)
+class StepWindow:
+    """The engine's clocks between two readings."""
+    steps: int
+    mean_step_ms: float
+    decode_tpot_ms: float | None  # None: no request with two or more tokens finished in the window
+
+
+def step_window(before: StepClock | None, after: StepClock | None) -> StepWindow | None:
+    """None without both readings or without a step between them."""
     if before is None or after is None or after.steps <= before.steps:
         return None
     steps = after.steps - before.steps
-    return int(steps), 1000 * (after.seconds - before.seconds) / steps
+    intervals = after.decode_intervals - before.decode_intervals
+    tpot = 1000 * (after.decode_seconds - before.decode_seconds) / intervals if intervals > 0 else None
+    return StepWindow(int(steps), 1000 * (after.seconds - before.seconds) / steps, tpot)

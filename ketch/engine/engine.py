@@ -62,6 +62,8 @@ class Engine:
         self._generated_tokens = 0
         self._steps = 0
         self._step_seconds = 0.0
+        self._decode_seconds = 0.0  # finished requests: first token -> last token, in the engine
+        self._decode_intervals = 0  # ... over this many token intervals (each request's n - 1)
         self.overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
 
@@ -150,6 +152,8 @@ class Engine:
             kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
             steps=self._steps,
             step_seconds=self._step_seconds,
+            decode_seconds=self._decode_seconds,
+            decode_intervals=self._decode_intervals,
             device_hit_tokens=self.kv.hits.device_tokens,
             host_hit_tokens=self.kv.hits.host_tokens,
             kv_host_pages_total=host.pages_total,
@@ -214,6 +218,7 @@ class Engine:
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         """The launched step's ids are on the host: fill them in, check stops, report."""
         result = step.result.wait()
+        now = time.perf_counter()  # when these tokens reached the host: the engine's token clock
         outputs: list[EngineOutput] = []
         for i, (req, index) in enumerate(step.rows):
             if req.is_finished:
@@ -226,11 +231,21 @@ class Engine:
             if req.params.wants_logprobs:
                 top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
                 logprobs = [TokenLogprob(token, result.logprobs[i], top)]
+            if index == 0:
+                req.first_token_at = now
             self._check_stop(req, token, index + 1)
             outputs.append(self._output(req, [token], logprobs))
             if req.is_finished:
+                self._count_decode(req, now)
                 self._forget(req)
         return outputs
+
+    def _count_decode(self, req: Request, now: float) -> None:
+        """The engine's side of TPOT: a finished request's time from its first to its last token
+        over its n - 1 intervals, i.e. the mean step while it decoded, prompt-only steps excluded."""
+        if len(req.output_ids) > 1:
+            self._decode_seconds += now - req.first_token_at
+            self._decode_intervals += len(req.output_ids) - 1
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> None:
         """`token` is output number `num_output`; later ones may be in flight (overlap)."""

@@ -54,6 +54,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     # flight): a client compares its inter-token latency with the mean step under the same load.
     steps: int = 0
     step_seconds: float = 0.0
+    # Finished requests' time from their first to their last token in the engine, and the token
+    # intervals in it: their ratio is the engine-side TPOT (the steps a decoding request saw).
+    decode_seconds: float = 0.0
+    decode_intervals: int = 0
     # Prefix-cache hits by the tier that served them, and the host tier (L2; all 0 when it is off)
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

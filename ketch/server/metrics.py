@@ -66,6 +66,11 @@ class _EngineCollector(Collector):
             "ketch_engine_steps": ("Engine steps run", s.steps),
             "ketch_engine_step_seconds": ("Wall time spent in engine steps (over ketch_engine_steps: the mean "
                                           "step)", s.step_seconds),
+            "ketch_engine_decode_seconds": ("Finished requests' time from first to last output token in the engine "
+                                            "(over ketch_engine_decode_intervals: the engine-side TPOT)",
+                                            s.decode_seconds),
+            "ketch_engine_decode_intervals": ("Token intervals of finished requests (output tokens - 1 each)",
+                                              s.decode_intervals),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
