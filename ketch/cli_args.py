@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-size", type=float, default=None, help="host pool size in GB (overrides --hicache-ratio)")
     g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
                    help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
+    g.add_argument("--hicache-storage-backend", default=None, choices=["file"],
+                   help="L3 storage below the host pool (accepted and checked; not used by the engine yet)")
+    g.add_argument("--hicache-storage-url", default=None,
+                   help="file:///dir (default: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +73,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
         tensor_parallel_size=a.tensor_parallel_size, enable_hierarchical_cache=a.enable_hierarchical_cache,
         hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
+        hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,
     )
 
 

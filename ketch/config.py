@@ -14,6 +14,7 @@ KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
+HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file",)  # L3 (ketch/cache/storage/); redis, mooncake to come
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,10 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float | None = None  # GB (10^9 bytes); takes precedence over the ratio
     hicache_write_policy: HiCacheWritePolicy = "write_through"
+    # L3 storage below the host pool (ketch/cache/storage/): accepted and checked, not used by the
+    # engine yet. url None: the backend's default (file: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv).
+    hicache_storage_backend: str | None = None
+    hicache_storage_url: str | None = None
 
     def __post_init__(self) -> None:
         _check_hicache(self)
@@ -312,8 +317,10 @@ def _check_hicache(c: EngineConfig) -> None:
         raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
     if c.hicache_size is not None and not c.hicache_size > 0:
         raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
+    _check_hicache_storage(c)
     if not c.enable_hierarchical_cache:
-        for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through")):
+        for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
+                              ("hicache_storage_backend", None), ("hicache_storage_url", None)):
             if getattr(c, name) != default:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "
                                  f"add --enable-hierarchical-cache (enable_hierarchical_cache=True)")
@@ -322,6 +329,18 @@ def _check_hicache(c: EngineConfig) -> None:
         raise ValueError("enable_hierarchical_cache: needs the prefix cache (drop --disable-prefix-cache)")
     if c.tensor_parallel_size > 1:
         raise ValueError("enable_hierarchical_cache: not supported with tensor_parallel_size > 1 yet")
+
+
+def _check_hicache_storage(c: EngineConfig) -> None:
+    """The L3 fields' own values (the switch is checked with the other hicache fields). The URL's
+    full form is the backend's to check (ketch/cache/storage/); here only what the flags can say."""
+    backend, url = c.hicache_storage_backend, c.hicache_storage_url
+    if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
+        raise ValueError(f"hicache_storage_backend must be {'|'.join(HICACHE_STORAGE_BACKENDS)}, got {backend!r}")
+    if url is not None and backend is None:
+        raise ValueError("hicache_storage_url needs a backend: add --hicache-storage-backend file")
+    if url is not None and backend == "file" and not url.startswith("file:///"):
+        raise ValueError(f"hicache_storage_url: the file backend takes file:///absolute/dir, got {url!r}")
 
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects

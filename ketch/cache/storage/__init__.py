@@ -11,8 +11,9 @@ from urllib.parse import unquote, urlparse
 
 from ketch.cache.storage.backend import StorageBackend, StorageStats, check_key
 from ketch.cache.storage.file import FileStorage
+from ketch.config import HICACHE_STORAGE_BACKENDS
 
-BACKENDS = ("file",)
+BACKENDS = HICACHE_STORAGE_BACKENDS  # one list for the flags and the factory
 
 __all__ = ["BACKENDS", "FileStorage", "StorageBackend", "StorageStats", "check_key", "default_file_dir",
            "open_backend"]
