@@ -39,3 +39,21 @@ def test_metrics_single_token_outputs_have_no_tpot_and_empty_runs_are_zero():
     assert none.completed == 0 and none.failed == 1 and none.concurrency == 0.0 and none.p99_e2e_ms == 0.0
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics([one], duration_s=0.0)
+
+
+def test_engine_side_tpot_median_from_two_histogram_readings():
+    """The engine-side TPOT median of a run: the requests between two /metrics readings of a
+    cumulative histogram, interpolated inside the bucket that holds the middle request."""
+    from ketch.bench.serve_engine_steps import StepClock, step_window
+
+    inf = float("inf")
+    before = StepClock(10, 1.0, 0.0, 0.0, ((0.001, 5), (0.002, 5), (0.004, 5), (inf, 5)))
+    # four requests in the run: one in (0, 1] ms, three in (2, 4] ms; the 2nd of 4 is the median
+    after = StepClock(20, 2.0, 0.03, 10, ((0.001, 6), (0.002, 6), (0.004, 9), (inf, 9)))
+    w = step_window(before, after)
+    assert w.steps == 10 and w.mean_step_ms == pytest.approx(100) and w.decode_tpot_ms == pytest.approx(3)
+    assert w.median_decode_tpot_ms == pytest.approx(2 + 2 * (2 - 1) / 3)  # one of the three, in ms
+    # no request finished in the window, or the middle one above the last bound: no median
+    assert step_window(before, StepClock(20, 2.0, 0.0, 0.0, before.tpot_buckets)).median_decode_tpot_ms is None
+    above = StepClock(20, 2.0, 0.0, 0.0, ((0.001, 5), (0.002, 5), (0.004, 5), (inf, 8)))
+    assert step_window(before, above).median_decode_tpot_ms is None

@@ -182,3 +182,6 @@ def test_engine_side_tpot_counts_each_finished_requests_token_intervals_once(tin
     assert [len(res[k]["ids"]) for k in [("stopped", 0), ("one", 0), ("pair", 0), ("pair", 1)]] == [5, 1, 6, 6]
     assert s.decode_intervals == 4 + 0 + 5 + 5
     assert 0 < s.decode_seconds < 3 * wall
+    # the per-request histogram: one entry per sample with an interval, each its own mean interval
+    assert sum(s.request_tpot_counts) == 3
+    assert 0 < s.request_tpot_sum <= s.decode_seconds

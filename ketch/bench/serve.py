@@ -125,11 +125,14 @@ def _engine_steps(w: StepWindow | None, median_tpot_ms: float) -> dict | None:
     print(f"Engine steps during the run (server /metrics): {w.steps}, mean step {w.mean_step_ms:.2f} ms; "
           f"median TPOT / mean step = {ratio:.3f}")
     out = {"steps": w.steps, "mean_step_ms": w.mean_step_ms, "median_tpot_over_step": ratio,
-           "decode_tpot_ms": w.decode_tpot_ms, "median_tpot_over_decode_tpot": None}
+           "decode_tpot_ms": w.decode_tpot_ms, "median_decode_tpot_ms": w.median_decode_tpot_ms,
+           "median_tpot_over_median_decode_tpot": None}
     if w.decode_tpot_ms:
-        out["median_tpot_over_decode_tpot"] = median_tpot_ms / w.decode_tpot_ms
-        print(f"Engine-side TPOT (first to last token in the engine, finished requests): {w.decode_tpot_ms:.2f} ms; "
-              f"median TPOT / engine-side TPOT = {out['median_tpot_over_decode_tpot']:.3f}")
+        print(f"Engine-side TPOT (first to last token in the engine, finished requests): mean {w.decode_tpot_ms:.2f} ms")
+    if w.median_decode_tpot_ms:
+        out["median_tpot_over_median_decode_tpot"] = median_tpot_ms / w.median_decode_tpot_ms
+        print(f"Engine-side TPOT median {w.median_decode_tpot_ms:.2f} ms; "
+              f"median TPOT / engine-side median TPOT = {out['median_tpot_over_median_decode_tpot']:.3f}")
     return out
 
 

@@ -22,6 +22,7 @@ class StepClock:
     seconds: float
     decode_seconds: float = 0.0
     decode_intervals: float = 0.0
+    tpot_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound s, cumulative count), +Inf last
 
 
 def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -> StepClock | None:
@@ -33,14 +34,18 @@ def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -
     except (urllib.error.URLError, OSError, ValueError):
         return None  # no /metrics (another server), or it did not answer: no step clock
     values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values[sample.name] = sample.value
+            if sample.name == "ketch_engine_request_tpot_seconds_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+            else:
+                values[sample.name] = sample.value
     if "ketch_engine_steps_total" not in values:
         return None
     return StepClock(values["ketch_engine_steps_total"], values["ketch_engine_step_seconds_total"],
                      values.get("ketch_engine_decode_seconds_total", 0.0),
-                     values.get("ketch_engine_decode_intervals_total", 0.0))
+                     values.get("ketch_engine_decode_intervals_total", 0.0), tuple(sorted(buckets)))
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class StepWindow:
     steps: int
     mean_step_ms: float
     decode_tpot_ms: float | None  # None: no request with two or more tokens finished in the window
+    median_decode_tpot_ms: float | None = None  # the per-request distribution's median (interpolated)
 
 
 def step_window(before: StepClock | None, after: StepClock | None) -> StepWindow | None:
@@ -58,4 +64,26 @@ def step_window(before: StepClock | None, after: StepClock | None) -> StepWindow
     steps = after.steps - before.steps
     intervals = after.decode_intervals - before.decode_intervals
     tpot = 1000 * (after.decode_seconds - before.decode_seconds) / intervals if intervals > 0 else None
-    return StepWindow(int(steps), 1000 * (after.seconds - before.seconds) / steps, tpot)
+    return StepWindow(int(steps), 1000 * (after.seconds - before.seconds) / steps, tpot,
+                      _median_ms(before.tpot_buckets, after.tpot_buckets))
+
+
+def _median_ms(before: tuple[tuple[float, float], ...], after: tuple[tuple[float, float], ...]) -> float | None:
+    """The median of the requests counted between two readings of a cumulative histogram,
+    interpolated linearly inside its bucket (None: no request, or the median is past the last bound)."""
+    if not after or (before and [b for b, _ in before] != [b for b, _ in after]):
+        return None
+    old = dict(before)
+    counts = [(bound, n - old.get(bound, 0.0)) for bound, n in after]
+    total = counts[-1][1]
+    if total <= 0:
+        return None
+    lower, below = 0.0, 0.0
+    for bound, cumulative in counts:
+        if cumulative >= total / 2:
+            if bound == float("inf"):
+                return None
+            inside = cumulative - below
+            return 1000 * (lower + (bound - lower) * (total / 2 - below) / inside)
+        lower, below = bound, cumulative
+    return None

@@ -30,6 +30,7 @@ from ketch.config import EngineConfig
 from ketch.engine.build import build_engine
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
+from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
@@ -64,6 +65,8 @@ class Engine:
         self._step_seconds = 0.0
         self._decode_seconds = 0.0  # finished requests: first token -> last token, in the engine
         self._decode_intervals = 0  # ... over this many token intervals (each request's n - 1)
+        self._tpot_counts = [0] * (len(TPOT_BUCKETS) + 1)  # per-request engine TPOT, non-cumulative
+        self._tpot_sum = 0.0
         self.overlap = config.use_overlap_schedule
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
 
@@ -154,6 +157,8 @@ class Engine:
             step_seconds=self._step_seconds,
             decode_seconds=self._decode_seconds,
             decode_intervals=self._decode_intervals,
+            request_tpot_counts=tuple(self._tpot_counts),
+            request_tpot_sum=self._tpot_sum,
             device_hit_tokens=self.kv.hits.device_tokens,
             host_hit_tokens=self.kv.hits.host_tokens,
             kv_host_pages_total=host.pages_total,
@@ -244,8 +249,11 @@ class Engine:
         """The engine's side of TPOT: a finished request's time from its first to its last token
         over its n - 1 intervals, i.e. the mean step while it decoded, prompt-only steps excluded."""
         if len(req.output_ids) > 1:
-            self._decode_seconds += now - req.first_token_at
-            self._decode_intervals += len(req.output_ids) - 1
+            seconds, intervals = now - req.first_token_at, len(req.output_ids) - 1
+            self._decode_seconds += seconds
+            self._decode_intervals += intervals
+            self._tpot_counts[tpot_bucket(seconds / intervals)] += 1
+            self._tpot_sum += seconds / intervals
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> None:
         """`token` is output number `num_output`; later ones may be in flight (overlap)."""

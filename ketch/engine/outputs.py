@@ -58,6 +58,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     # intervals in it: their ratio is the engine-side TPOT (the steps a decoding request saw).
     decode_seconds: float = 0.0
     decode_intervals: int = 0
+    # The same per finished request (seconds / intervals), as counts per TPOT_BUCKETS bucket (the
+    # last: above them) and their sum: the engine-side TPOT distribution, for its median.
+    request_tpot_counts: tuple[int, ...] = ()
+    request_tpot_sum: float = 0.0
     # Prefix-cache hits by the tier that served them, and the host tier (L2; all 0 when it is off)
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0

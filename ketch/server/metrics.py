@@ -14,16 +14,18 @@ and the engine's health are the same from every process.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ketch.engine.outputs import EngineStats
+from ketch.engine.tpot_buckets import TPOT_BUCKETS
 
 if TYPE_CHECKING:
     from ketch.server.client import EngineClient
@@ -74,6 +76,8 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if s.request_tpot_counts:
+            yield _tpot_histogram(s)
         hits = CounterMetricFamily("ketch_cache_hit_tokens", "Prompt tokens served from the cache, by the tier that "
                                    "held them (device: the GPU/CPU pool; host: L2, loaded back)", labels=["tier"])
         hits.add_metric(["device"], s.device_hit_tokens)
@@ -91,6 +95,16 @@ class _EngineCollector(Collector):
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+def _tpot_histogram(s: EngineStats) -> HistogramMetricFamily:
+    cumulative = list(itertools.accumulate(s.request_tpot_counts))
+    bounds = [repr(b) for b in TPOT_BUCKETS] + ["+Inf"]
+    return HistogramMetricFamily(
+        "ketch_engine_request_tpot_seconds",
+        "Finished requests' time from first to last output token in the engine over their token intervals "
+        "(the engine-side TPOT of each request; a client's median TPOT compares with this one's median)",
+        buckets=list(zip(bounds, cumulative)), sum_value=s.request_tpot_sum)
 
 
 class _HealthCollector(Collector):
