@@ -114,6 +114,12 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
+    def flush_cache(self) -> dict[str, int]:
+        """Empty the prefix cache (and the host tier, with the hierarchical cache) so the next
+        request starts cold; pages freed per tier. A prompt still streaming through `stream()`
+        keeps the pages it holds and its output."""
+        return self.engine.flush_cache()
+
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers (tensor_parallel_size > 1; they also stop at
         interpreter exit); the LLM is unusable afterwards."""

@@ -1,4 +1,5 @@
-"""`ketch bench serve`: the metric math (throughputs, latency percentiles, TPOT, ITL) on hand-made timings."""
+"""`ketch bench serve`: the metric math (throughputs, latency percentiles, TPOT, ITL) and the multi-turn
+per-round figures (TTFT, cache hit rate), on hand-made timings."""
 from __future__ import annotations
 
 import pytest
@@ -57,3 +58,30 @@ def test_engine_side_tpot_median_from_two_histogram_readings():
     assert step_window(before, StepClock(20, 2.0, 0.0, 0.0, before.tpot_buckets)).median_decode_tpot_ms is None
     above = StepClock(20, 2.0, 0.0, 0.0, ((0.001, 5), (0.002, 5), (0.004, 5), (inf, 8)))
     assert step_window(before, above).median_decode_tpot_ms is None
+
+
+def test_multiturn_round_metrics_on_hand_made_timings():
+    from ketch.bench.multiturn import round_metrics
+
+    def ok(ttft: float, prompt: int, cached: int | None) -> RequestResult:
+        return RequestResult(success=True, prompt_len=prompt, output_len=4, ttft=ttft, latency=1.0, cached_tokens=cached)
+
+    # client-major, 3 clients x 3 rounds; client 2 failed its round 3
+    results = [ok(0.30, 20, 0), ok(0.10, 50, 16), ok(0.12, 80, 48),
+               ok(0.50, 20, 0), ok(0.20, 50, 32), ok(0.16, 80, 64),
+               ok(0.40, 20, 0), ok(0.60, 50, 0), RequestResult(error="HTTP 500")]
+    m = round_metrics(results, 3)
+    r1, r2, r3 = m["per_round"]
+    assert (r1["completed"], r1["failed"], r2["completed"], r2["failed"], r3["failed"]) == (3, 0, 3, 0, 1)
+    assert r1["mean_ttft_ms"] == pytest.approx(400) and r1["median_ttft_ms"] == pytest.approx(400)
+    assert (r1["prompt_tokens"], r1["cached_tokens"], r1["cache_hit_rate"]) == (60, 0, 0.0)
+    assert (r2["prompt_tokens"], r2["cached_tokens"]) == (150, 48) and r2["cache_hit_rate"] == pytest.approx(0.32)
+    assert r3["cache_hit_rate"] == pytest.approx(112 / 160)
+    # pooled over the five successes of rounds 2 and 3 (236 ms), not a mean of the rounds' means (220 ms)
+    assert m["mean_ttft_ms_rounds_2plus"] == pytest.approx(1000 * (0.10 + 0.12 + 0.20 + 0.16 + 0.60) / 5)
+    assert m["cache_hit_rate_rounds_2plus"] == pytest.approx((48 + 112) / (150 + 160))
+    # a server that does not say how many tokens were cached has no hit rate (not a rate of 0)
+    silent = round_metrics([ok(0.1, 20, None), ok(0.1, 50, None)], 2)
+    assert [r["cache_hit_rate"] for r in silent["per_round"]] == [None, None]
+    assert silent["cache_hit_rate_rounds_2plus"] is None
+    assert round_metrics([ok(0.1, 20, 0)], 1)["mean_ttft_ms_rounds_2plus"] is None  # one round: nothing after it

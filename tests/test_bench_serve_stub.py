@@ -1,5 +1,6 @@
 """`ketch bench serve` run by the CLI against a deterministic stub OpenAI server in a thread: the
-printed metrics, the requests it sends, the result file, failures, and short outputs."""
+printed metrics, the requests it sends, the result file, failures, and short outputs; multi-turn
+conversations (what each round sends, a failed round, --flush-cache's place and its refusal)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ from bench_util import shared_tokenizer, tok  # noqa: F401  (fixtures)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ketch.bench.datasets import random_requests
+from ketch.bench.datasets import random_requests, random_turns
 from ketch.cli import main
 
 METRIC_NAMES = [
@@ -41,15 +42,22 @@ def _chunk_sizes(max_tokens: int) -> list[int]:
 class Stub:
     """A deterministic OpenAI streaming server; a request for which `fail(body)` holds gets a 500."""
 
-    def __init__(self, fail: Callable[[dict], bool], short: bool = False) -> None:
+    def __init__(self, fail: Callable[[dict], bool], short: bool = False, flush: bool = False) -> None:
         self.fail = fail
         self.short = short  # stop one token early, like a server that ignores ignore_eos
         self.bodies: list[dict] = []
+        self.flushed_after: list[int] = []  # bodies received when each POST /flush_cache came
         self.active = self.max_active = 0
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.chat)
+        if flush:
+            self.app.post("/flush_cache")(self.flush)
+
+    async def flush(self) -> dict:
+        self.flushed_after.append(len(self.bodies))
+        return {"object": "flush_cache", "freed_pages": 7, "freed_host_pages": 0}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
@@ -89,8 +97,9 @@ class Stub:
 def stub_server():
     servers = []
 
-    def start(fail: Callable[[dict], bool] = lambda body: False, short: bool = False) -> tuple[Stub, str]:
-        stub = Stub(fail, short)
+    def start(fail: Callable[[dict], bool] = lambda body: False, short: bool = False,
+              flush: bool = False) -> tuple[Stub, str]:
+        stub = Stub(fail, short, flush)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)  # connections made before uvicorn starts wait in the backlog: no readiness poll
@@ -185,3 +194,71 @@ def test_cli_warns_when_outputs_stop_short_of_max_tokens(stub_server, capsys, to
     out = capsys.readouterr().out
     assert "warning: 2 of 2 requests got fewer tokens than max_tokens" in out
     assert _printed(out)["Total generated tokens"] == "6"
+
+
+MULTITURN = ["--dataset-name", "multiturn", "--multiturn-clients", "2", "--multiturn-rounds", "3",
+             "--multiturn-turn-len", "6", "--random-output-len", "3", "--seed", "5", "--disable-tqdm"]
+
+
+def test_multiturn_sends_each_history_and_stops_a_conversation_at_a_failed_round(stub_server, tmp_path, capsys, tok):
+    turns = random_turns(tok, 2, 3, 6, seed=5)
+    stub, url = stub_server(fail=lambda body: body["prompt"].endswith(turns[1][1]), flush=True)  # client 1, round 2
+    out_file = tmp_path / "multiturn.json"
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--flush-cache", "--output-file", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert stub.flushed_after == [1] and "7 device pages freed" in out  # after the one warmup request, before the run
+    prompts = [b["prompt"] for b in stub.bodies[1:]]
+    assert all(b["max_tokens"] == 3 and b["ignore_eos"] is True for b in stub.bodies)
+    answer = " tok" * 3  # what the stub answers
+    want = [turns[0][0], turns[0][0] + answer + "\n\n" + turns[0][1],
+            turns[0][0] + answer + "\n\n" + turns[0][1] + answer + "\n\n" + turns[0][2],
+            turns[1][0], turns[1][0] + answer + "\n\n" + turns[1][1]]  # client 1's round 3 is never sent
+    assert sorted(prompts) == sorted(want)
+    doc = json.loads(out_file.read_text())
+    reqs = doc["requests"]
+    assert [(r["client"], r["round"], r["success"]) for r in reqs] == [
+        (0, 1, True), (0, 2, True), (0, 3, True), (1, 1, True), (1, 2, False), (1, 3, False)]
+    assert "HTTP 500" in reqs[4]["error"] and reqs[5]["error"] == "not sent: round 2 failed"
+    mt = doc["metrics"]["multiturn"]
+    assert [(r["completed"], r["failed"]) for r in mt["per_round"]] == [(2, 0), (1, 1), (1, 1)]
+    assert all(r["cache_hit_rate"] is None for r in mt["per_round"])  # the stub reports no cached tokens
+    assert mt["cache_hit_rate_rounds_2plus"] is None
+    assert mt["mean_ttft_ms_rounds_2plus"] == pytest.approx(1000 * (reqs[1]["ttft"] + reqs[2]["ttft"]) / 2)
+    rows = _printed(out)
+    assert rows["Round 2 requests (ok / failed)"] == "1 / 1" and rows["Clients x rounds"] == "2 x 3"
+    assert rows["Round 1 cache hit rate"].startswith("n/a")
+
+
+def test_multiturn_chat_sends_the_conversation_as_messages(stub_server, tmp_path, capsys, tok):
+    turns = random_turns(tok, 2, 3, 6, seed=5)
+    stub, url = stub_server()
+    out_file = tmp_path / "chat.json"
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--backend", "openai-chat",
+                 "--warmup-requests", "0", "--output-file", str(out_file)]) == 0
+    answer = " tok" * 3
+    last = [b["messages"] for b in stub.bodies if len(b["messages"]) == 5]
+    assert sorted(m[-1]["content"] for m in last) == sorted(t[2] for t in turns)
+    for messages in last:
+        c = [t[2] for t in turns].index(messages[-1]["content"])
+        assert messages == [{"role": "user", "content": turns[c][0]}, {"role": "assistant", "content": answer},
+                            {"role": "user", "content": turns[c][1]}, {"role": "assistant", "content": answer},
+                            {"role": "user", "content": turns[c][2]}]
+    reqs = json.loads(out_file.read_text())["requests"]
+    # no usage from the chat route: the prompt counted by our tokenizer over the messages' contents
+    count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    assert [r["prompt_len"] for r in reqs[:3]] == [count(turns[0][0]), count(turns[0][0] + answer + turns[0][1]),
+                                                  count(turns[0][0] + answer + turns[0][1] + answer + turns[0][2])]
+    capsys.readouterr()
+
+
+def test_multiturn_refusals(stub_server, capsys, tok):
+    _, url = stub_server()  # no /flush_cache here
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--flush-cache"]) == 1
+    err = capsys.readouterr().err
+    assert "flush_cache" in err and "HTTP 404" in err
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--num-client-processes", "2"]) == 2
+    assert "num_client_processes: --dataset-name multiturn runs on one client process" in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--request-rate", "4"]) == 2
+    assert "request_rate: " in capsys.readouterr().err
+    assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--multiturn-rounds", "0"]) == 2
+    assert "multiturn_rounds: must be >= 1" in capsys.readouterr().err

@@ -1,7 +1,9 @@
-"""Prompts for `ketch bench serve`: random token prompts and ShareGPT conversations.
+"""Prompts for `ketch bench serve`: random token prompts, ShareGPT conversations, and the random
+user turns of multi-turn conversations (bench/multiturn.py).
 
 Each request carries its prompt text, the prompt's length in tokens by our tokenizer (the server's
-own count, when it reports usage, replaces it later) and the number of tokens to ask for.
+own count, when it reports usage, replaces it later), the number of tokens to ask for and, in a
+multi-turn conversation, the turns before it.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ class TextTokenizer(Protocol):
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompt: str
+    prompt: str  # the text, or in a conversation the new user turn
     prompt_len: int
     output_len: int
+    # a conversation's earlier turns, user and assistant alternately (serve_client.py lays them out)
+    history: tuple[str, ...] = ()
 
 
 def _count(tokenizer: TextTokenizer, text: str) -> int:
@@ -51,6 +55,12 @@ def _random_text(tokenizer: TextTokenizer, length: int, rng: random.Random, pool
     return text
 
 
+def _token_pool(tokenizer: TextTokenizer) -> list[int]:
+    """The ids random text is drawn from: every id but the special ones."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(tokenizer.vocab_size) if i not in special]
+
+
 def random_requests(tokenizer: TextTokenizer, num_prompts: int, input_len: int, output_len: int,
                     range_ratio: float, seed: int) -> list[SampleRequest]:
     """Lengths uniform in [max(1, int(len * range_ratio)), len] for input and output separately."""
@@ -63,8 +73,7 @@ def random_requests(tokenizer: TextTokenizer, num_prompts: int, input_len: int, 
     if not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"random_range_ratio: must be in [0, 1], got {range_ratio}")
     rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    pool = [i for i in range(tokenizer.vocab_size) if i not in special]
+    pool = _token_pool(tokenizer)
     out = []
     for _ in range(num_prompts):
         n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
@@ -72,6 +81,18 @@ def random_requests(tokenizer: TextTokenizer, num_prompts: int, input_len: int, 
         text = _random_text(tokenizer, n_in, rng, pool)
         out.append(SampleRequest(text, _count(tokenizer, text), n_out))
     return out
+
+
+def random_turns(tokenizer: TextTokenizer, num_clients: int, num_rounds: int, turn_len: int,
+                 seed: int) -> list[list[str]]:
+    """Each client's user turns, one per round: random text of `turn_len` tokens, reproducible by seed."""
+    for name, value in (("multiturn_clients", num_clients), ("multiturn_rounds", num_rounds),
+                        ("multiturn_turn_len", turn_len)):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    rng = random.Random(seed)
+    pool = _token_pool(tokenizer)
+    return [[_random_text(tokenizer, turn_len, rng, pool) for _ in range(num_rounds)] for _ in range(num_clients)]
 
 
 def _first_turns(conversation: list) -> tuple[str, str] | None:

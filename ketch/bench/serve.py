@@ -2,9 +2,11 @@
 
 Works against any such server (ketch serve, llama.cpp's, vLLM, SGLang). Requests are streamed;
 arrivals follow a Poisson process at --request-rate (inf: all at once), optionally capped at
---max-concurrency in flight. Warmup requests go first and are not counted. The load runs on one
-event loop here (serve_load.py) or, with --num-client-processes N, on N processes whose records are
-merged (serve_procs.py); outputs the server did not count are tokenized after the run.
+--max-concurrency in flight. Warmup requests go first and are not counted; --flush-cache then
+empties the server's prefix cache. The load runs on one event loop here (serve_load.py) or, with
+--num-client-processes N, on N processes whose records are merged (serve_procs.py); multi-turn
+conversations (--dataset-name multiturn) run on one loop (multiturn.py). Outputs the server did
+not count are tokenized after the run.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import os
 import sys
 import time
 
-from ketch.bench.datasets import SampleRequest, random_requests, sharegpt_requests
-from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, make_client
+from ketch.bench.datasets import SampleRequest, random_requests, random_turns, sharegpt_requests
+from ketch.bench.multiturn import Conversations, count_prompts, format_rounds, round_metrics, run_conversations
+from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, flush_cache, make_client
 from ketch.bench.serve_engine_steps import StepWindow, read_step_clock, step_window
-from ketch.bench.serve_http import HTTPClient
+from ketch.bench.serve_http import HTTPClient, HTTPError
 from ketch.bench.serve_load import Load, limited, new_event_loop, run_load
 from ketch.bench.serve_metrics import RequestResult, compute_metrics, format_report, summarize_errors
 from ketch.bench.serve_procs import run_in_processes
@@ -30,6 +33,13 @@ CLIENT_BUSY_WARNING = 0.9
 
 
 def _check_args(a: argparse.Namespace) -> None:
+    if a.dataset_name == "multiturn":
+        # a round is sent when the same client's previous answer has arrived: no schedule to split or pace
+        if a.num_client_processes != 1:
+            raise ValueError("num_client_processes: --dataset-name multiturn runs on one client process; use 1")
+        if math.isfinite(a.request_rate):
+            raise ValueError("request_rate: --dataset-name multiturn sends a client's next round when its answer "
+                             "has ended; --request-rate is not supported with it (--max-concurrency caps the load)")
     if a.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {a.num_prompts}")
     if a.max_concurrency is not None and a.max_concurrency < 1:
@@ -64,6 +74,11 @@ def _extra_body(raw: str | None) -> tuple:
 
 
 def build_requests(a: argparse.Namespace, tokenizer) -> list[SampleRequest]:
+    """The requests (multiturn: only the warmup's, from another seed than the conversations' turns,
+    so that the warmup caches nothing the run will use)."""
+    if a.dataset_name == "multiturn":
+        return random_requests(tokenizer, max(1, a.warmup_requests), a.multiturn_turn_len, a.random_output_len,
+                               1.0, a.seed + 1)
     if a.dataset_name == "random":
         return random_requests(tokenizer, a.num_prompts, a.random_input_len, a.random_output_len,
                                a.random_range_ratio, a.seed)
@@ -84,11 +99,17 @@ async def _prepare(client: HTTPClient, a: argparse.Namespace, base_url: str, api
         if not any(w.success for w in warm):
             print(f"error: every warmup request failed: {'; '.join(summarize_errors(warm))}", file=sys.stderr)
             return None
+    if a.flush_cache:  # after the warmup, which would otherwise leave its prompts cached
+        try:
+            print(f"Flushed the server's prefix cache: {await flush_cache(client, api_key)}")
+        except (ValueError, OSError, HTTPError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return None
     return cfg
 
 
 def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: list[SampleRequest],
-           ignore_eos: bool) -> dict | None:
+           ignore_eos: bool, conv: Conversations | None) -> dict | None:
     load = Load(a.max_concurrency, a.request_rate, a.seed)
     show = not a.disable_tqdm
     bar = None if a.disable_tqdm else "requests"
@@ -99,7 +120,11 @@ def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: 
             if cfg is None:
                 return None
             clock0 = read_step_clock(base_url, api_key)  # after the warmup
-            if a.num_client_processes == 1:
+            if conv is not None:
+                mt = runner.run(run_conversations(client, cfg, conv, a.max_concurrency, bar))
+                run, requests = mt.load, mt.sent  # what was sent: each round with its history
+                results, duration, cpu = run.results, run.end - run.start, [(run.cpu_s, run.end - run.start)]
+            elif a.num_client_processes == 1:
                 run = runner.run(run_load(client, cfg, requests, load, bar))
                 results, duration, cpu = run.results, run.end - run.start, [(run.cpu_s, run.end - run.start)]
         finally:
@@ -107,7 +132,8 @@ def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: 
     if a.num_client_processes > 1:
         results, duration, cpu = run_in_processes(cfg, requests, load, a.num_client_processes, show)
     steps = step_window(clock0, read_step_clock(base_url, api_key))
-    return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu, "engine_steps": steps}
+    return {"model": cfg.model, "results": results, "duration": duration, "client_cpu": cpu, "engine_steps": steps,
+            "requests": requests}
 
 
 def _client_cpu(cpu: list[tuple[float, float]], total_output: int) -> dict:
@@ -145,17 +171,28 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     _extra_body(a.extra_request_body)  # fail on a bad flag before any work
     tokenizer = Tokenizer.load(a.tokenizer)
     requests = build_requests(a, tokenizer)
-    ignore_eos = a.ignore_eos if a.ignore_eos is not None else a.dataset_name == "random"
+    conv = None
+    if a.dataset_name == "multiturn":
+        conv = Conversations(random_turns(tokenizer, a.multiturn_clients, a.multiturn_rounds, a.multiturn_turn_len,
+                                          a.seed), a.random_output_len)
+    ignore_eos = a.ignore_eos if a.ignore_eos is not None else a.dataset_name in ("random", "multiturn")
 
     try:
-        out = _bench(a, base_url, api_key, requests, ignore_eos)
+        out = _bench(a, base_url, api_key, requests, ignore_eos, conv)
     except RuntimeError as e:  # a client process died: there is no whole run to report
         print(f"error: {e}", file=sys.stderr)
         return 1
     if out is None:
         return 1
     results: list[RequestResult] = out["results"]
-    count_outputs(results, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    requests = out["requests"]
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    count_outputs(results, count_tokens)
+    if conv is not None:
+        count_prompts(requests, results, a.backend == "openai-chat", count_tokens)
     m = compute_metrics(results, out["duration"])
     header = {
         "Backend": a.backend,
@@ -163,6 +200,9 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         "Max request concurrency": a.max_concurrency if a.max_concurrency else "not set",
     }
     print(format_report(m, header))
+    rounds = None if conv is None else round_metrics(results, conv.rounds)
+    if rounds is not None:
+        print(format_rounds(rounds))
     client = _client_cpu(out["client_cpu"], m.total_output)
     busy = client["busy"]
     print(f"Client CPU busy (% of the window, per process): {', '.join(f'{100 * b:.0f}' for b in busy)}; "
@@ -182,7 +222,8 @@ def run_bench_serve(a: argparse.Namespace) -> int:
         print(f"warning: {short} of {m.completed} requests got fewer tokens than max_tokens "
               "(is ignore_eos honoured? a server without stream usage is counted by retokenizing)")
     if a.output_file:
-        _write_json(a, base_url, out["model"], ignore_eos, m.as_dict() | {"client": client, "engine": engine}, requests, results, errors)
+        metrics = m.as_dict() | {"client": client, "engine": engine, "multiturn": rounds}
+        _write_json(a, base_url, out["model"], ignore_eos, metrics, requests, results, errors)
     return 0 if m.completed else 1
 
 
@@ -201,10 +242,17 @@ def _write_json(a: argparse.Namespace, base_url: str, model: str, ignore_eos: bo
         "errors": errors,
         "requests": [
             {"success": r.success, "prompt_len": r.prompt_len, "output_len": r.output_len,
-             "requested_output_len": q.output_len, "ttft": r.ttft, "e2e": r.latency, "itl": r.itl,
-             "error": r.error}
-            for q, r in zip(requests, results)
+             "requested_output_len": q.output_len, "cached_tokens": r.cached_tokens, "ttft": r.ttft,
+             "e2e": r.latency, "itl": r.itl, "error": r.error} | _place(a, i)
+            for i, (q, r) in enumerate(zip(requests, results))
         ],
     }
     with open(a.output_file, "w") as f:
         json.dump(doc, f, indent=2)
+
+
+def _place(a: argparse.Namespace, i: int) -> dict:
+    """Multiturn: which conversation (from 0) and round (from 1) request i was."""
+    if a.dataset_name != "multiturn":
+        return {}
+    return {"client": i // a.multiturn_rounds, "round": i % a.multiturn_rounds + 1}

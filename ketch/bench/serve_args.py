@@ -19,7 +19,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "multiturn"],
+                   help="multiturn: --multiturn-clients conversations of --multiturn-rounds rounds (not --num-prompts)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (for --dataset-name sharegpt)")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -29,14 +30,23 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="fixed output length for ShareGPT (default: the conversation's answer length)")
     d.add_argument("--seed", type=int, default=1)
+    d.add_argument("--multiturn-clients", type=int, default=8,
+                   help="multiturn: conversations held at once (SGLang's bench_multiturn: --num-clients)")
+    d.add_argument("--multiturn-rounds", type=int, default=4,
+                   help="multiturn: rounds per conversation (--num-rounds there)")
+    d.add_argument("--multiturn-turn-len", type=int, default=256,
+                   help="multiturn: tokens of each new user turn (--request-length there); answers: --random-output-len")
 
     r = p.add_argument_group("load")
     r.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals; inf sends all at once")
     r.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     r.add_argument("--warmup-requests", type=int, default=1, help="requests sent first and not counted")
+    r.add_argument("--flush-cache", action="store_true",
+                   help="POST /flush_cache after the warmup, so the run starts with an empty prefix cache")
     r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask the server to run every request to max_tokens (default: on for random, off for sharegpt)")
+                   help="ask the server to run every request to max_tokens (default: on for random and "
+                        "multiturn, off for sharegpt)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--num-client-processes", type=int, default=1,
                    help="split the requests (and --max-concurrency, --request-rate) over this many client "

@@ -20,7 +20,22 @@ from ketch.bench.serve_http import HTTPClient
 from ketch.bench.serve_metrics import RequestResult
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-UNCOUNTED = -1  # output_len of a success whose server reported no usage, until count_outputs
+UNCOUNTED = -1  # output_len (multiturn: prompt_len too) of a success whose server reported no usage, until counted
+# Between an answer and the next user turn of a conversation sent to /v1/completions. The answer
+# follows its user turn with nothing between (as it was generated), so each round's prompt starts
+# with the previous round's prompt and answer: the tokens the server has just cached.
+TURN_SEPARATOR = "\n\n"
+
+
+def completion_prompt(req: SampleRequest) -> str:
+    """The prompt text: a conversation's turns as one text (user turn, its answer, separator, ...)."""
+    h = req.history
+    return "".join(h[i] + h[i + 1] + TURN_SEPARATOR for i in range(0, len(h) - 1, 2)) + req.prompt
+
+
+def chat_messages(req: SampleRequest) -> list[dict[str, str]]:
+    roles = ("user", "assistant")
+    return [{"role": roles[i % 2], "content": text} for i, text in enumerate((*req.history, req.prompt))]
 
 
 @dataclass(frozen=True)
@@ -56,9 +71,9 @@ class RequestConfig:
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.backend == "openai":
-            body["prompt"] = req.prompt
+            body["prompt"] = completion_prompt(req)
         else:
-            body["messages"] = [{"role": "user", "content": req.prompt}]
+            body["messages"] = chat_messages(req)
         body.update(dict(self.extra_body))
         return body
 
@@ -168,6 +183,9 @@ async def send_request(client: HTTPClient, cfg: RequestConfig, req: SampleReques
         res.output_len = usage["completion_tokens"]
     else:
         res.output_len = UNCOUNTED
+    details = usage.get("prompt_tokens_details") if usage else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        res.cached_tokens = details["cached_tokens"]
     res.success = True
     return res
 
@@ -190,3 +208,21 @@ async def fetch_model(client: HTTPClient, api_key: str | None) -> str:
     except Exception as e:
         url = f"{client.base_url}/v1/models"
         raise ValueError(f"model: not given and GET {url} did not name one ({type(e).__name__}: {e})") from None
+
+
+async def flush_cache(client: HTTPClient, api_key: str | None) -> str:
+    """POST /flush_cache (ketch's and SGLang's): the server empties its prefix cache. Returns what
+    it said (ketch answers JSON with the pages it freed, SGLang plain text); raises ValueError when
+    the server refuses or has no such endpoint."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    status, body = await client.request("POST", "/flush_cache", b"", headers)
+    text = body.decode("utf-8", "replace").strip()
+    if status != 200:
+        raise ValueError(f"flush_cache: POST {client.base_url}/flush_cache answered HTTP {status}: {text[:200]}")
+    try:
+        answer = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return text[:200]
+    if isinstance(answer, dict) and "freed_pages" in answer:
+        return f"{answer['freed_pages']} device pages freed, {answer.get('freed_host_pages', 0)} host pages"
+    return text[:200]

@@ -27,6 +27,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str = ""
     generated_text: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served; None: it did not say
 
 
 @dataclass(frozen=True)
@@ -112,50 +113,50 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> Benchmar
     )
 
 
-def _row(label: str, value: object) -> str:
+def report_row(label: str, value: object) -> str:
     if isinstance(value, float):
         value = f"{value:.2f}"
     return f"{label + ':':<40} {value}"
 
 
-def _rule(title: str = "", char: str = "-") -> str:
+def report_rule(title: str = "", char: str = "-") -> str:
     return f" {title} ".center(50, char) if title else char * 50
 
 
 def format_report(m: BenchmarkMetrics, header: dict[str, object]) -> str:
     """The summary block, one `label: value` per line, in bench_serving's layout and names."""
-    lines = [_rule("Serving Benchmark Result", "=")]
-    lines += [_row(k, v) for k, v in header.items()]
+    lines = [report_rule("Serving Benchmark Result", "=")]
+    lines += [report_row(k, v) for k, v in header.items()]
     lines += [
-        _row("Successful requests", m.completed),
-        _row("Failed requests", m.failed),
-        _row("Benchmark duration (s)", m.duration_s),
-        _row("Total input tokens", m.total_input),
-        _row("Total generated tokens", m.total_output),
-        _row("Request throughput (req/s)", m.request_throughput),
-        _row("Input token throughput (tok/s)", m.input_throughput),
-        _row("Output token throughput (tok/s)", m.output_throughput),
-        _row("Total token throughput (tok/s)", m.total_throughput),
-        _row("Concurrency", m.concurrency),
-        _rule("End-to-End Latency"),
-        _row("Mean E2E Latency (ms)", m.mean_e2e_ms),
-        _row("Median E2E Latency (ms)", m.median_e2e_ms),
-        _row("P99 E2E Latency (ms)", m.p99_e2e_ms),
-        _rule("Time to First Token"),
-        _row("Mean TTFT (ms)", m.mean_ttft_ms),
-        _row("Median TTFT (ms)", m.median_ttft_ms),
-        _row("P99 TTFT (ms)", m.p99_ttft_ms),
-        _rule("Time per Output Token (excl. 1st token)"),
-        _row("Mean TPOT (ms)", m.mean_tpot_ms),
-        _row("Median TPOT (ms)", m.median_tpot_ms),
-        _row("P99 TPOT (ms)", m.p99_tpot_ms),
-        _rule("Inter-Token Latency"),
-        _row("Mean ITL (ms)", m.mean_itl_ms),
-        _row("Median ITL (ms)", m.median_itl_ms),
-        _row("P95 ITL (ms)", m.p95_itl_ms),
-        _row("P99 ITL (ms)", m.p99_itl_ms),
-        _row("Max ITL (ms)", m.max_itl_ms),
-        _rule(char="="),
+        report_row("Successful requests", m.completed),
+        report_row("Failed requests", m.failed),
+        report_row("Benchmark duration (s)", m.duration_s),
+        report_row("Total input tokens", m.total_input),
+        report_row("Total generated tokens", m.total_output),
+        report_row("Request throughput (req/s)", m.request_throughput),
+        report_row("Input token throughput (tok/s)", m.input_throughput),
+        report_row("Output token throughput (tok/s)", m.output_throughput),
+        report_row("Total token throughput (tok/s)", m.total_throughput),
+        report_row("Concurrency", m.concurrency),
+        report_rule("End-to-End Latency"),
+        report_row("Mean E2E Latency (ms)", m.mean_e2e_ms),
+        report_row("Median E2E Latency (ms)", m.median_e2e_ms),
+        report_row("P99 E2E Latency (ms)", m.p99_e2e_ms),
+        report_rule("Time to First Token"),
+        report_row("Mean TTFT (ms)", m.mean_ttft_ms),
+        report_row("Median TTFT (ms)", m.median_ttft_ms),
+        report_row("P99 TTFT (ms)", m.p99_ttft_ms),
+        report_rule("Time per Output Token (excl. 1st token)"),
+        report_row("Mean TPOT (ms)", m.mean_tpot_ms),
+        report_row("Median TPOT (ms)", m.median_tpot_ms),
+        report_row("P99 TPOT (ms)", m.p99_tpot_ms),
+        report_rule("Inter-Token Latency"),
+        report_row("Mean ITL (ms)", m.mean_itl_ms),
+        report_row("Median ITL (ms)", m.median_itl_ms),
+        report_row("P95 ITL (ms)", m.p95_itl_ms),
+        report_row("P99 ITL (ms)", m.p99_itl_ms),
+        report_row("Max ITL (ms)", m.max_itl_ms),
+        report_rule(char="="),
     ]
     return "\n".join(lines)
 

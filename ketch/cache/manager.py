@@ -273,3 +273,14 @@ class KVCacheManager:
                                     sum(len(n.host) for n in nodes if n.lock_ref == 0),
                                     sum(len(n.host) for n in nodes if n.lock_ref))
         return out
+
+    # ---------------------------------------------------------------- flush
+    def flush(self) -> dict[str, int]:
+        """Drop every cache page no holder holds, on every tier (POST /flush_cache: a benchmark
+        that starts cold). A holder's locked path stays on the device with its host copies, so
+        a running request loses nothing. Returns the pages freed per tier ("host" with the host tier)."""
+        host_free = self.host_pool.num_free if self.host_pool is not None else 0
+        freed = {"device": self.tree.reset()}
+        if self.host_pool is not None:
+            freed["host"] = self.host_pool.num_free - host_free
+        return freed

@@ -127,6 +127,13 @@ class Engine:
         if samples:
             self._forget(samples[0])  # once for the group, not once per sample (n × n)
 
+    def flush_cache(self) -> dict[str, int]:
+        """Empty the prefix cache of every page no running request holds, on every tier; the
+        pages freed per tier. Called between steps: a running (or mid-prefill) request has its
+        published path locked and the rest of its pages in its page table, so it runs on as if
+        nothing happened; a waiting one holds nothing yet and simply finds no hit."""
+        return self.kv.flush()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (TP > 1); idempotent, and a no-op at TP=1."""
         if self._ranks:

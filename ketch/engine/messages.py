@@ -1,7 +1,7 @@
 """Typed messages between the API process and the engine process (msgspec + msgpack, never pickle).
 
-    API ──(GenerateRequest | AbortRequest | Ping | Shutdown)──▶ engine
-    API ◀──(EngineReady | EngineError | TokenOutputs | RequestError | Pong | Heartbeat)── engine
+    API ──(GenerateRequest | AbortRequest | Ping | FlushCache | Shutdown)──▶ engine
+    API ◀──(EngineReady | EngineError | TokenOutputs | RequestError | Pong | CacheFlushed | Heartbeat)── engine
 
 Each message is a tagged msgspec Struct, so one Union decodes any of them and the tag says which.
 SamplingParams is a dataclass whose __post_init__ normalises and validates; it travels as a
@@ -87,6 +87,13 @@ class Ping(msgspec.Struct, tag=True, frozen=True):
     origin: int = 0  # the API process that asks: the Pong goes back there
 
 
+class FlushCache(msgspec.Struct, tag=True, frozen=True):
+    """POST /flush_cache: empty the prefix cache of every page no running request holds."""
+
+    nonce: int
+    origin: int = 0  # the API process that asks: the CacheFlushed goes back there
+
+
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
@@ -145,6 +152,12 @@ class Pong(msgspec.Struct, tag=True, frozen=True):
     stats: EngineStats  # a ping doubles as the stats query behind /metrics
 
 
+class CacheFlushed(msgspec.Struct, tag=True, frozen=True):
+    nonce: int
+    device_pages: int  # pages the flush freed on the device
+    host_pages: int  # ... and on the host tier (0 without one)
+
+
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):
     """Sent by the engine process's own thread every HEARTBEAT_S: the process is alive, and
     `steps` tells the API's watchdog whether a busy step loop still makes progress."""
@@ -155,8 +168,8 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
 
 HEARTBEAT_S = 0.5
 
-ToEngine = GenerateRequest | AbortRequest | Ping | Shutdown
-FromEngine = EngineReady | EngineError | TokenOutputs | RequestError | Pong | Heartbeat
+ToEngine = GenerateRequest | AbortRequest | Ping | FlushCache | Shutdown
+FromEngine = EngineReady | EngineError | TokenOutputs | RequestError | Pong | CacheFlushed | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -1,7 +1,7 @@
 """The engine process's output side: one PUSH socket per API process (`--api-server-count`).
 
-A request's outputs, errors and pongs go back to the API process that sent it (the `origin` of
-its GenerateRequest / Ping); what every API process must know (EngineReady, EngineError) goes to
+A request's outputs, errors, pongs and flush answers go back to the API process that sent it (the
+`origin` of its GenerateRequest / Ping / FlushCache); what every API process must know (EngineReady, EngineError) goes to
 all. With one API process there is one socket and no routing at all: a step's deltas are one
 TokenOutputs message, as before.
 """

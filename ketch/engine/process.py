@@ -1,6 +1,6 @@
 """The engine process: an `Engine` driven by a ZMQ loop.
 
-    API ──PUSH──▶ [input PULL]  drain → add/abort/ping → engine.step() → [output PUSH] ──▶ API
+    API ──PUSH──▶ [input PULL]  drain → add/abort/ping/flush → engine.step() → [output PUSH] ──▶ API
 
 With `--api-server-count N` there are N API processes: the input socket pulls from all of them
 (fair-queued), and each has its own output socket (outboxes.py): a request's outputs go back to
@@ -141,7 +141,7 @@ def _loop(engine, inbox: zmq.Socket, outboxes: Outboxes, parent_pid: int, progre
                 return
             reply = _handle(engine, msg)
             if reply is not None:
-                outboxes.send_to(msg.origin, reply)  # only requests and pings are answered: both name it
+                outboxes.send_to(msg.origin, reply)  # only requests, pings and flushes are answered: each names it
             elif isinstance(msg, m.GenerateRequest):
                 outboxes.owned(msg.request_id, msg.origin)
         if engine.has_unfinished():
@@ -162,4 +162,8 @@ def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:
         engine.abort(msg.request_id, msg.index)
     elif isinstance(msg, m.Ping):
         return m.Pong(msg.nonce, engine.stats())
+    elif isinstance(msg, m.FlushCache):
+        # between steps, like every message: no step is half-way through the pages it uses
+        freed = engine.flush_cache()
+        return m.CacheFlushed(msg.nonce, freed["device"], freed.get("host", 0))
     return None

@@ -21,6 +21,8 @@ from ketch.server.protocol import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fiel
 from ketch.server.state import ServerState
 
 _STATS_TIMEOUT_S = 10.0
+# the engine reads a flush between steps: on a busy CPU engine one long prefill step can take a while
+_FLUSH_TIMEOUT_S = 60.0
 log = logging.getLogger("ketch.server")
 
 
@@ -71,6 +73,19 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
     async def metrics() -> Response:
         stats = await state.client.stats(_STATS_TIMEOUT_S)
         return Response(state.metrics.render(stats, state.client), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        """Empty the prefix cache (device and host tiers) of every page no running request holds,
+        so a benchmark can start cold; SGLang's name. Running requests are not affected."""
+        _require_engine()
+        done = await state.client.flush_cache(_FLUSH_TIMEOUT_S)
+        if done is None:
+            if not state.client.alive:
+                raise engine_unavailable(state.client.failure or "the engine is not running")
+            raise APIError(503, f"the engine did not answer the flush within {_FLUSH_TIMEOUT_S:g} s",
+                           type="service_unavailable", code="engine_busy")
+        return {"object": "flush_cache", "freed_pages": done.device_pages, "freed_host_pages": done.host_pages}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
@@ -59,7 +59,7 @@ class EngineClient:
         self.watchdog = Watchdog(watchdog_timeout, time.monotonic())
         self._watch: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue[Item]] = {}
-        self._pongs: dict[int, asyncio.Future[EngineStats]] = {}
+        self._replies: dict[int, asyncio.Future] = {}  # nonce → the Pong's stats or the CacheFlushed
         self._nonces = itertools.count()
         self._owns_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="ketch-")
@@ -167,7 +167,7 @@ class EngineClient:
             return
         self.alive, self.failure = False, reason
         self.broadcast(EngineGone(reason))
-        for fut in self._pongs.values():
+        for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(EngineGone(reason))
         if self.on_death is not None:
@@ -239,17 +239,26 @@ class EngineClient:
 
     async def stats(self, timeout: float) -> EngineStats | None:
         """The engine's stats, or None when it does not answer within `timeout` seconds."""
+        return await self._ask(lambda nonce: m.Ping(nonce, self.origin), timeout)
+
+    async def flush_cache(self, timeout: float) -> m.CacheFlushed | None:
+        """Empty the engine's prefix cache of every page no running request holds (it does so
+        between steps); None when it does not answer within `timeout` seconds."""
+        return await self._ask(lambda nonce: m.FlushCache(nonce, self.origin), timeout)
+
+    async def _ask(self, make: Callable[[int], m.ToEngine], timeout: float) -> Any:
+        """Send the message `make(nonce)` and wait for the answer with that nonce (None: none came)."""
         if not self.alive:
             return None
         nonce = next(self._nonces)
-        fut = self._pongs[nonce] = asyncio.get_running_loop().create_future()
-        self._send(m.Ping(nonce, self.origin))
+        fut = self._replies[nonce] = asyncio.get_running_loop().create_future()
+        self._send(make(nonce))
         try:
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, EngineGone):
             return None
         finally:
-            self._pongs.pop(nonce, None)
+            self._replies.pop(nonce, None)
 
     def _send(self, msg: m.ToEngine) -> None:
         self._push.send(m.encode(msg), zmq.NOBLOCK)
@@ -268,10 +277,10 @@ class EngineClient:
                     queue.put_nowait(msg)
             elif isinstance(msg, m.Heartbeat):
                 self.watchdog.beat(time.monotonic(), msg.steps, msg.busy)
-            elif isinstance(msg, m.Pong):
-                fut = self._pongs.get(msg.nonce)
+            elif isinstance(msg, (m.Pong, m.CacheFlushed)):
+                fut = self._replies.get(msg.nonce)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
+                    fut.set_result(msg.stats if isinstance(msg, m.Pong) else msg)
             elif isinstance(msg, m.EngineError):
                 print(f"engine error: {msg.message}", flush=True)  # the sentinel reports the exit itself
 
