@@ -6,6 +6,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
+
+# The L3 Redis tests start their own redis-server (tests/redis_server.py). Without apt (another
+# distribution, no sudo) setup goes on and those tests skip, saying why.
+install_redis_server() {
+  command -v redis-server >/dev/null && return 0
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || return 1
+    sudo=(sudo -n)
+  fi
+  command -v apt-get >/dev/null || return 1
+  local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -y -q)
+  # a fresh machine has no package lists yet: update only when the first try finds nothing
+  "${apt[@]}" install redis-server >/dev/null 2>&1 || { "${apt[@]}" update >/dev/null && "${apt[@]}" install redis-server >/dev/null; }
+}
+if [ -n "$extras" ] && ! install_redis_server; then
+  echo "setup.sh: could not install redis-server (apt-get unavailable?): the Redis tests will skip" >&2
+fi
+
 python3 -m venv --system-site-packages .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

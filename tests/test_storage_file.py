@@ -117,7 +117,7 @@ def test_urls_and_the_default_directory(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kind, url, field", [
-    ("redis", None, "hicache_storage_backend"),
+    ("s3", None, "hicache_storage_backend"),
     ("file", "redis://127.0.0.1:6379/0", "hicache_storage_url"),
     ("file", "file://host/dir", "hicache_storage_url"),
     ("file", "/no/scheme", "hicache_storage_url"),
