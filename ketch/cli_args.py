@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ketch.config import HICACHE_STORAGE_BACKENDS
 from ketch.sampling.params import SamplingParams
 
 
@@ -54,10 +55,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-size", type=float, default=None, help="host pool size in GB (overrides --hicache-ratio)")
     g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
                    help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
-    g.add_argument("--hicache-storage-backend", default=None, choices=["file"],
+    g.add_argument("--hicache-storage-backend", default=None, choices=list(HICACHE_STORAGE_BACKENDS),
                    help="L3 storage below the host pool (accepted and checked; not used by the engine yet)")
     g.add_argument("--hicache-storage-url", default=None,
-                   help="file:///dir (default: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv)")
+                   help="file:///dir (default: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv) or "
+                        "mooncake://master-host:port[?global_segment_mb=N&local_buffer_mb=N&timeout_ms=N"
+                        "&local_hostname=HOST] (default: mooncake://127.0.0.1:50051)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -14,7 +14,10 @@ KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
-HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file",)  # L3 (ketch/cache/storage/); redis, mooncake to come
+HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "mooncake")  # L3 (ketch/cache/storage/); redis to come
+# the URL scheme each backend takes, and the form its error message shows
+_STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
+                                                  "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
 
 
 @dataclass(frozen=True)
@@ -338,9 +341,12 @@ def _check_hicache_storage(c: EngineConfig) -> None:
     if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
         raise ValueError(f"hicache_storage_backend must be {'|'.join(HICACHE_STORAGE_BACKENDS)}, got {backend!r}")
     if url is not None and backend is None:
-        raise ValueError("hicache_storage_url needs a backend: add --hicache-storage-backend file")
-    if url is not None and backend == "file" and not url.startswith("file:///"):
-        raise ValueError(f"hicache_storage_url: the file backend takes file:///absolute/dir, got {url!r}")
+        guess = next((b for b, (prefix, _) in _STORAGE_URL_FORMS.items() if url.startswith(prefix)), "file")
+        raise ValueError(f"hicache_storage_url needs a backend: add --hicache-storage-backend {guess}")
+    if url is not None and backend is not None:
+        prefix, form = _STORAGE_URL_FORMS[backend]
+        if not url.startswith(prefix):
+            raise ValueError(f"hicache_storage_url: the {backend} backend takes {form}, got {url!r}")
 
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects

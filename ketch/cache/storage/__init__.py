@@ -1,7 +1,8 @@
-"""L3 storage: the `StorageBackend` interface and its backends (the file backend so far).
+"""L3 storage: the `StorageBackend` interface and its backends, file and Mooncake.
 
-`open_backend("file", url)` builds one from the engine's flags; `url` None is the default
-directory under the user's cache directory ($XDG_CACHE_HOME/ketch/kv, else ~/.cache/ketch/kv).
+`open_backend(kind, url)` builds one from the engine's flags; `url` None is the backend's
+default: for "file" a directory under the user's cache directory ($XDG_CACHE_HOME/ketch/kv, else
+~/.cache/ketch/kv), for "mooncake" a master on this machine (mooncake://127.0.0.1:50051).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ketch.config import HICACHE_STORAGE_BACKENDS
 BACKENDS = HICACHE_STORAGE_BACKENDS  # one list for the flags and the factory
 
 __all__ = ["BACKENDS", "FileStorage", "StorageBackend", "StorageStats", "check_key", "default_file_dir",
-           "open_backend"]
+           "open_backend"]  # MooncakeStorage: from ketch.cache.storage.mooncake_storage (below, why)
 
 
 def default_file_dir() -> Path:
@@ -30,6 +31,15 @@ def open_backend(kind: str, url: str | None = None) -> StorageBackend:
     """The backend `kind` at `url` (ValueError naming the field on anything else)."""
     if kind not in BACKENDS:
         raise ValueError(f"hicache_storage_backend must be one of {'|'.join(BACKENDS)}, got {kind!r}")
+    if kind == "mooncake":
+        # imported here, like the package it wraps: only an engine that uses Mooncake needs it
+        from ketch.cache.storage.mooncake_storage import DEFAULT_URL, MooncakeStorage
+
+        return MooncakeStorage(DEFAULT_URL if url is None else url)
+    return _open_file(url)
+
+
+def _open_file(url: str | None) -> FileStorage:
     if url is None:
         return FileStorage(default_file_dir())
     parsed = urlparse(url)

@@ -47,6 +47,7 @@ class StorageStats:
     written_bytes: int = 0
     dropped_writes: int = 0  # a set that returned False: full disk, permissions, ...
     read_errors: int = 0  # a get that failed for another reason than a missing key
+    errors: int = 0  # a request to a storage server that failed (refused, timed out, an error reply)
 
 
 def check_key(key: str) -> str:
