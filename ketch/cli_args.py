@@ -59,7 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="L3 storage below the host pool (accepted and checked; not used by the engine yet)")
     g.add_argument("--hicache-storage-url", default=None,
                    help="file:///dir (default: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv) or "
-                        "redis://host:port[/db] (default: redis://127.0.0.1:6379/0)")
+                        "redis://host:port[/db] (default: redis://127.0.0.1:6379/0) or "
+                        "mooncake://master-host:port[?global_segment_mb=N&local_buffer_mb=N&timeout_ms=N"
+                        "&local_hostname=HOST] (default: mooncake://127.0.0.1:50051)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:

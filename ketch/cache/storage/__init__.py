@@ -1,8 +1,9 @@
-"""L3 storage: the `StorageBackend` interface and its backends, file and Redis.
+"""L3 storage: the `StorageBackend` interface and its backends, file, Redis and Mooncake.
 
 `open_backend(kind, url)` builds one from the engine's flags; `url` None is the backend's
 default: for "file" a directory under the user's cache directory ($XDG_CACHE_HOME/ketch/kv, else
-~/.cache/ketch/kv), for "redis" redis://127.0.0.1:6379/0.
+~/.cache/ketch/kv), for "redis" redis://127.0.0.1:6379/0, for "mooncake" a master on this
+machine (mooncake://127.0.0.1:50051).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ketch.config import HICACHE_STORAGE_BACKENDS
 BACKENDS = HICACHE_STORAGE_BACKENDS  # one list for the flags and the factory
 
 __all__ = ["BACKENDS", "FileStorage", "StorageBackend", "StorageStats", "check_key", "default_file_dir",
-           "open_backend"]  # RedisStorage: from ketch.cache.storage.redis_storage (below, why)
+           "open_backend"]  # RedisStorage, MooncakeStorage: from their modules (below, why)
 
 
 def default_file_dir() -> Path:
@@ -36,6 +37,11 @@ def open_backend(kind: str, url: str | None = None) -> StorageBackend:
         from ketch.cache.storage.redis_storage import DEFAULT_URL, RedisStorage
 
         return RedisStorage(DEFAULT_URL if url is None else url)
+    if kind == "mooncake":
+        # imported here, like the package it wraps: only an engine that uses Mooncake needs it
+        from ketch.cache.storage.mooncake_storage import DEFAULT_URL, MooncakeStorage
+
+        return MooncakeStorage(DEFAULT_URL if url is None else url)
     return _open_file(url)
 
 
