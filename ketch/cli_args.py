@@ -56,12 +56,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
                    help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
     g.add_argument("--hicache-storage-backend", default=None, choices=list(HICACHE_STORAGE_BACKENDS),
-                   help="L3 storage below the host pool (accepted and checked; not used by the engine yet)")
+                   help="L3 storage below the host pool: pages written in the background, prefetched at admission")
     g.add_argument("--hicache-storage-url", default=None,
                    help="file:///dir (default: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv) or "
                         "redis://host:port[/db] (default: redis://127.0.0.1:6379/0) or "
                         "mooncake://master-host:port[?global_segment_mb=N&local_buffer_mb=N&timeout_ms=N"
                         "&local_hostname=HOST] (default: mooncake://127.0.0.1:50051)")
+    g.add_argument("--hicache-prefetch-timeout", type=float, default=1.0,
+                   help="seconds a request waits at admission for its pages from L3 (then uses what arrived)")
+    g.add_argument("--hicache-storage-write-queue", type=int, default=1024,
+                   help="pages waiting to be written to L3 at most (a full queue drops writes, counted)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -78,6 +82,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=a.tensor_parallel_size, enable_hierarchical_cache=a.enable_hierarchical_cache,
         hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
         hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,
+        hicache_prefetch_timeout=a.hicache_prefetch_timeout, hicache_storage_write_queue=a.hicache_storage_write_queue,
     )
 
 

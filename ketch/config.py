@@ -230,10 +230,16 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float | None = None  # GB (10^9 bytes); takes precedence over the ratio
     hicache_write_policy: HiCacheWritePolicy = "write_through"
-    # L3 storage below the host pool (ketch/cache/storage/): accepted and checked, not used by the
-    # engine yet. url None: the backend's default (file: $XDG_CACHE_HOME/ketch/kv or ~/.cache/ketch/kv).
+    # L3 storage below the host pool (ketch/cache/storage_tier.py): pages that get a host copy are
+    # also written to it in the background (a bounded queue of hicache_storage_write_queue pages; a
+    # full queue drops the write, counted), and a request whose prompt continues past the cached
+    # prefix waits at admission up to hicache_prefetch_timeout s for the pages the store has, then
+    # uses whatever arrived. url None: the backend's default (file: $XDG_CACHE_HOME/ketch/kv or
+    # ~/.cache/ketch/kv; redis: redis://127.0.0.1:6379/0; mooncake: mooncake://127.0.0.1:50051).
     hicache_storage_backend: str | None = None
     hicache_storage_url: str | None = None
+    hicache_prefetch_timeout: float = 1.0
+    hicache_storage_write_queue: int = 1024
 
     def __post_init__(self) -> None:
         _check_hicache(self)
@@ -321,7 +327,15 @@ def _check_hicache(c: EngineConfig) -> None:
         raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
     if c.hicache_size is not None and not c.hicache_size > 0:
         raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
+    if not c.hicache_prefetch_timeout >= 0:
+        raise ValueError(f"hicache_prefetch_timeout must be >= 0 seconds, got {c.hicache_prefetch_timeout}")
+    if not isinstance(c.hicache_storage_write_queue, int) or c.hicache_storage_write_queue < 1:
+        raise ValueError(f"hicache_storage_write_queue must be an int >= 1 (pages), got {c.hicache_storage_write_queue!r}")
     _check_hicache_storage(c)
+    if c.hicache_storage_backend is None:
+        for name, default in (("hicache_prefetch_timeout", 1.0), ("hicache_storage_write_queue", 1024)):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs an L3 tier: add --hicache-storage-backend")
     if not c.enable_hierarchical_cache:
         for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
                               ("hicache_storage_backend", None), ("hicache_storage_url", None)):

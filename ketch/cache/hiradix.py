@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.host_pool import HostPool
-from ketch.cache.page_hash import CacheEvents
+from ketch.cache.page_hash import CacheEvents, chain_hashes
 from ketch.cache.radix import RadixCache
 from ketch.cache.radix_node import InsertResult, MatchResult, Node
 from ketch.config import HICACHE_WRITE_POLICIES
@@ -50,6 +50,8 @@ class HiRadixCache(RadixCache):
         self._dev_leaves: set[Node] = set()  # nodes with device pages and no child with device pages
         self.host_evicted_pages = 0  # host pages freed by host LRU eviction
         self.dropped_pages = 0  # device pages evicted without a host copy (gone from both tiers)
+        # called with (hashes, host pages) whenever pages get a host copy: the L3 tier's writes
+        self.on_host_copy: Callable[[list[bytes], list[int]], None] | None = None
 
     @property
     def host_cached_pages(self) -> int:
@@ -93,6 +95,22 @@ class HiRadixCache(RadixCache):
         # CPU: synchronous, done before the step that reads the pages is launched
         self.host_pool.load([h for n in run for h in n.host], pages)
         self._refresh_from(node, run[0].start if run else node.start)
+
+    def insert_host(self, tokens: Sequence[int], host_pages: list[int]) -> Node:
+        """Store the last len(host_pages) pages of `tokens` as a new host-only node (pages read
+        from L3 into the host pool); the tree must already hold exactly the rest. The node takes
+        the host pages (their one holder); the caller locks whatever must not be evicted meanwhile."""
+        ps, t = self.page_size, tuple(tokens)
+        node, pos, _ = self._descend(t)
+        if len(t) % ps or len(t) - pos != len(host_pages) * ps or not host_pages:
+            raise ValueError(f"insert_host: {len(host_pages)} host pages for tokens {pos}:{len(t)} past the cached prefix")
+        new = Node(next(self._ids), t[pos:], [], chain_hashes(node.last_hash, t[pos:], ps), node, pos, self._clock)
+        new.host = list(host_pages)
+        node.children[new.key[:ps]] = new
+        self._leaves.discard(node)
+        self._leaves.add(new)
+        self._touch(new)
+        return new
 
     # ---- eviction ------------------------------------------------------------------------
 
@@ -166,6 +184,8 @@ class HiRadixCache(RadixCache):
         if self.host_pool.num_free >= n:
             node.host = self.host_pool.alloc(n)
             self.host_pool.save(node.pages, node.host)
+            if self.on_host_copy is not None:
+                self.on_host_copy(node.hashes, node.host)
 
     def _adopt_path(self, node: Node, pages: Sequence[int]) -> int:
         """Host-only nodes above `node` (and `node` itself) take the caller's device pages, which

@@ -33,9 +33,13 @@ from ketch.cache.allocator import PageAllocator
 from ketch.cache.hiradix import HiRadixCache
 from ketch.cache.host_pool import HostPool, host_pages_for
 from ketch.cache.kv_pool import KVPool
+from ketch.cache.page_codec import load_page
+from ketch.cache.page_format import PageFormat
 from ketch.cache.page_hash import CacheEvents
 from ketch.cache.radix import RadixCache
 from ketch.cache.radix_node import Node
+from ketch.cache.storage import open_backend
+from ketch.cache.storage_tier import Prefetch, StorageTier
 from ketch.config import EngineConfig
 
 
@@ -107,8 +111,10 @@ class LayerBuffer:
 
 class KVCacheManager:
     def __init__(self, pool: KVPool, enable_prefix_cache: bool = True, events: CacheEvents | None = None,
-                 host_pool: HostPool | None = None, write_policy: str = "write_through") -> None:
-        """host_pool: turns on the host tier (L2) with `write_policy` (write_through | write_back)."""
+                 host_pool: HostPool | None = None, write_policy: str = "write_through",
+                 storage: StorageTier | None = None) -> None:
+        """host_pool: turns on the host tier (L2) with `write_policy` (write_through | write_back);
+        storage: the L3 tier under it (over the same host pool)."""
         self.pool = pool
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
@@ -118,12 +124,25 @@ class KVCacheManager:
             RadixCache(pool.page_size, self.allocator, enabled=enable_prefix_cache, events=events)
             if host_pool is None else
             HiRadixCache(pool.page_size, self.allocator, host_pool, write_policy, enable_prefix_cache, events))
+        self.storage = storage
+        if storage is not None:
+            if host_pool is None or storage.host_pool is not host_pool:
+                raise ValueError("hicache_storage_backend: the L3 tier needs the host tier it reads into")
+            assert isinstance(self.tree, HiRadixCache)
+            self.tree.on_host_copy = storage.save
 
     @classmethod
-    def from_config(cls, pool: KVPool, config: EngineConfig) -> KVCacheManager:
-        """The manager the engine's config asks for (prefix cache, hierarchical cache)."""
+    def from_config(cls, pool: KVPool, config: EngineConfig, fingerprint: str = "") -> KVCacheManager:
+        """The manager the engine's config asks for (prefix cache, hierarchical cache, L3 storage:
+        `fingerprint` names the model whose pages it stores; page_format.py)."""
         host = HostPool(pool, host_pages_for(pool, config)) if config.enable_hierarchical_cache else None
-        return cls(pool, config.enable_prefix_cache, host_pool=host, write_policy=config.hicache_write_policy)
+        storage = None
+        if host is not None and config.hicache_storage_backend is not None:
+            backend = open_backend(config.hicache_storage_backend, config.hicache_storage_url)
+            storage = StorageTier(backend, PageFormat.for_pool(pool, fingerprint), host,
+                                  config.hicache_storage_write_queue, config.hicache_prefetch_timeout)
+        return cls(pool, config.enable_prefix_cache, host_pool=host, write_policy=config.hicache_write_policy,
+                   storage=storage)
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -147,6 +166,45 @@ class KVCacheManager:
         (its logits are needed, so a hit may not cover it)."""
         m = self.tree.match(ids)
         return Hit(m.pages, m.length, m.node, "host" if m.host_len else "device", m.host_len)
+
+    def prefetch(self, prompt_ids: list[int]) -> Prefetch | None:
+        """Start reading from L3 the pages of the prompt past what the device and host hold
+        (None: no L3 tier, or nothing past them). The last prompt token is never part of a hit."""
+        if self.storage is None:
+            return None
+        whole = (len(prompt_ids) - 1) // self.page_size * self.page_size
+        return self.storage.prefetch(prompt_ids[:whole], self.tree.peek(prompt_ids[:whole]))
+
+    def adopt_from_storage(self, job: Prefetch) -> int:
+        """Put the pages a prefetch brought into the host tier as host-only nodes after the
+        prompt's cached prefix (as it is now: if it shrank below the pages' start, they are no
+        use and are dropped). Host room is made by host LRU, the prefix locked meanwhile; returns
+        the tokens adopted."""
+        ps, arrived = self.page_size, list(job.pages)
+        if not arrived:
+            return 0
+        assert isinstance(self.tree, HiRadixCache) and self.host_pool is not None
+        m = self.tree.match(job.tokens[: (job.first_page + len(arrived)) * ps])
+        have = m.length // ps
+        use = arrived[have - job.first_page:] if job.first_page <= have else []
+        if not use:
+            return 0
+        self.tree.lock(m.node)
+        try:
+            short = len(use) - self.host_pool.num_free
+            if short > 0:
+                self.tree.evict_host(short)
+            n = min(len(use), self.host_pool.num_free)
+            if n:
+                host = self.host_pool.alloc(n)
+                for page, h in zip(use, host):
+                    load_page(self.host_pool.layers, h, page)
+                self.tree.insert_host(job.tokens[: (have + n) * ps], host)
+        finally:
+            self.tree.unlock(m.node)
+        assert self.storage is not None
+        self.storage.stats.hit_tokens += n * ps
+        return n * ps
 
     # ---------------------------------------------------------------- holders
     def admit(self, holder: PageHolder, hit: Hit, tokens: int) -> bool:
@@ -259,6 +317,19 @@ class KVCacheManager:
         assert isinstance(self.tree, HiRadixCache)
         return HostTierStats(host.num_pages, host.num_free, host.stats.loaded_bytes, host.stats.saved_bytes,
                              self.tree.host_evicted_pages, self.tree.dropped_pages)
+
+    def storage_stats(self) -> dict[str, int | float | bool]:
+        """The L3 tier's counters as EngineStats fields ({} without it)."""
+        if self.storage is None:
+            return {}
+        st, backend = self.storage.stats, self.storage.backend.stats
+        return dict(storage_enabled=True, storage_hit_tokens=st.hit_tokens, storage_read_bytes=st.read_bytes,
+                    storage_written_bytes=st.written_bytes, storage_written_pages=st.written_pages,
+                    storage_dropped_writes=st.dropped_writes, storage_rejected_corrupt=st.rejected_corrupt,
+                    storage_rejected_foreign=st.rejected_foreign,
+                    storage_errors=backend.errors, storage_read_errors=backend.read_errors,
+                    storage_prefetches=st.prefetches, storage_prefetch_timeouts=st.prefetch_timeouts,
+                    storage_prefetch_wait_seconds=st.prefetch_wait_seconds)
 
     def usage(self) -> dict[str, TierUsage]:
         """Pages per tier, each count taken on its own (a check, and what /metrics will show).

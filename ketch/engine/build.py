@@ -5,8 +5,9 @@
            ─▶ TP > 1: the other ranks started (tp_ranks.py; each builds its own runner below)
            ─▶ ModelRunner for rank 0: model ─▶ memory plan ─▶ KV pool ─▶ attention backend ─▶ graphs
               (runner/model_runner.py: the per-rank device side, the same for every rank)
-           ─▶ KVCacheManager over that pool (prefix cache, host tier)
-           ─▶ Scheduler over the manager ─▶ gates (grammar compilation)
+           ─▶ KVCacheManager over that pool (prefix cache, host tier, L3 storage named by the
+              model's fingerprint: model_fingerprint.py)
+           ─▶ Scheduler over the manager ─▶ gates (grammar compilation, storage prefetch)
 
 Nothing below the engine builds a part of another layer, and nothing else builds these: the
 `Engine` takes what `build_engine` returns. A rank-0 failure after the other ranks started
@@ -22,6 +23,8 @@ from typing import Any
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
 from ketch.engine.grammar_gate import GrammarGate
+from ketch.engine.model_fingerprint import model_fingerprint
+from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
 from ketch.models import load_model_config
 from ketch.parallel import SINGLE
@@ -42,6 +45,7 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     grammars: GrammarGate
+    storage_gate: StorageGate | None  # an L3 tier: where requests wait for their pages
 
 
 def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> EngineParts:
@@ -59,10 +63,13 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> E
         if ranks:
             ranks.abandon()
         raise
-    kv = KVCacheManager.from_config(runner.pool, config)
+    fingerprint = model_fingerprint(source, model_config, config) if config.hicache_storage_backend else ""
+    kv = KVCacheManager.from_config(runner.pool, config, fingerprint)
     scheduler = Scheduler(config, kv)
     grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
-    return EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars)
+    storage_gate = StorageGate(kv) if kv.storage is not None else None
+    return EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
+                       storage_gate)
 
 
 def _without_graphs(config: EngineConfig) -> EngineConfig:

@@ -57,6 +57,7 @@ class Engine:
         self.eos_ids = parts.eos_ids
         self._ranks = parts.ranks  # TP > 1: the other ranks (tp_ranks.py)
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
+        self.storage_gate = parts.storage_gate
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -105,6 +106,9 @@ class Engine:
         if params.grammar is not None:
             self.scheduler.park(samples, self.grammars, params.grammar)  # schedulable once it compiles
             return
+        if self.storage_gate is not None and (job := self.kv.prefetch(prompt_ids)) is not None:
+            self.scheduler.park(samples, self.storage_gate, job)  # schedulable once L3's pages are in
+            return
         for req in samples:
             self.scheduler.add(req)
 
@@ -135,9 +139,11 @@ class Engine:
         return self.kv.flush()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (TP > 1); idempotent, and a no-op at TP=1."""
+        """Stop the tensor-parallel workers (TP > 1) and let queued L3 writes land; idempotent."""
         if self._ranks:
             self._ranks.close()
+        if self.kv.storage is not None:
+            self.kv.storage.close()
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._aborted) or self.scheduler.has_parked()
@@ -174,6 +180,7 @@ class Engine:
             host_saved_bytes=host.saved_bytes,
             host_evicted_pages=host.evicted_pages,
             host_dropped_pages=host.dropped_pages,
+            **self.kv.storage_stats(),
         )
 
     # ---------------------------------------------------------------- step

@@ -71,6 +71,20 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_saved_bytes: int = 0  # device -> host
     host_evicted_pages: int = 0  # host LRU evictions
     host_dropped_pages: int = 0  # device evictions with no host copy
+    # The storage tier (L3; all 0 when it is off): cache/storage_tier.py's counters
+    storage_enabled: bool = False
+    storage_hit_tokens: int = 0  # prompt tokens read from L3 for admitted requests
+    storage_read_bytes: int = 0
+    storage_written_bytes: int = 0
+    storage_written_pages: int = 0
+    storage_dropped_writes: int = 0  # queue full or refused by the store
+    storage_rejected_corrupt: int = 0  # failed the checksum or structure checks
+    storage_rejected_foreign: int = 0  # another model / dtype / page size / layout / rank
+    storage_errors: int = 0  # failed requests to a store server (a dead Redis, ...)
+    storage_read_errors: int = 0  # reads that failed for another reason than a missing key
+    storage_prefetches: int = 0
+    storage_prefetch_timeouts: int = 0
+    storage_prefetch_wait_seconds: float = 0.0
 
     @property
     def kv_pages_in_use(self) -> int:

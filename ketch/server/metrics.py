@@ -82,7 +82,11 @@ class _EngineCollector(Collector):
                                    "held them (device: the GPU/CPU pool; host: L2, loaded back)", labels=["tier"])
         hits.add_metric(["device"], s.device_hit_tokens)
         hits.add_metric(["host"], s.host_hit_tokens)
+        if s.storage_enabled:
+            hits.add_metric(["storage"], s.storage_hit_tokens)
         yield hits
+        if s.storage_enabled:
+            yield from _storage_metrics(s)
         if s.kv_host_pages_total:  # the hierarchical cache is on
             yield GaugeMetricFamily("ketch_kv_host_pages_total", "Pages in the host tier (L2)", value=s.kv_host_pages_total)
             yield GaugeMetricFamily("ketch_kv_host_pages_free", "Host-tier pages holding nothing", value=s.kv_host_pages_free)
@@ -95,6 +99,32 @@ class _EngineCollector(Collector):
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+def _storage_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The L3 tier (cache/storage_tier.py): traffic, drops, rejected pages, prefetch waits."""
+    counters = {
+        "ketch_hicache_storage_read_bytes": ("KV bytes read from L3 (intact pages)", s.storage_read_bytes),
+        "ketch_hicache_storage_written_bytes": ("KV bytes written to L3", s.storage_written_bytes),
+        "ketch_hicache_storage_written_pages": ("KV pages written to L3", s.storage_written_pages),
+        "ketch_hicache_storage_dropped_writes": ("L3 writes dropped (queue full, or the store refused)",
+                                                 s.storage_dropped_writes),
+        "ketch_hicache_storage_errors": ("Failed requests to the L3 store's server", s.storage_errors),
+        "ketch_hicache_storage_read_errors": ("L3 reads that failed for another reason than a missing key",
+                                              s.storage_read_errors),
+        "ketch_hicache_prefetches": ("Requests that waited at admission for L3 pages", s.storage_prefetches),
+        "ketch_hicache_prefetch_timeouts": ("... and went in at the deadline with what had arrived",
+                                            s.storage_prefetch_timeouts),
+        "ketch_hicache_prefetch_wait_seconds": ("Time requests waited for L3 pages", s.storage_prefetch_wait_seconds),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    rejected = CounterMetricFamily("ketch_hicache_storage_rejected_pages", "L3 pages refused on load (dropped with "
+                                   "the pages after them, recomputed): corrupt bytes, or another model's or format's",
+                                   labels=["reason"])
+    rejected.add_metric(["corrupt"], s.storage_rejected_corrupt)
+    rejected.add_metric(["foreign"], s.storage_rejected_foreign)
+    yield rejected
 
 
 def _tpot_histogram(s: EngineStats) -> HistogramMetricFamily:

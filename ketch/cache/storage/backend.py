@@ -23,6 +23,8 @@ _KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 @runtime_checkable
 class StorageBackend(Protocol):
+    stats: "StorageStats"  # its counters (the engine's /metrics reads them)
+
     def get(self, key: str) -> bytes | None:
         """The value stored under `key`, or None (missing, or unreadable: counted)."""
 

@@ -1,0 +1,165 @@
+"""L3: the storage tier under the host pool — pages written in the background, prefetched for a
+request before it is admitted, checked on the way in.
+
+    write   a page gets a host copy (HiRadixCache._copy_to_host) ─▶ its rows are snapshotted on
+            the engine thread ─▶ a bounded queue ─▶ the writer thread encodes (header + checksum,
+            page_codec.py) and `set`s it under `PageFormat.key(chained hash)`. A full queue drops
+            the write (counted): the engine never waits for storage.
+    read    a request's prompt goes past what the device and host hold ─▶ `prefetch` starts a job
+            on a fetch thread: `exists_prefix` on the keys of the pages after the cached prefix,
+            then `get` + `decode_page` of the leading run, in order, appended to the job as they
+            arrive. The request waits at a gate (engine/storage_gate.py) until the job ends or
+            its deadline passes, then the engine adopts what arrived (KVCacheManager.adopt_from_storage)
+            as host-only nodes, and admission loads them like any host hit.
+    checks  a page that fails decoding (damaged bytes, or another model / dtype / page size /
+            layout / rank) ends the run there: it and every page after it (its descendants: their
+            K/V attended to it) are not used and are recomputed, and the reason is counted. The
+            recomputed page is written again under the same key, replacing the bad one.
+
+Storage holds no page accounting of its own (a key-value store evicts by itself); the pages it
+feeds go through the host pool's, which the idle audit checks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ketch.cache.host_pool import HostPool
+from ketch.cache.page_codec import DecodedPage, PageRejected, decode_page, encode_page
+from ketch.cache.page_format import PageFormat
+from ketch.cache.page_hash import ROOT_HASH, chain_hashes
+from ketch.cache.storage.backend import StorageBackend
+
+FETCH_THREADS = 2  # jobs of different requests overlap their round trips; one job reads in order
+
+
+@dataclass
+class StorageTierStats:
+    """Counters for /metrics (written by the engine, writer and fetch threads: a count may lag by one)."""
+
+    written_pages: int = 0
+    written_bytes: int = 0
+    dropped_writes: int = 0  # queue full, or the backend refused the write
+    read_pages: int = 0  # fetched and intact
+    read_bytes: int = 0
+    rejected_corrupt: int = 0  # damaged bytes (checksum, truncation, ...): dropped with what follows
+    rejected_foreign: int = 0  # intact, but another model / dtype / page size / layout / rank
+    prefetches: int = 0  # requests that waited at the gate for storage
+    prefetch_timeouts: int = 0  # ... and were let in by the deadline, with what had arrived
+    prefetch_wait_seconds: float = 0.0
+    hit_tokens: int = 0  # prompt tokens adopted from storage (then served through the host tier)
+
+
+@dataclass
+class Prefetch:
+    """One request's read: the pages after its cached prefix, fetched in order."""
+
+    tokens: list[int]  # the prompt's whole pages (what the keys name)
+    first_page: int  # index of the first page to fetch (the cached prefix's length in pages)
+    keys: list[str]
+    deadline: float  # time.monotonic() after which the request goes in with what arrived
+    started: float
+    pages: list[DecodedPage] = field(default_factory=list)  # arrived, intact, in order
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False  # set when the request went in: the fetch thread stops
+
+
+class StorageTier:
+    def __init__(self, backend: StorageBackend, fmt: PageFormat, host_pool: HostPool,
+                 write_queue: int = 1024, prefetch_timeout: float = 1.0) -> None:
+        self.backend = backend
+        self.format = fmt
+        self.host_pool = host_pool
+        self.prefetch_timeout = prefetch_timeout
+        self.stats = StorageTierStats()
+        self._queue: queue.Queue[tuple[str, list[dict[str, torch.Tensor]]] | None] = queue.Queue(write_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="ketch-l3-writer", daemon=True)
+        self._writer.start()
+        self._fetch = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ketch-l3-fetch")
+
+    # ---------------------------------------------------------------- writes
+    def save(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> None:
+        """Queue these host pages (named by their chained hashes) for storage; never blocks."""
+        for page_hash, page in zip(hashes, host_pages, strict=True):
+            snapshot = [{name: t[page:page + 1].clone() for name, t in layer.items()} for layer in self.host_pool.layers]
+            try:
+                self._queue.put_nowait((self.format.key(page_hash), snapshot))
+            except queue.Full:
+                self.stats.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, snapshot = item
+            try:
+                data = encode_page(snapshot, 0, self.format)
+                if self.backend.set(key, data):
+                    self.stats.written_pages += 1
+                    self.stats.written_bytes += len(data)
+                else:
+                    self.stats.dropped_writes += 1
+            finally:
+                self._queue.task_done()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the queued writes to land (shutdown, tests); True when they did."""
+        deadline = time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
+
+    # ---------------------------------------------------------------- reads
+    def prefetch(self, prompt_pages: list[int], cached_tokens: int) -> Prefetch | None:
+        """Start fetching the pages of `prompt_pages` (whole pages of a prompt, its last token
+        excluded) after the first `cached_tokens`; None when there are none to ask for."""
+        ps = self.format.page_size
+        first = cached_tokens // ps
+        if first >= len(prompt_pages) // ps:
+            return None
+        hashes = chain_hashes(ROOT_HASH, prompt_pages, ps)
+        now = time.monotonic()
+        job = Prefetch(prompt_pages, first, [self.format.key(h) for h in hashes[first:]],
+                       now + self.prefetch_timeout, now)
+        self._fetch.submit(self._read, job)
+        return job
+
+    def _read(self, job: Prefetch) -> None:
+        try:
+            present = self.backend.exists_prefix(job.keys)
+            for key in job.keys[:present]:
+                if job.cancelled:
+                    return
+                data = self.backend.get(key)
+                if data is None:
+                    return  # gone since exists_prefix (an LRU store): the run ends here
+                try:
+                    page = decode_page(data, self.format)
+                except PageRejected as e:
+                    if e.corrupt:
+                        self.stats.rejected_corrupt += 1
+                    else:
+                        self.stats.rejected_foreign += 1
+                    return  # this page and its descendants are recomputed
+                self.stats.read_pages += 1
+                self.stats.read_bytes += len(data)
+                job.pages.append(page)
+        finally:
+            job.done.set()
+
+    def close(self, drain_timeout: float = 5.0) -> None:
+        """Let queued writes land (up to `drain_timeout` s), then stop the threads."""
+        self.drain(drain_timeout)
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # the writer is stuck on a dead store: it is a daemon thread and dies with the process
+        self._fetch.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,331 @@
+"""The storage tier (L3) through the engine: greedy output identical with the hierarchy off, L2
+only, L2 + file and L2 + Redis on a multi-turn workload 5x the device pool and 3x device + host
+(pages really go to storage and come back: the per-tier hit counters); a restarted engine serves
+an old conversation from storage; a flipped byte, a truncated page and a page of another model
+are each refused, counted, recomputed, and the answer is the cold run's; a dead or hung Redis
+costs hits, never requests; a full write queue drops writes and counts them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import assert_drained, collect, drain, make_tiny_engine
+from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
+from server_util import parse_metrics, wait_for
+from test_hicache_l2 import CONVERSATIONS, DEVICE_PAGES, PARAMS, PS, TURNS, assert_host_drained, multi_turn
+
+from ketch.cache.page_codec import encode_page
+from ketch.cache.page_format import PageFormat
+from ketch.cache.page_hash import ROOT_HASH, chain_hashes
+from ketch.cache.storage.file import FileStorage
+from ketch.config import EngineConfig
+from ketch.engine.engine import Engine
+from ketch.sampling.params import SamplingParams
+from ketch.server.metrics import ServerMetrics
+
+HOST_RATIO = 1.5  # 36 host pages: device + host hold 60 of the workload's 120 pages
+
+
+def l3_engine(config_path: str, url: str, backend: str = "file", **kw) -> Engine:
+    kw.setdefault("hicache_ratio", HOST_RATIO)
+    kw.setdefault("page_size", PS)
+    return make_tiny_engine(config_path, kv_cache_memory=DEVICE_PAGES * 2048,
+                            enable_hierarchical_cache=True, hicache_storage_backend=backend,
+                            hicache_storage_url=url, **kw)
+
+
+def file_url(path: Path) -> str:
+    return f"file://{path}"
+
+
+def finish(eng: Engine) -> None:
+    """Every queued write lands, then every page of every tier is back."""
+    assert eng.kv.storage is not None and eng.kv.storage.drain(30.0)
+    assert_host_drained(eng)
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_config_path: str) -> list[list[int]]:
+    eng = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS)
+    answers = multi_turn(eng)
+    assert_drained(eng)
+    return answers
+
+
+def test_l2_only_serves_less_from_cache_than_l2_plus_l3(tiny_config_path: str, reference, tmp_path: Path) -> None:
+    """The yardstick for the L3 runs below: with this small host tier, L2 alone must lose pages
+    (host evictions), so storage has something to serve."""
+    eng = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS,
+                           enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO)
+    assert multi_turn(eng) == reference
+    assert eng.kv.tree.host_evicted_pages > 0 and eng.kv.hits.host_tokens > 0
+    l2_cached = eng.scheduler.stats.cached_prompt_tokens
+    assert_host_drained(eng)
+    l3 = l3_engine(tiny_config_path, file_url(tmp_path / "kv"))
+    assert multi_turn(l3) == reference
+    assert l3.scheduler.stats.cached_prompt_tokens > l2_cached  # storage served what the host lost
+    finish(l3)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_multi_turn_output_is_identical_with_a_file_l3(tiny_config_path: str, reference, tmp_path: Path,
+                                                       policy: str) -> None:
+    eng = l3_engine(tiny_config_path, file_url(tmp_path / "kv"), hicache_write_policy=policy)
+    assert multi_turn(eng) == reference
+    s = eng.stats()
+    assert s.storage_hit_tokens > 0 and s.host_hit_tokens > 0 and s.device_hit_tokens > 0
+    assert s.storage_written_pages > 0 and s.storage_read_bytes > 0 and s.storage_prefetches > 0
+    assert (s.storage_rejected_corrupt, s.storage_rejected_foreign, s.storage_dropped_writes) == (0, 0, 0)
+    shown = parse_metrics(ServerMetrics().render(s).decode())
+    assert shown['ketch_cache_hit_tokens_total{tier="storage"}'] == s.storage_hit_tokens
+    assert shown["ketch_hicache_storage_written_pages_total"] == s.storage_written_pages
+    assert shown['ketch_hicache_storage_rejected_pages_total{reason="corrupt"}'] == 0
+    finish(eng)
+
+
+def test_multi_turn_output_is_identical_with_a_redis_l3(tiny_config_path: str, reference,
+                                                        redis_server: RedisServer) -> None:
+    eng = l3_engine(tiny_config_path, redis_server.url, backend="redis")
+    assert multi_turn(eng) == reference
+    s = eng.stats()
+    assert s.storage_hit_tokens > 0 and s.host_hit_tokens > 0 and s.storage_written_pages > 0
+    finish(eng)
+
+
+# ---- restart -------------------------------------------------------------------------------
+
+LONG = [3 + (i * 7) % 400 for i in range(61)]  # 15 whole pages before the last token
+
+
+def test_a_restarted_engine_serves_an_old_conversation_from_storage(tiny_config_path: str, tmp_path: Path) -> None:
+    url = file_url(tmp_path / "kv")
+    first = l3_engine(tiny_config_path, url)
+    first.add_request("turn1", LONG, PARAMS)
+    answer = collect(drain(first))[("turn1", 0)]["ids"]
+    finish(first)
+    history = LONG + answer + [5, 6, 7, 8, 9]
+    second = l3_engine(tiny_config_path, url)  # a new process's engine: empty device and host tiers
+    second.add_request("turn2", history, PARAMS)
+    got = collect(drain(second))[("turn2", 0)]["ids"]
+    prefix = len(LONG) + len(answer)
+    assert second.scheduler.stats.cached_prompt_tokens >= 0.9 * prefix
+    assert second.stats().storage_hit_tokens == second.scheduler.stats.cached_prompt_tokens
+    cold = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS)
+    cold.add_request("turn2", history, PARAMS)
+    assert got == collect(drain(cold))[("turn2", 0)]["ids"]
+    finish(second)
+
+
+# ---- integrity -----------------------------------------------------------------------------
+
+def _page_file(eng: Engine, root: Path, tokens: list[int], index: int) -> Path:
+    fmt = eng.kv.storage.format  # type: ignore[union-attr]
+    hashes = chain_hashes(ROOT_HASH, tokens[: (len(tokens) - 1) // PS * PS], PS)
+    return FileStorage(root).path(fmt.key(hashes[index]))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _foreign(eng: Engine, path: Path) -> None:
+    """The same key, but a page another model wrote (another fingerprint in its header)."""
+    fmt: PageFormat = eng.kv.storage.format  # type: ignore[union-attr]
+    other = PageFormat(**{**fmt.__dict__, "fingerprint": "another-model"})
+    path.write_bytes(encode_page(eng.kv.pool.layers, 0, other))
+
+
+@pytest.mark.parametrize("damage,reason", [("flip", "corrupt"), ("truncate", "corrupt"), ("foreign", "foreign")])
+def test_a_damaged_or_foreign_page_is_refused_counted_and_recomputed(tiny_config_path: str, tmp_path: Path,
+                                                                     damage: str, reason: str) -> None:
+    root = tmp_path / "kv"
+    first = l3_engine(tiny_config_path, file_url(root))
+    first.add_request("turn1", LONG, PARAMS)
+    drain(first)
+    finish(first)
+    query = LONG + [11, 12, 13, 14]
+    bad = 6  # pages 0-5 are fine; 6 and everything after it (its descendants) must be recomputed
+    second = l3_engine(tiny_config_path, file_url(root))
+    path = _page_file(second, root, query, bad)
+    {"flip": _flip, "truncate": _truncate, "foreign": lambda p: _foreign(second, p)}[damage](path)
+    second.add_request("q", query, PARAMS)
+    got = collect(drain(second))[("q", 0)]["ids"]
+    s = second.stats()
+    assert getattr(s, f"storage_rejected_{reason}") == 1
+    assert s.storage_hit_tokens == bad * PS  # exactly the pages before the bad one
+    cold = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS)
+    cold.add_request("q", query, PARAMS)
+    assert got == collect(drain(cold))[("q", 0)]["ids"]
+    finish(second)  # the recomputed page was written again, over the bad one:
+    third = l3_engine(tiny_config_path, file_url(root))
+    third.add_request("q", query, PARAMS)
+    drain(third)
+    assert third.stats().storage_rejected_corrupt + third.stats().storage_rejected_foreign == 0
+    assert third.stats().storage_hit_tokens == (len(query) - 1) // PS * PS
+    finish(third)
+
+
+# ---- faults --------------------------------------------------------------------------------
+
+def test_a_dead_then_restarted_redis_costs_hits_never_requests(tiny_config_path: str,
+                                                               redis_server: RedisServer) -> None:
+    eng = l3_engine(tiny_config_path, redis_server.url, backend="redis")
+    eng.add_request("a", LONG, PARAMS)
+    drain(eng)
+    assert eng.kv.storage.drain(10.0)  # type: ignore[union-attr]
+    redis_server.kill()
+    eng.kv.flush()  # device and host empty: only storage could serve the prompt
+    eng.add_request("b", LONG + [1, 2], PARAMS)
+    out = collect(drain(eng))[("b", 0)]
+    assert len(out["ids"]) == PARAMS.max_tokens and out["reason"] == "length"
+    s = eng.stats()
+    assert s.storage_hit_tokens == 0 and s.storage_errors > 0
+    redis_server.restart()  # empty: what this engine writes now is what it can read back
+    backend = eng.kv.storage.backend  # type: ignore[union-attr]
+    wait_for(lambda: backend.set("probe", b"x"), "the backend to reconnect (after its cool-down)")
+    eng.kv.flush()
+    eng.add_request("c", LONG + [3, 4], PARAMS)
+    drain(eng)
+    assert eng.kv.storage.drain(10.0)  # type: ignore[union-attr]
+    eng.kv.flush()
+    eng.add_request("d", LONG + [3, 4], PARAMS)
+    drain(eng)
+    assert eng.stats().storage_hit_tokens > 0  # reconnected without a rebuild
+    finish(eng)
+
+
+def test_a_hung_store_lets_the_request_in_at_the_prefetch_deadline(tiny_config_path: str,
+                                                                   redis_server: RedisServer) -> None:
+    eng = l3_engine(tiny_config_path, redis_server.url, backend="redis", hicache_prefetch_timeout=0.05)
+    redis_server.pause()  # connections accepted, nothing answers: the read hangs to its socket timeout
+    try:
+        eng.add_request("a", LONG, PARAMS)
+        out = collect(drain(eng))[("a", 0)]
+        assert len(out["ids"]) == PARAMS.max_tokens
+        s = eng.stats()
+        assert s.storage_prefetches == 1 and s.storage_prefetch_timeouts == 1
+    finally:
+        redis_server.resume()
+    finish(eng)
+
+
+def test_a_full_write_queue_drops_writes_and_counts_them(tiny_config_path: str, redis_server: RedisServer) -> None:
+    eng = l3_engine(tiny_config_path, redis_server.url, backend="redis", hicache_storage_write_queue=1)
+    redis_server.pause()  # the writer blocks on its first set: the queue of one fills
+    try:
+        eng.add_request("a", LONG, PARAMS)
+        drain(eng)
+        assert eng.stats().storage_dropped_writes > 0
+    finally:
+        redis_server.resume()
+    finish(eng)
+
+
+def test_a_file_store_that_cannot_write_drops_and_counts(tiny_config_path: str, reference, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the store's folder should be")
+    eng = l3_engine(tiny_config_path, file_url(blocker / "kv"))
+    assert multi_turn(eng) == reference
+    s = eng.stats()
+    assert s.storage_written_pages == 0 and s.storage_dropped_writes > 0 and s.storage_hit_tokens == 0
+    finish(eng)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(hicache_prefetch_timeout=2.0), dict(hicache_storage_write_queue=8)])
+def test_an_l3_option_without_a_backend_says_to_add_one(kw: dict) -> None:
+    field = next(iter(kw))
+    with pytest.raises(ValueError, match=f"^{field} .*--hicache-storage-backend"):
+        EngineConfig(enable_hierarchical_cache=True, **kw)
+
+
+@pytest.mark.parametrize("kw,field", [(dict(hicache_prefetch_timeout=-1.0), "hicache_prefetch_timeout"),
+                                      (dict(hicache_storage_write_queue=0), "hicache_storage_write_queue")])
+def test_bad_l3_values_name_the_field(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}"):
+        EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file", **kw)
+
+
+def test_the_same_weights_and_options_share_a_fingerprint_and_others_do_not(tiny_config_path: str,
+                                                                            tmp_path: Path) -> None:
+    a = l3_engine(tiny_config_path, file_url(tmp_path / "a")).kv.storage.format  # type: ignore[union-attr]
+    b = l3_engine(tiny_config_path, file_url(tmp_path / "b")).kv.storage.format  # type: ignore[union-attr]
+    c = l3_engine(tiny_config_path, file_url(tmp_path / "c"), page_size=8).kv.storage.format  # type: ignore[union-attr]
+    assert a.fingerprint == b.fingerprint and a.key(b"\x01") == b.key(b"\x01")
+    assert a.key(b"\x01") != c.key(b"\x01")  # another page size: another key
+
+
+def test_pages_from_storage_land_under_their_own_tokens(tiny_config_path: str, tmp_path: Path) -> None:
+    """Bit for bit: the K/V a restarted engine loads from storage for a prompt is the K/V the
+    first engine computed for the same pages (a tiny random model's greedy output cannot tell
+    pages apart; this can)."""
+    first = l3_engine(tiny_config_path, file_url(tmp_path / "kv"))
+    first.add_request("a", LONG, PARAMS)
+    drain(first)
+    computed = {h: [t[p].clone() for layer in first.kv.pool.layers for t in layer.values()]
+                for node in first.cache.nodes() for h, p in zip(node.hashes, node.pages)}
+    finish(first)
+    second = l3_engine(tiny_config_path, file_url(tmp_path / "kv"))
+    second.add_request("b", LONG, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not second.scheduler.running:
+        second.step()
+    req = second.scheduler.running[0]
+    hashes = chain_hashes(ROOT_HASH, LONG[: (len(LONG) - 1) // PS * PS], PS)
+    assert req.num_cached_prompt == len(hashes) * PS == second.stats().storage_hit_tokens
+    for i, h in enumerate(hashes):
+        loaded = [t[req.page_table[i]] for layer in second.kv.pool.layers for t in layer.values()]
+        assert all(a.equal(b) for a, b in zip(loaded, computed[h], strict=True)), f"page {i}"
+    drain(second)
+    finish(second)
+
+
+def smol_turns(llm, history: list[list[int]], turns: range) -> list[list[int]]:
+    """test_hicache_l2's SmolLM2 conversations, for some of their turns (histories extended in place)."""
+    from test_hicache_l2 import SMOL_TOPICS
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    answers = []
+    for _ in turns:
+        for c, topic in enumerate(SMOL_TOPICS):
+            history[c] += llm.tokenizer.encode(f" Tell me one more short fact about {topic}, please.",
+                                               add_special_tokens=False)
+        for c, out in enumerate(llm.generate(history, params)):
+            answers.append(out.token_ids)
+            history[c] += out.token_ids
+        llm.engine.check_invariants()
+    return answers
+
+
+def test_smollm_conversations_continue_from_storage_after_a_restart(smollm_path: str, tmp_path: Path) -> None:
+    """Real weights, whose attention tells pages apart: two turns of five conversations through a
+    small device pool (18 pages) and host tier (27), the engine closed; a new engine, empty on
+    device and host, answers the third turn from their histories in storage exactly as one engine
+    without any hierarchy answers all three."""
+    from test_hicache_l2 import SMOL_PAGES, SMOL_TOPICS
+
+    from ketch.llm import LLM
+
+    def llm(**switches):
+        return LLM(smollm_path, dtype="float32", page_size=PS, kv_cache_memory=SMOL_PAGES * 4 * 46_080,
+                   max_num_seqs=1, **switches)
+
+    ref = smol_turns(llm(), [[] for _ in SMOL_TOPICS], range(3))
+    l3 = dict(enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_storage_backend="file",
+              hicache_storage_url=file_url(tmp_path / "kv"))
+    first, history = llm(**l3), [[] for _ in SMOL_TOPICS]
+    assert smol_turns(first, history, range(2)) == ref[:10]
+    assert first.engine.stats().storage_written_pages > 0
+    finish(first.engine)
+    second = llm(**l3)
+    assert smol_turns(second, history, range(1)) == ref[10:]
+    s = second.engine.stats()
+    assert s.storage_hit_tokens > 0.5 * s.prompt_tokens  # most of each history came back from storage
+    finish(second.engine)
