@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_drained, collect, drain, make_tiny_engine
+from mooncake_master import MooncakeMaster, mooncake_master  # noqa: F401  (the fixture)
 from redis_server import RedisServer, redis_server  # noqa: F401  (the fixture)
 from server_util import parse_metrics, wait_for
 from test_hicache_l2 import CONVERSATIONS, DEVICE_PAGES, PARAMS, PS, TURNS, assert_host_drained, multi_turn
@@ -81,12 +82,24 @@ def test_multi_turn_output_is_identical_with_a_file_l3(tiny_config_path: str, re
     assert shown['ketch_cache_hit_tokens_total{tier="storage"}'] == s.storage_hit_tokens
     assert shown["ketch_hicache_storage_written_pages_total"] == s.storage_written_pages
     assert shown['ketch_hicache_storage_rejected_pages_total{reason="corrupt"}'] == 0
+    assert shown["ketch_hicache_storage_read_seconds_total"] == s.storage_read_seconds > 0
+    assert shown["ketch_hicache_load_seconds_total"] == s.host_loaded_seconds > 0
     finish(eng)
 
 
 def test_multi_turn_output_is_identical_with_a_redis_l3(tiny_config_path: str, reference,
                                                         redis_server: RedisServer) -> None:
     eng = l3_engine(tiny_config_path, redis_server.url, backend="redis")
+    assert multi_turn(eng) == reference
+    s = eng.stats()
+    assert s.storage_hit_tokens > 0 and s.host_hit_tokens > 0 and s.storage_written_pages > 0
+    finish(eng)
+
+
+def test_multi_turn_output_is_identical_with_a_mooncake_l3(tiny_config_path: str, reference,
+                                                           mooncake_master: MooncakeMaster) -> None:
+    eng = l3_engine(tiny_config_path, mooncake_master.url(global_segment_mb=64, local_buffer_mb=16),
+                    backend="mooncake")
     assert multi_turn(eng) == reference
     s = eng.stats()
     assert s.storage_hit_tokens > 0 and s.host_hit_tokens > 0 and s.storage_written_pages > 0
@@ -329,3 +342,57 @@ def test_smollm_conversations_continue_from_storage_after_a_restart(smollm_path:
     s = second.engine.stats()
     assert s.storage_hit_tokens > 0.5 * s.prompt_tokens  # most of each history came back from storage
     finish(second.engine)
+
+
+def test_the_idle_audit_counts_a_leaked_page_and_the_engine_keeps_serving(tiny_config_path: str,
+                                                                          tmp_path: Path) -> None:
+    """The server's idle-time audit (Engine.audit_if_due): every tier's accounting after work,
+    at most once per interval; a leaked reference is logged and counted, not raised."""
+    eng = l3_engine(tiny_config_path, file_url(tmp_path / "kv"))
+    eng.audit_if_due()
+    assert eng.audits == 0  # no step since the last audit (none): nothing to check
+    eng.add_request("a", LONG, PARAMS)
+    drain(eng)
+    eng.audit_if_due()
+    assert (eng.audits, eng.audit_failures) == (1, 0)
+    eng.add_request("b", LONG + [1], PARAMS)
+    drain(eng)
+    leaked = eng.allocator.alloc(1)  # a page nobody accounts for
+    eng.audit_if_due()
+    assert eng.audits == 1  # within the interval: not yet
+    eng._audited_at -= 10.0  # the interval has passed
+    eng.audit_if_due()
+    assert (eng.audits, eng.audit_failures) == (2, 1)
+    assert eng.stats().audit_failures == 1
+    eng.add_request("c", LONG + [2], PARAMS)  # still serving
+    assert len(collect(drain_unchecked(eng))[("c", 0)]["ids"]) == PARAMS.max_tokens
+    eng.allocator.decref(leaked)
+    finish(eng)
+
+
+def drain_unchecked(engine: Engine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+def test_cli_flags_and_llm_take_the_l3_options(tiny_config_path: str, tmp_path: Path) -> None:
+    from ketch.cli import build_parser
+    from ketch.cli_args import engine_kwargs
+    from ketch.llm import LLM
+
+    url = file_url(tmp_path / "kv")
+    flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-storage-url", url,
+             "--hicache-prefetch-timeout", "0.25", "--hicache-storage-write-queue", "7"]
+    for argv in (["serve", *flags], ["bench", "offline", *flags]):
+        cfg = EngineConfig(**engine_kwargs(build_parser().parse_args(argv)))
+        assert (cfg.hicache_storage_backend, cfg.hicache_storage_url, cfg.hicache_prefetch_timeout,
+                cfg.hicache_storage_write_queue) == ("file", url, 0.25, 7)
+    llm = LLM(tiny_config_path, load_format="dummy", dtype="float32", kv_cache_memory=8 * 2048, page_size=PS,
+              enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_url=url,
+              hicache_prefetch_timeout=0.25, hicache_storage_write_queue=7)
+    storage = llm.engine.kv.storage
+    assert storage is not None and storage.prefetch_timeout == 0.25 and storage._queue.maxsize == 7
+    assert isinstance(storage.backend, FileStorage) and str(storage.backend.root) == str(tmp_path / "kv")
+    llm.engine.close()

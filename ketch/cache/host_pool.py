@@ -18,6 +18,7 @@ overlaps with the forward are later steps of the KV hierarchy (issue 15).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,10 @@ class HostCopyStats:
     loaded_pages: int = 0  # host → device
     saved_bytes: int = 0
     loaded_bytes: int = 0
+    # wall time of the copies: exact on the CPU; on CUDA the load only queues its copies (the
+    # step waits for them), so bytes over these seconds is not the PCIe bandwidth there
+    saved_seconds: float = 0.0
+    loaded_seconds: float = 0.0
 
 
 class HostPool:
@@ -82,11 +87,13 @@ class HostPool:
             raise ValueError(f"save: {len(device_pages)} device pages for {len(host_pages)} host pages")
         if not device_pages:
             return
+        t0 = time.perf_counter()
         d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
         h_idx = torch.tensor(host_pages, dtype=torch.long)
         for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
             for name, h in host.items():
                 _raw(h).index_copy_(0, h_idx, _raw(dev[name]).index_select(0, d_idx).to("cpu"))
+        self.stats.saved_seconds += time.perf_counter() - t0
         self.stats.saved_pages += len(device_pages)
         self.stats.saved_bytes += len(device_pages) * self.bytes_per_page
 
@@ -101,12 +108,14 @@ class HostPool:
             raise ValueError(f"load: {len(host_pages)} host pages for {len(device_pages)} device pages")
         if not host_pages:
             return
+        t0 = time.perf_counter()
         d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
         h_idx = torch.tensor(host_pages, dtype=torch.long)
         for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
             for name, h in host.items():
                 rows = _raw(h).index_select(0, h_idx).to(self.device, non_blocking=True)
                 _raw(dev[name]).index_copy_(0, d_idx, rows)
+        self.stats.loaded_seconds += time.perf_counter() - t0
         self.stats.loaded_pages += len(host_pages)
         self.stats.loaded_bytes += len(host_pages) * self.bytes_per_page
 

@@ -86,6 +86,8 @@ class HostTierStats:
     saved_bytes: int = 0  # device -> host
     evicted_pages: int = 0  # host pages freed by host LRU eviction
     dropped_pages: int = 0  # device pages evicted with no host copy (gone from both tiers)
+    loaded_seconds: float = 0.0  # wall time of the copies (host_pool.py: exact on the CPU only)
+    saved_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -316,7 +318,8 @@ class KVCacheManager:
             return HostTierStats()
         assert isinstance(self.tree, HiRadixCache)
         return HostTierStats(host.num_pages, host.num_free, host.stats.loaded_bytes, host.stats.saved_bytes,
-                             self.tree.host_evicted_pages, self.tree.dropped_pages)
+                             self.tree.host_evicted_pages, self.tree.dropped_pages, host.stats.loaded_seconds,
+                             host.stats.saved_seconds)
 
     def storage_stats(self) -> dict[str, int | float | bool]:
         """The L3 tier's counters as EngineStats fields ({} without it)."""
@@ -325,6 +328,7 @@ class KVCacheManager:
         st, backend = self.storage.stats, self.storage.backend.stats
         return dict(storage_enabled=True, storage_hit_tokens=st.hit_tokens, storage_read_bytes=st.read_bytes,
                     storage_written_bytes=st.written_bytes, storage_written_pages=st.written_pages,
+                    storage_read_seconds=st.read_seconds, storage_write_seconds=st.write_seconds,
                     storage_dropped_writes=st.dropped_writes, storage_rejected_corrupt=st.rejected_corrupt,
                     storage_rejected_foreign=st.rejected_foreign,
                     storage_errors=backend.errors, storage_read_errors=backend.read_errors,

@@ -54,6 +54,8 @@ class StorageTierStats:
     prefetch_timeouts: int = 0  # ... and were let in by the deadline, with what had arrived
     prefetch_wait_seconds: float = 0.0
     hit_tokens: int = 0  # prompt tokens adopted from storage (then served through the host tier)
+    read_seconds: float = 0.0  # fetch threads: get + decode of the pages read (bytes / seconds: GB/s)
+    write_seconds: float = 0.0  # writer thread: encode + set
 
 
 @dataclass
@@ -96,9 +98,12 @@ class StorageTier:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             key, snapshot = item
+            t0 = time.perf_counter()
             try:
                 data = encode_page(snapshot, 0, self.format)
-                if self.backend.set(key, data):
+                ok = self.backend.set(key, data)
+                self.stats.write_seconds += time.perf_counter() - t0
+                if ok:
                     self.stats.written_pages += 1
                     self.stats.written_bytes += len(data)
                 else:
@@ -138,6 +143,7 @@ class StorageTier:
             for key in job.keys[:present]:
                 if job.cancelled:
                     return
+                t0 = time.perf_counter()
                 data = self.backend.get(key)
                 if data is None:
                     return  # gone since exists_prefix (an LRU store): the run ends here
@@ -149,6 +155,7 @@ class StorageTier:
                     else:
                         self.stats.rejected_foreign += 1
                     return  # this page and its descendants are recomputed
+                self.stats.read_seconds += time.perf_counter() - t0
                 self.stats.read_pages += 1
                 self.stats.read_bytes += len(data)
                 job.pages.append(page)

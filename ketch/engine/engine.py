@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
@@ -38,6 +39,7 @@ from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk
 
 
+AUDIT_INTERVAL_S = 5.0  # the idle-time audit runs at most this often (it walks every page and node)
 GATE_WAIT_S = 0.01  # an idle step waits this long at a gate (a compile); new requests wait at most this
 
 
@@ -69,6 +71,8 @@ class Engine:
         self._tpot_counts = [0] * (len(TPOT_BUCKETS) + 1)  # per-request engine TPOT, non-cumulative
         self._tpot_sum = 0.0
         self.overlap = config.use_overlap_schedule
+        self.audits = self.audit_failures = 0
+        self._audited_at, self._audited_at_step = 0.0, 0
         self._in_flight: LaunchedStep | None = None  # overlap: launched, not yet processed
 
     @property
@@ -168,6 +172,8 @@ class Engine:
             kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
             steps=self._steps,
             step_seconds=self._step_seconds,
+            audits=self.audits,
+            audit_failures=self.audit_failures,
             decode_seconds=self._decode_seconds,
             decode_intervals=self._decode_intervals,
             request_tpot_counts=tuple(self._tpot_counts),
@@ -180,6 +186,8 @@ class Engine:
             host_saved_bytes=host.saved_bytes,
             host_evicted_pages=host.evicted_pages,
             host_dropped_pages=host.dropped_pages,
+            host_loaded_seconds=host.loaded_seconds,
+            host_saved_seconds=host.saved_seconds,
             **self.kv.storage_stats(),
         )
 
@@ -321,6 +329,22 @@ class Engine:
             del self.requests[req.group_id]
 
     # ---------------------------------------------------------------- checks
+    def audit_if_due(self) -> None:
+        """The idle-time audit (the server calls this when a poll for work came back empty): once
+        per AUDIT_INTERVAL_S after steps ran, every invariant below, on every tier (idle: free +
+        cached + used == total). A failure is logged and counted in /metrics, not raised: the
+        engine keeps serving, and the count says a page went astray."""
+        now = time.monotonic()
+        if self._steps == self._audited_at_step or now - self._audited_at < AUDIT_INTERVAL_S:
+            return
+        self._audited_at, self._audited_at_step = now, self._steps
+        self.audits += 1
+        try:
+            self.check_invariants()
+        except AssertionError:
+            self.audit_failures += 1
+            traceback.print_exc()
+
     def check_invariants(self) -> None:
         """Requests in a state other than RUNNING hold no pages; the KV manager's shadow count of
         every page's holders (running requests' page tables and locks, the tree) holds; /metrics'

@@ -54,6 +54,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     # flight): a client compares its inter-token latency with the mean step under the same load.
     steps: int = 0
     step_seconds: float = 0.0
+    # Idle-time audits of every tier's page accounting, and how many found it broken (0 always)
+    audits: int = 0
+    audit_failures: int = 0
     # Finished requests' time from their first to their last token in the engine, and the token
     # intervals in it: their ratio is the engine-side TPOT (the steps a decoding request saw).
     decode_seconds: float = 0.0
@@ -71,12 +74,16 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_saved_bytes: int = 0  # device -> host
     host_evicted_pages: int = 0  # host LRU evictions
     host_dropped_pages: int = 0  # device evictions with no host copy
+    host_loaded_seconds: float = 0.0  # the copies' wall time (exact on the CPU; CUDA: queueing only)
+    host_saved_seconds: float = 0.0
     # The storage tier (L3; all 0 when it is off): cache/storage_tier.py's counters
     storage_enabled: bool = False
     storage_hit_tokens: int = 0  # prompt tokens read from L3 for admitted requests
     storage_read_bytes: int = 0
     storage_written_bytes: int = 0
     storage_written_pages: int = 0
+    storage_read_seconds: float = 0.0  # get + decode of the pages read: read_bytes over it is GB/s
+    storage_write_seconds: float = 0.0  # encode + set
     storage_dropped_writes: int = 0  # queue full or refused by the store
     storage_rejected_corrupt: int = 0  # failed the checksum or structure checks
     storage_rejected_foreign: int = 0  # another model / dtype / page size / layout / rank

@@ -123,6 +123,7 @@ def _loop(engine, inbox: zmq.Socket, outboxes: Outboxes, parent_pid: int, progre
         busy = progress.busy = engine.has_unfinished()
         if not busy and not inbox.poll(_IDLE_POLL_MS):
             outboxes.forget_unless(engine.requests)
+            engine.audit_if_due()
             continue
         while True:  # drain whatever has arrived, without blocking
             try:

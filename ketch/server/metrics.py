@@ -66,6 +66,8 @@ class _EngineCollector(Collector):
             "ketch_computed_tokens": ("Tokens run through the model (recomputation included)", s.computed_tokens),
             "ketch_preemptions": ("Sequences preempted for lack of KV pages", s.preemptions),
             "ketch_engine_steps": ("Engine steps run", s.steps),
+            "ketch_kv_audits": ("Idle-time audits of the page accounting on every tier", s.audits),
+            "ketch_kv_audit_failures": ("Audits that found the page accounting broken (always 0)", s.audit_failures),
             "ketch_engine_step_seconds": ("Wall time spent in engine steps (over ketch_engine_steps: the mean "
                                           "step)", s.step_seconds),
             "ketch_engine_decode_seconds": ("Finished requests' time from first to last output token in the engine "
@@ -96,6 +98,9 @@ class _EngineCollector(Collector):
                 "ketch_hicache_host_evicted_pages": ("Host-tier pages freed by LRU eviction", s.host_evicted_pages),
                 "ketch_hicache_dropped_pages": ("Device pages evicted without a host copy (gone from both tiers)",
                                                 s.host_dropped_pages),
+                "ketch_hicache_load_seconds": ("Wall time of host-to-device copies (loaded bytes over it: GB/s; exact "
+                                               "on the CPU, on CUDA only the time to queue them)", s.host_loaded_seconds),
+                "ketch_hicache_save_seconds": ("Wall time of device-to-host copies", s.host_saved_seconds),
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
@@ -107,6 +112,9 @@ def _storage_metrics(s: EngineStats) -> Iterator[Metric]:
         "ketch_hicache_storage_read_bytes": ("KV bytes read from L3 (intact pages)", s.storage_read_bytes),
         "ketch_hicache_storage_written_bytes": ("KV bytes written to L3", s.storage_written_bytes),
         "ketch_hicache_storage_written_pages": ("KV pages written to L3", s.storage_written_pages),
+        "ketch_hicache_storage_read_seconds": ("Time reading L3 pages (get + checks; read bytes over it: GB/s)",
+                                               s.storage_read_seconds),
+        "ketch_hicache_storage_write_seconds": ("Time writing L3 pages (encode + set)", s.storage_write_seconds),
         "ketch_hicache_storage_dropped_writes": ("L3 writes dropped (queue full, or the store refused)",
                                                  s.storage_dropped_writes),
         "ketch_hicache_storage_errors": ("Failed requests to the L3 store's server", s.storage_errors),
