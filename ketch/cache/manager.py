@@ -353,7 +353,9 @@ class KVCacheManager:
     def flush(self) -> dict[str, int]:
         """Drop every cache page no holder holds, on every tier (POST /flush_cache: a benchmark
         that starts cold). A holder's locked path stays on the device with its host copies, so
-        a running request loses nothing. Returns the pages freed per tier ("host" with the host tier)."""
+        a running request loses nothing. Returns the pages freed per tier ("host" with the host tier).
+        L3 storage is left alone: it may be shared with other replicas and is meant to outlive
+        this process (a cold benchmark run points --hicache-storage-url at a fresh store)."""
         host_free = self.host_pool.num_free if self.host_pool is not None else 0
         freed = {"device": self.tree.reset()}
         if self.host_pool is not None:
