@@ -69,10 +69,13 @@ def test_l2_only_serves_less_from_cache_than_l2_plus_l3(tiny_config_path: str, r
     finish(l3)
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+@pytest.mark.parametrize("policy,ratio", [("write_through", HOST_RATIO), ("write_back", 2.0)])
 def test_multi_turn_output_is_identical_with_a_file_l3(tiny_config_path: str, reference, tmp_path: Path,
-                                                       policy: str) -> None:
-    eng = l3_engine(tiny_config_path, file_url(tmp_path / "kv"), hicache_write_policy=policy)
+                                                       policy: str, ratio: float) -> None:
+    """write_back's host holds only evicted pages, and the six prompts waiting for storage pin
+    their cached prefixes there: with the 1.5x host those pins leave no room to adopt into, so
+    write_back runs with a 2x host (3x would keep everything on the host: no storage hit)."""
+    eng = l3_engine(tiny_config_path, file_url(tmp_path / "kv"), hicache_write_policy=policy, hicache_ratio=ratio)
     assert multi_turn(eng) == reference
     s = eng.stats()
     assert s.storage_hit_tokens > 0 and s.host_hit_tokens > 0 and s.device_hit_tokens > 0
@@ -396,3 +399,27 @@ def test_cli_flags_and_llm_take_the_l3_options(tiny_config_path: str, tmp_path: 
     assert storage is not None and storage.prefetch_timeout == 0.25 and storage._queue.maxsize == 7
     assert isinstance(storage.backend, FileStorage) and str(storage.backend.root) == str(tmp_path / "kv")
     llm.engine.close()
+
+
+def test_a_prefetch_pins_the_cached_prefix_its_pages_continue(tiny_config_path: str, tmp_path: Path) -> None:
+    """While a prompt's pages travel from storage, the prefix they continue is locked: a flush (or
+    eviction under load) cannot leave them behind a gap, which would waste the whole read; the
+    pin is visible to the invariants and gone after."""
+    url = file_url(tmp_path / "kv")
+    first = l3_engine(tiny_config_path, url)
+    first.add_request("a", LONG, PARAMS)
+    drain(first)
+    finish(first)
+    eng = l3_engine(tiny_config_path, url)
+    eng.add_request("head", LONG[:21], SamplingParams(temperature=0.0, max_tokens=1))
+    drain(eng)  # five pages of LONG cached (and read from storage: they were there)
+    whole = (len(LONG) - 1) // PS
+    job = eng.kv.prefetch(LONG)
+    assert job is not None and job.first_page == 5 and job.done.wait(10.0)
+    eng.kv.flush()  # everything unpinned goes, on both tiers
+    eng.check_invariants()  # the pin is accounted for
+    assert eng.kv.tree.peek(LONG) == 5 * PS
+    assert eng.kv.end_prefetch(job) == (whole - 5) * PS
+    assert eng.kv.tree.peek(LONG) == whole * PS and not eng.kv.pins
+    eng.check_invariants()
+    finish(eng)

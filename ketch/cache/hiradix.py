@@ -256,11 +256,17 @@ class HiRadixCache(RadixCache):
     # ---- checks --------------------------------------------------------------------------
 
     def check_invariants(self, refs: Mapping[int, int] | None = None,
-                         locks: Mapping[Node, int] | None = None) -> None:
+                         locks: Mapping[Node, int] | None = None, pins: Mapping[Node, int] | None = None) -> None:
         """RadixCache's checks, and the host tier's: every host page is free or held by exactly
-        one node; device residency is closed upwards; a locked node is on the device; the
-        device-leaf set is exact."""
+        one node; device residency is closed upwards; a node locked by a request is on the device
+        (a host-only node may be locked only by L3 prefetches pinning it or a descendant: `pins`,
+        locks per node); the device-leaf set is exact."""
         super().check_invariants(refs, locks)
+        pinned: Counter[Node] = Counter()
+        for node, k in (pins or {}).items():
+            while node is not self.root:
+                pinned[node] += k
+                node = node.parent  # type: ignore[assignment]
         nodes = self.nodes()
         held = Counter(h for n in nodes for h in n.host)
         self.host_pool.allocator.check_invariants()
@@ -270,8 +276,8 @@ class HiRadixCache(RadixCache):
         for n in nodes:
             if n.pages and n.parent is not self.root and not n.parent.pages:  # type: ignore[union-attr]
                 raise AssertionError(f"{n!r} is on the device under a host-only parent")
-            if n.lock_ref and not n.pages:
-                raise AssertionError(f"{n!r} is locked but not on the device")
+            if n.lock_ref and not n.pages and n.lock_ref != pinned[n]:
+                raise AssertionError(f"{n!r} is locked by a request but not on the device")
         want = {n for n in nodes if n.pages and not any(c.pages for c in n.children.values())}
         if want != self._dev_leaves:
             raise AssertionError(f"device-leaf set off by {sorted(m.id for m in want ^ self._dev_leaves)}")

@@ -127,6 +127,7 @@ class KVCacheManager:
             if host_pool is None else
             HiRadixCache(pool.page_size, self.allocator, host_pool, write_policy, enable_prefix_cache, events))
         self.storage = storage
+        self.pins: list[Prefetch] = []  # prefetches in flight, each locking its prompt's cached prefix
         if storage is not None:
             if host_pool is None or storage.host_pool is not host_pool:
                 raise ValueError("hicache_storage_backend: the L3 tier needs the host tier it reads into")
@@ -171,24 +172,40 @@ class KVCacheManager:
 
     def prefetch(self, prompt_ids: list[int]) -> Prefetch | None:
         """Start reading from L3 the pages of the prompt past what the device and host hold
-        (None: no L3 tier, or nothing past them). The last prompt token is never part of a hit."""
+        (None: no L3 tier, or nothing past them). The last prompt token is never part of a hit.
+        The cached prefix is pinned (locked) until `end_prefetch`: the pages read are its
+        continuation, and a prefix evicted while they travel would leave them with a gap."""
         if self.storage is None:
             return None
         whole = (len(prompt_ids) - 1) // self.page_size * self.page_size
-        return self.storage.prefetch(prompt_ids[:whole], self.tree.peek(prompt_ids[:whole]))
+        tokens = prompt_ids[:whole]
+        cached = self.tree.peek(tokens)
+        job = self.storage.prefetch(tokens, cached)
+        if job is not None:
+            job.node = self.tree.match(tokens[:cached]).node  # covers exactly the cached prefix
+            self.tree.lock(job.node)
+            self.pins.append(job)
+        return job
 
-    def adopt_from_storage(self, job: Prefetch) -> int:
+    def end_prefetch(self, job: Prefetch, adopt: bool = True) -> int:
+        """The request goes in (adopt: what arrived joins the host tier) or was aborted; the
+        prefix is unpinned. Returns the tokens adopted."""
+        adopted = self._adopt(job) if adopt else 0
+        self.tree.unlock(job.node)
+        self.pins.remove(job)
+        return adopted
+
+    def _adopt(self, job: Prefetch) -> int:
         """Put the pages a prefetch brought into the host tier as host-only nodes after the
-        prompt's cached prefix (as it is now: if it shrank below the pages' start, they are no
-        use and are dropped). Host room is made by host LRU, the prefix locked meanwhile; returns
-        the tokens adopted."""
+        prompt's cached prefix (pinned, so at least as long as when the read began; pages it
+        has since covered are skipped). Host room is made by host LRU; returns tokens adopted."""
         ps, arrived = self.page_size, list(job.pages)
         if not arrived:
             return 0
         assert isinstance(self.tree, HiRadixCache) and self.host_pool is not None
         m = self.tree.match(job.tokens[: (job.first_page + len(arrived)) * ps])
         have = m.length // ps
-        use = arrived[have - job.first_page:] if job.first_page <= have else []
+        use = arrived[have - job.first_page:]
         if not use:
             return 0
         self.tree.lock(m.node)
@@ -295,15 +312,21 @@ class KVCacheManager:
 
             allocator.refcount(page) == (1 if the tree stores page) + mentions in holders' page tables
 
-        and each node's own locks equal the holders whose `cache_node` it is."""
+        and each node's own locks equal the holders whose `cache_node` it is plus the prefetches
+        pinning it (which may pin a host-only prefix; a request's lock is on the device)."""
         refs: Counter[int] = Counter()
         locks: Counter[Node] = Counter()
         for h in holders:
             refs.update(h.page_table)
             if h.cache_node is not None:
                 locks[h.cache_node] += 1
+        pins = Counter(job.node for job in self.pins)
+        locks.update(pins)
         self.allocator.check_invariants()
-        self.tree.check_invariants(refs, locks)
+        if isinstance(self.tree, HiRadixCache):
+            self.tree.check_invariants(refs, locks, pins)
+        else:
+            self.tree.check_invariants(refs, locks)
 
     def check_idle(self) -> None:
         """Nothing runs: on every tier, every page is free or an unlocked cache page

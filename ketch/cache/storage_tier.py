@@ -9,7 +9,7 @@ request before it is admitted, checked on the way in.
             on a fetch thread: `exists_prefix` on the keys of the pages after the cached prefix,
             then `get` + `decode_page` of the leading run, in order, appended to the job as they
             arrive. The request waits at a gate (engine/storage_gate.py) until the job ends or
-            its deadline passes, then the engine adopts what arrived (KVCacheManager.adopt_from_storage)
+            its deadline passes, then the engine adopts what arrived (KVCacheManager.end_prefetch)
             as host-only nodes, and admission loads them like any host hit.
     checks  a page that fails decoding (damaged bytes, or another model / dtype / page size /
             layout / rank) ends the run there: it and every page after it (its descendants: their
@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,7 @@ class Prefetch:
     pages: list[DecodedPage] = field(default_factory=list)  # arrived, intact, in order
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False  # set when the request went in: the fetch thread stops
+    node: Any = None  # the radix node of the cached prefix, locked while the read is in flight
 
 
 class StorageTier:

@@ -357,5 +357,5 @@ class Engine:
                 assert not req.page_table and req.cache_node is None, f"{req.rid} ({req.state}) holds pages"
         self.kv.check_invariants(self.scheduler.running)
         assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
-        if not self.scheduler.running:
+        if not self.scheduler.running and not self.kv.pins:
             self.kv.check_idle()

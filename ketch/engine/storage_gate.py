@@ -2,8 +2,8 @@
 here while its pages are read from L3 (cache/storage_tier.py), at most until its deadline
 (`hicache_prefetch_timeout`), then goes in with whatever arrived (best effort).
 
-    add ─▶ kv.prefetch(prompt) ─▶ park ──read done, or deadline──▶ kv.adopt_from_storage ─▶ queue
-                                  └─ abort ─▶ forget (the read is cancelled)
+    add ─▶ kv.prefetch(prompt) ─▶ park ──read done, or deadline──▶ kv.end_prefetch (adopt) ─▶ queue
+                                  └─ abort ─▶ forget (the read is cancelled, the prefix unpinned)
 
 Adoption runs here, on the engine thread, at the moment the gate opens: the tree is only ever
 touched by that thread. Storage never fails a request: a dead store, a miss, a rejected page only
@@ -46,7 +46,7 @@ class StorageGate:
             stats.prefetches += 1
             stats.prefetch_timeouts += not p.job.done.is_set()
             stats.prefetch_wait_seconds += now - p.job.started
-            self.kv.adopt_from_storage(p.job)
+            self.kv.end_prefetch(p.job)
         return [(p.samples, None) for p in ready]
 
     def has_parked(self) -> bool:
@@ -64,4 +64,5 @@ class StorageGate:
                 p.samples.remove(req)
                 if not p.samples:
                     p.job.cancelled = True
+                    self.kv.end_prefetch(p.job, adopt=False)
         self.parked = [p for p in self.parked if p.samples]
