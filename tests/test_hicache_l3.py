@@ -402,9 +402,10 @@ def test_cli_flags_and_llm_take_the_l3_options(tiny_config_path: str, tmp_path: 
 
 
 def test_a_prefetch_pins_the_cached_prefix_its_pages_continue(tiny_config_path: str, tmp_path: Path) -> None:
-    """While a prompt's pages travel from storage, the prefix they continue is locked: a flush (or
-    eviction under load) cannot leave them behind a gap, which would waste the whole read; the
-    pin is visible to the invariants and gone after."""
+    """While a prompt's pages travel from storage and until the request is admitted, the prefix
+    they continue (then the pages adopted) is locked: a flush (or eviction under load) cannot
+    leave them behind a gap, which would waste the whole read; the pin is visible to the
+    invariants and gone after."""
     url = file_url(tmp_path / "kv")
     first = l3_engine(tiny_config_path, url)
     first.add_request("a", LONG, PARAMS)
@@ -419,7 +420,12 @@ def test_a_prefetch_pins_the_cached_prefix_its_pages_continue(tiny_config_path: 
     eng.kv.flush()  # everything unpinned goes, on both tiers
     eng.check_invariants()  # the pin is accounted for
     assert eng.kv.tree.peek(LONG) == 5 * PS
-    assert eng.kv.end_prefetch(job) == (whole - 5) * PS
-    assert eng.kv.tree.peek(LONG) == whole * PS and not eng.kv.pins
+    assert eng.kv.settle_prefetch(job) == (whole - 5) * PS
+    eng.kv.flush()  # the pin moved onto the adopted pages: they stay too
+    eng.check_invariants()
+    assert eng.kv.tree.peek(LONG) == whole * PS and eng.kv.pins == [job]
+    eng.kv.unpin(job)
+    eng.kv.unpin(job)  # idempotent (a request's n samples share one job)
+    assert not eng.kv.pins
     eng.check_invariants()
     finish(eng)

@@ -33,12 +33,12 @@ from ketch.cache.allocator import PageAllocator
 from ketch.cache.hiradix import HiRadixCache
 from ketch.cache.host_pool import HostPool, host_pages_for
 from ketch.cache.kv_pool import KVPool
-from ketch.cache.page_codec import load_page
 from ketch.cache.page_format import PageFormat
 from ketch.cache.page_hash import CacheEvents
 from ketch.cache.radix import RadixCache
 from ketch.cache.radix_node import Node
 from ketch.cache.storage import open_backend
+from ketch.cache.storage_reads import StorageReads
 from ketch.cache.storage_tier import Prefetch, StorageTier
 from ketch.config import EngineConfig
 
@@ -111,7 +111,7 @@ class LayerBuffer:
     page_bytes: int  # bytes of one page: page p lives at ptr + p * page_bytes
 
 
-class KVCacheManager:
+class KVCacheManager(StorageReads):
     def __init__(self, pool: KVPool, enable_prefix_cache: bool = True, events: CacheEvents | None = None,
                  host_pool: HostPool | None = None, write_policy: str = "write_through",
                  storage: StorageTier | None = None) -> None:
@@ -128,6 +128,7 @@ class KVCacheManager:
             HiRadixCache(pool.page_size, self.allocator, host_pool, write_policy, enable_prefix_cache, events))
         self.storage = storage
         self.pins: list[Prefetch] = []  # prefetches in flight, each locking its prompt's cached prefix
+        self.dropped_pins = 0  # times make_room dropped every pin to find room
         if storage is not None:
             if host_pool is None or storage.host_pool is not host_pool:
                 raise ValueError("hicache_storage_backend: the L3 tier needs the host tier it reads into")
@@ -170,61 +171,6 @@ class KVCacheManager:
         m = self.tree.match(ids)
         return Hit(m.pages, m.length, m.node, "host" if m.host_len else "device", m.host_len)
 
-    def prefetch(self, prompt_ids: list[int]) -> Prefetch | None:
-        """Start reading from L3 the pages of the prompt past what the device and host hold
-        (None: no L3 tier, or nothing past them). The last prompt token is never part of a hit.
-        The cached prefix is pinned (locked) until `end_prefetch`: the pages read are its
-        continuation, and a prefix evicted while they travel would leave them with a gap."""
-        if self.storage is None:
-            return None
-        whole = (len(prompt_ids) - 1) // self.page_size * self.page_size
-        tokens = prompt_ids[:whole]
-        cached = self.tree.peek(tokens)
-        job = self.storage.prefetch(tokens, cached)
-        if job is not None:
-            job.node = self.tree.match(tokens[:cached]).node  # covers exactly the cached prefix
-            self.tree.lock(job.node)
-            self.pins.append(job)
-        return job
-
-    def end_prefetch(self, job: Prefetch, adopt: bool = True) -> int:
-        """The request goes in (adopt: what arrived joins the host tier) or was aborted; the
-        prefix is unpinned. Returns the tokens adopted."""
-        adopted = self._adopt(job) if adopt else 0
-        self.tree.unlock(job.node)
-        self.pins.remove(job)
-        return adopted
-
-    def _adopt(self, job: Prefetch) -> int:
-        """Put the pages a prefetch brought into the host tier as host-only nodes after the
-        prompt's cached prefix (pinned, so at least as long as when the read began; pages it
-        has since covered are skipped). Host room is made by host LRU; returns tokens adopted."""
-        ps, arrived = self.page_size, list(job.pages)
-        if not arrived:
-            return 0
-        assert isinstance(self.tree, HiRadixCache) and self.host_pool is not None
-        m = self.tree.match(job.tokens[: (job.first_page + len(arrived)) * ps])
-        have = m.length // ps
-        use = arrived[have - job.first_page:]
-        if not use:
-            return 0
-        self.tree.lock(m.node)
-        try:
-            short = len(use) - self.host_pool.num_free
-            if short > 0:
-                self.tree.evict_host(short)
-            n = min(len(use), self.host_pool.num_free)
-            if n:
-                host = self.host_pool.alloc(n)
-                for page, h in zip(use, host):
-                    load_page(self.host_pool.layers, h, page)
-                self.tree.insert_host(job.tokens[: (have + n) * ps], host)
-        finally:
-            self.tree.unlock(m.node)
-        assert self.storage is not None
-        self.storage.stats.hit_tokens += n * ps
-        return n * ps
-
     # ---------------------------------------------------------------- holders
     def admit(self, holder: PageHolder, hit: Hit, tokens: int) -> bool:
         """Give `holder` the hit's pages (locked, referenced) and fresh ones up to `tokens`;
@@ -244,6 +190,7 @@ class KVCacheManager:
             assert isinstance(self.tree, HiRadixCache)
             self.tree.load_back(hit.node, fresh[: hit.host_tokens // self.page_size])
         holder.page_table = list(hit.pages) + fresh
+        self.unpin(getattr(holder, "pin", None))  # the hit's lock (taken above) now holds the prefix
         self.hits.device_tokens += hit.device_tokens
         self.hits.host_tokens += hit.host_tokens
         holder.cache_node = hit.node
@@ -261,9 +208,18 @@ class KVCacheManager:
         return True
 
     def make_room(self, need: int) -> bool:
+        """Evict until `need` pages are free. Prefetch pins never block this: when eviction
+        alone falls short, every pin is dropped (their prefixes may then be evicted and
+        recomputed) and eviction tries again; pinned waiting requests could otherwise hold the
+        pool that the one at the head of the queue needs."""
         short = need - self.allocator.num_free
         if short > 0:
             self.tree.evict(short)
+            if self.allocator.num_free < need and self.pins:
+                for job in list(self.pins):
+                    self.unpin(job)
+                self.dropped_pins += 1
+                self.tree.evict(need - self.allocator.num_free)
         return self.allocator.num_free >= need
 
     def publish(self, holder: PageHolder) -> None:
@@ -343,20 +299,6 @@ class KVCacheManager:
         return HostTierStats(host.num_pages, host.num_free, host.stats.loaded_bytes, host.stats.saved_bytes,
                              self.tree.host_evicted_pages, self.tree.dropped_pages, host.stats.loaded_seconds,
                              host.stats.saved_seconds)
-
-    def storage_stats(self) -> dict[str, int | float | bool]:
-        """The L3 tier's counters as EngineStats fields ({} without it)."""
-        if self.storage is None:
-            return {}
-        st, backend = self.storage.stats, self.storage.backend.stats
-        return dict(storage_enabled=True, storage_hit_tokens=st.hit_tokens, storage_read_bytes=st.read_bytes,
-                    storage_written_bytes=st.written_bytes, storage_written_pages=st.written_pages,
-                    storage_read_seconds=st.read_seconds, storage_write_seconds=st.write_seconds,
-                    storage_dropped_writes=st.dropped_writes, storage_rejected_corrupt=st.rejected_corrupt,
-                    storage_rejected_foreign=st.rejected_foreign,
-                    storage_errors=backend.errors, storage_read_errors=backend.read_errors,
-                    storage_prefetches=st.prefetches, storage_prefetch_timeouts=st.prefetch_timeouts,
-                    storage_prefetch_wait_seconds=st.prefetch_wait_seconds)
 
     def usage(self) -> dict[str, TierUsage]:
         """Pages per tier, each count taken on its own (a check, and what /metrics will show).

@@ -9,7 +9,7 @@ request before it is admitted, checked on the way in.
             on a fetch thread: `exists_prefix` on the keys of the pages after the cached prefix,
             then `get` + `decode_page` of the leading run, in order, appended to the job as they
             arrive. The request waits at a gate (engine/storage_gate.py) until the job ends or
-            its deadline passes, then the engine adopts what arrived (KVCacheManager.end_prefetch)
+            its deadline passes, then the engine adopts what arrived (KVCacheManager.settle_prefetch)
             as host-only nodes, and admission loads them like any host hit.
     checks  a page that fails decoding (damaged bytes, or another model / dtype / page size /
             layout / rank) ends the run there: it and every page after it (its descendants: their
@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,12 +55,13 @@ class StorageTierStats:
     prefetches: int = 0  # requests that waited at the gate for storage
     prefetch_timeouts: int = 0  # ... and were let in by the deadline, with what had arrived
     prefetch_wait_seconds: float = 0.0
+    fetch_failures: int = 0  # a read that raised (a bug: logged with its traceback)
     hit_tokens: int = 0  # prompt tokens adopted from storage (then served through the host tier)
     read_seconds: float = 0.0  # fetch threads: get + decode of the pages read (bytes / seconds: GB/s)
     write_seconds: float = 0.0  # writer thread: encode + set
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the pins list holds the jobs themselves
 class Prefetch:
     """One request's read: the pages after its cached prefix, fetched in order."""
 
@@ -141,28 +143,34 @@ class StorageTier:
 
     def _read(self, job: Prefetch) -> None:
         try:
-            present = self.backend.exists_prefix(job.keys)
-            for key in job.keys[:present]:
-                if job.cancelled:
-                    return
-                t0 = time.perf_counter()
-                data = self.backend.get(key)
-                if data is None:
-                    return  # gone since exists_prefix (an LRU store): the run ends here
-                try:
-                    page = decode_page(data, self.format)
-                except PageRejected as e:
-                    if e.corrupt:
-                        self.stats.rejected_corrupt += 1
-                    else:
-                        self.stats.rejected_foreign += 1
-                    return  # this page and its descendants are recomputed
-                self.stats.read_seconds += time.perf_counter() - t0
-                self.stats.read_pages += 1
-                self.stats.read_bytes += len(data)
-                job.pages.append(page)
+            self._read_run(job)
+        except Exception:  # a bug, not an I/O failure (backends count those): say so, serve on
+            self.stats.fetch_failures += 1
+            traceback.print_exc()
         finally:
             job.done.set()
+
+    def _read_run(self, job: Prefetch) -> None:
+        present = self.backend.exists_prefix(job.keys)
+        for key in job.keys[:present]:
+            if job.cancelled:
+                return
+            t0 = time.perf_counter()
+            data = self.backend.get(key)
+            if data is None:
+                return  # gone since exists_prefix (an LRU store): the run ends here
+            try:
+                page = decode_page(data, self.format)
+            except PageRejected as e:
+                if e.corrupt:
+                    self.stats.rejected_corrupt += 1
+                else:
+                    self.stats.rejected_foreign += 1
+                return  # this page and its descendants are recomputed
+            self.stats.read_seconds += time.perf_counter() - t0
+            self.stats.read_pages += 1
+            self.stats.read_bytes += len(data)
+            job.pages.append(page)
 
     def close(self, drain_timeout: float = 5.0) -> None:
         """Let queued writes land (up to `drain_timeout` s), then stop the threads."""

@@ -2,7 +2,7 @@
 here while its pages are read from L3 (cache/storage_tier.py), at most until its deadline
 (`hicache_prefetch_timeout`), then goes in with whatever arrived (best effort).
 
-    add ─▶ kv.prefetch(prompt) ─▶ park ──read done, or deadline──▶ kv.end_prefetch (adopt) ─▶ queue
+    add ─▶ kv.prefetch(prompt) ─▶ park ──read done, or deadline──▶ kv.settle_prefetch (adopt; the prefix stays pinned) ─▶ queue ─▶ admit (unpin)
                                   └─ abort ─▶ forget (the read is cancelled, the prefix unpinned)
 
 Adoption runs here, on the engine thread, at the moment the gate opens: the tree is only ever
@@ -46,7 +46,9 @@ class StorageGate:
             stats.prefetches += 1
             stats.prefetch_timeouts += not p.job.done.is_set()
             stats.prefetch_wait_seconds += now - p.job.started
-            self.kv.end_prefetch(p.job)
+            self.kv.settle_prefetch(p.job)
+            for req in p.samples:
+                req.pin = p.job  # admission (or the end of the request) unpins the prefix
         return [(p.samples, None) for p in ready]
 
     def has_parked(self) -> bool:
@@ -64,5 +66,5 @@ class StorageGate:
                 p.samples.remove(req)
                 if not p.samples:
                     p.job.cancelled = True
-                    self.kv.end_prefetch(p.job, adopt=False)
+                    self.kv.unpin(p.job)
         self.parked = [p for p in self.parked if p.samples]

@@ -196,6 +196,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.state is RequestState.WAITING:
             self.waiting.remove(req)
+            self.kv.unpin(req.pin)  # never admitted: its prefetch still pins the prefix
         elif req.state is RequestState.PENDING and req.gate is not None:
             req.gate.forget(req)
             req.gate = None
