@@ -25,8 +25,9 @@ class StorageReads:
     page_size: int
 
     def prefetch(self, prompt_ids: list[int]) -> Prefetch | None:
-        """Start reading from L3 the pages of the prompt past what the device and host hold
-        (None: no L3 tier, or nothing past them). The last prompt token is never part of a hit.
+        """Start reading from L3 the pages of the prompt past what the device and host hold now
+        (the scheduler asks when the request is about to be admitted; None: no L3 tier, nothing
+        past them, or the store lacks the first). The last prompt token is never part of a hit.
         The cached prefix is pinned (locked) until the request is admitted or ends: the pages
         read are its continuation, and a prefix evicted meanwhile would leave them behind a gap."""
         if self.storage is None:
@@ -43,9 +44,9 @@ class StorageReads:
 
     def settle_prefetch(self, job: Prefetch) -> int:
         """The read ended (or its deadline passed): what arrived joins the host tier, and the pin
-        moves down onto it. It stays until the request is admitted (`admit` unpins) or ends
-        (`unpin`): a request may wait in the queue long after its pages arrived, and a prefix
-        eroded by eviction in that wait is what storage was read to avoid. Returns tokens adopted."""
+        moves down onto it. It stays until the request is admitted (`admit` unpins: the request
+        goes back to the head of the queue, so that is the next step) or ends (`unpin`).
+        Returns tokens adopted."""
         adopted = self._adopt(job)
         if adopted and job in self.pins:  # (make_room may have dropped the pin meanwhile)
             deeper = self.tree.match(job.tokens[: job.first_page * self.page_size + adopted]).node

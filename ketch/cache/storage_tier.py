@@ -129,12 +129,17 @@ class StorageTier:
     # ---------------------------------------------------------------- reads
     def prefetch(self, prompt_pages: list[int], cached_tokens: int) -> Prefetch | None:
         """Start fetching the pages of `prompt_pages` (whole pages of a prompt, its last token
-        excluded) after the first `cached_tokens`; None when there are none to ask for."""
+        excluded) after the first `cached_tokens`; None when there are none to ask for, or a
+        local store (the file backend: `local = True`) does not hold the first of them, checked
+        here. A network store is never asked on the engine thread (a hung one would stall it):
+        the fetch thread finds out, and the request spends a step at the gate."""
         ps = self.format.page_size
         first = cached_tokens // ps
         if first >= len(prompt_pages) // ps:
             return None
         hashes = chain_hashes(ROOT_HASH, prompt_pages, ps)
+        if getattr(self.backend, "local", False) and not self.backend.exists(self.format.key(hashes[first])):
+            return None  # a new prompt on a local store: one stat, no step spent at the gate
         now = time.monotonic()
         job = Prefetch(prompt_pages, first, [self.format.key(h) for h in hashes[first:]],
                        now + self.prefetch_timeout, now)

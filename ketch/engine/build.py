@@ -65,9 +65,9 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> E
         raise
     fingerprint = model_fingerprint(source, model_config, config) if config.hicache_storage_backend else ""
     kv = KVCacheManager.from_config(runner.pool, config, fingerprint)
-    scheduler = Scheduler(config, kv)
-    grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
     storage_gate = StorageGate(kv) if kv.storage is not None else None
+    scheduler = Scheduler(config, kv, storage_gate)
+    grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
     return EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                        storage_gate)
 

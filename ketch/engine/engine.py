@@ -59,7 +59,6 @@ class Engine:
         self.eos_ids = parts.eos_ids
         self._ranks = parts.ranks  # TP > 1: the other ranks (tp_ranks.py)
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
-        self.storage_gate = parts.storage_gate
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -109,9 +108,6 @@ class Engine:
         self.requests[request_id] = samples
         if params.grammar is not None:
             self.scheduler.park(samples, self.grammars, params.grammar)  # schedulable once it compiles
-            return
-        if self.storage_gate is not None and (job := self.kv.prefetch(prompt_ids)) is not None:
-            self.scheduler.park(samples, self.storage_gate, job)  # schedulable once L3's pages are in
             return
         for req in samples:
             self.scheduler.add(req)

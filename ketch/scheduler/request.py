@@ -62,6 +62,7 @@ class Request:
     grammar: Any = None  # GrammarMatcher of a constrained sample, set once its grammar compiled
     gate: Any = None  # the Gate it is parked at while PENDING
     pin: Any = None  # an L3 prefetch pinning its cached prefix until admission (cache/storage_tier.py)
+    storage_checked: bool = False  # L3 was asked for its prompt (once, when first about to be admitted)
     first_token_at: float = 0.0  # engine clock when its first output token reached the host
     # Its sampling reads the ids generated so far (grammar state, penalties), so a step that
     # samples it must first wait for the tokens still in flight. Fixed by the params: set once

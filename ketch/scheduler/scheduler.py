@@ -47,10 +47,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, storage_gate: Gate | None = None) -> None:
+        """storage_gate: with an L3 tier, where a request about to be admitted waits for the pages
+        of its prompt that storage holds past the cache (engine/storage_gate.py)."""
         self.config = config
         self.page_size = config.page_size
         self.kv = kv
+        self.storage_gate = storage_gate
         self.gates: list[Gate] = []  # where PENDING requests wait (scheduler/gate.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -84,7 +87,10 @@ class Scheduler:
                     if req.state is not RequestState.PENDING:
                         continue  # aborted while parked
                     req.gate = None
-                    if error is None:
+                    if error is None and gate is self.storage_gate:
+                        req.state = RequestState.WAITING
+                        self.waiting.appendleft(req)  # it was at the head, about to be admitted
+                    elif error is None:
                         self.add(req)
                     elif self.finish(req, FinishReason.ABORT):
                         failed.append((req, error))
@@ -129,6 +135,8 @@ class Scheduler:
             hit = self.kv.match(req.all_ids[:-1])  # never covers the last token: its logits are needed
             if self._prefix_in_flight(req, hit.length):
                 continue  # another request is computing our next page: wait and hit it in the cache
+            if self._wait_for_storage(req):
+                continue
             n = min(req.seq_len - hit.length, chunk, budget)
             if not self.kv.admit(req, hit, hit.length + n):
                 break
@@ -143,6 +151,21 @@ class Scheduler:
             out.append(ScheduledChunk(req, n))
             budget -= n
         return budget
+
+    def _wait_for_storage(self, req: Request) -> bool:
+        """Once per request, when it is about to be admitted: if L3 holds pages of its prompt past
+        what the cache holds now, park it while they are read (it then comes back to the head of
+        the queue). Asked here rather than on arrival: a queued request's cached prefix erodes
+        while it waits, and what matters is the cache at the moment it runs."""
+        if self.storage_gate is None or req.storage_checked:
+            return False
+        req.storage_checked = True
+        job = self.kv.prefetch(req.all_ids)
+        if job is None:
+            return False
+        self.waiting.remove(req)
+        self.park([req], self.storage_gate, job)
+        return True
 
     def _candidates(self) -> list[Request]:
         """Waiting requests in policy order (a snapshot: admission edits the queue)."""

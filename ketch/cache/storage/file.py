@@ -21,6 +21,7 @@ from ketch.cache.storage.backend import StorageStats, check_key
 
 
 class FileStorage:
+    local = True  # exists() is a stat on this machine: cheap enough for the engine thread
     def __init__(self, root: str | os.PathLike[str]) -> None:
         """root: the directory; created on the first write (not here: a bad path must not stop
         the engine from starting, its writes are dropped and counted instead)."""
