@@ -429,3 +429,25 @@ def test_a_prefetch_pins_the_cached_prefix_its_pages_continue(tiny_config_path: 
     assert not eng.kv.pins
     eng.check_invariants()
     finish(eng)
+
+
+def test_storage_is_asked_when_a_queued_request_is_admitted(tiny_config_path: str, tmp_path: Path) -> None:
+    """A request whose prefix is cached when it arrives, then evicted from device and host while
+    it queues behind others (one sequence at a time), is served from storage when its turn
+    comes: storage is asked at admission, about the cache as it is then."""
+    eng = l3_engine(tiny_config_path, file_url(tmp_path / "kv"), max_num_seqs=1)
+    eng.add_request("a", LONG, PARAMS)
+    drain(eng)
+    assert eng.kv.storage.drain(10.0)  # type: ignore[union-attr]
+    for i in range(5):  # 5 x 15 pages: more than device (24) and host (36) hold together
+        eng.add_request(f"evict{i}", [3 + (i * 97 + j * 13) % 450 for j in range(61)], PARAMS)
+    query = LONG + [11, 12, 13, 14, 15]
+    eng.add_request("b", query, PARAMS)
+    assert eng.kv.tree.peek(query) == (len(LONG) - 1) // PS * PS  # all of it cached on arrival
+    got = collect(drain(eng))[("b", 0)]["ids"]
+    s = eng.stats()
+    assert s.storage_hit_tokens >= 10 * PS
+    cold = make_tiny_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, page_size=PS)
+    cold.add_request("b", query, PARAMS)
+    assert got == collect(drain(cold))[("b", 0)]["ids"]
+    finish(eng)
