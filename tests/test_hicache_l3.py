@@ -322,7 +322,7 @@ def smol_turns(llm, history: list[list[int]], turns: range) -> list[list[int]]:
 
 def test_smollm_conversations_continue_from_storage_after_a_restart(smollm_path: str, tmp_path: Path) -> None:
     """Real weights, whose attention tells pages apart: two turns of five conversations through a
-    small device pool (18 pages) and host tier (27), the engine closed; a new engine, empty on
+    small device pool (18 pages) and host tier (36), the engine closed; a new engine, empty on
     device and host, answers the third turn from their histories in storage exactly as one engine
     without any hierarchy answers all three."""
     from test_hicache_l2 import SMOL_PAGES, SMOL_TOPICS
@@ -334,7 +334,9 @@ def test_smollm_conversations_continue_from_storage_after_a_restart(smollm_path:
                    max_num_seqs=1, **switches)
 
     ref = smol_turns(llm(), [[] for _ in SMOL_TOPICS], range(3))
-    l3 = dict(enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_storage_backend="file",
+    # host 2x the device: write_through mirrors the 18 device pages there, and a restarted engine
+    # stages a whole history (~11 pages) from storage into what is left
+    l3 = dict(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_storage_backend="file",
               hicache_storage_url=file_url(tmp_path / "kv"))
     first, history = llm(**l3), [[] for _ in SMOL_TOPICS]
     assert smol_turns(first, history, range(2)) == ref[:10]
