@@ -26,6 +26,8 @@ def parse_worker_url(text: str) -> WorkerAddress:
         port = parts.port  # raises on a port that is not a number in range
     except ValueError as e:
         raise ValueError(f"worker url {text!r}: {e}") from None
+    if port == 0:
+        raise ValueError(f"worker url {text!r}: Port 0 is not a worker's port")
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"worker url {text!r}: the scheme must be http or https")
     if not parts.hostname:
