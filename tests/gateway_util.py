@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,3 +102,14 @@ def workers(base: str, headers: dict | None = None) -> dict[str, dict]:
     status, _, body = request(base, "GET", "/workers", headers=headers)
     assert status == 200, body
     return {w["url"]: w for w in json.loads(body)["workers"]}
+
+
+def sigkill_replica(replica: Replica) -> None:
+    """SIGKILL the replica's API process and its engine process: the machine lost the worker."""
+    pid = replica.proc.pid
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    replica.proc.kill()
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(child), signal.SIGKILL)
+    replica.proc.wait()

@@ -16,7 +16,7 @@ from urllib.parse import quote
 import openai
 import pytest
 from gateway_util import MODEL, replicas, request, running_gateway, workers
-from server_util import free_port, metrics, open_stream, parse_metrics, wait_for
+from server_util import connect, free_port, metrics, open_stream, parse_metrics, wait_for
 
 KEY = "worker-secret"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -215,3 +215,17 @@ def test_workers_join_and_leave_at_run_time_behind_the_gateways_own_key(workers_
         status, _, body = request(base, "POST", "/v1/completions", {"model": MODEL, "prompt": "x"}, door)
         assert status == 503 and json.loads(body)["error"]["code"] == "no_available_workers"
         assert time.monotonic() - started < 2 and request(base, "GET", "/health")[0] == 503
+
+
+def test_a_client_leaving_before_a_whole_answer_aborts_the_generation(workers_up, gw_rr):
+    """Not streamed: the gateway is still waiting for the worker's answer when the client goes."""
+    def running() -> float:
+        return sum(metrics(r.url, AUTH)["ketch_num_requests_running"] for r in workers_up)
+
+    conn = connect(gw_rr)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 2000,
+                                                        "ignore_eos": True}), {"content-type": "application/json"})
+    wait_for(lambda: running() == 1, "the worker to start generating", 20)
+    conn.close()
+    wait_for(lambda: running() == 0, "the worker to abort", 20)
+    wait_for(lambda: all(w["in_flight"] == 0 for w in workers(gw_rr).values()), "the gateway's slots", 20)

@@ -104,7 +104,12 @@ def build_app(gw: Gateway) -> FrontDoor:
 
     async def generate(request: Request, route: str) -> Response:
         body, parsed = await read_json_object(request, gw.config.max_request_bytes)
-        return await gw.forwarder.generation(routed_request(route, body, parsed))
+
+        async def until_disconnect() -> None:  # the body is read: what comes next is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return await gw.forwarder.generation(routed_request(route, body, parsed), until_disconnect)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
+import anyio
 import httpx2 as httpx
 from starlette.responses import Response
 
@@ -27,13 +28,14 @@ from ketch.gateway.config import GatewayConfig
 from ketch.gateway.errors import GatewayError, unavailable
 from ketch.gateway.failover import Failover
 from ketch.gateway.metrics import GatewayMetrics
-from ketch.gateway.policies import Choice, RoutingPolicy
+from ketch.gateway.policies import RoutingPolicy
 from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.relay import Relay
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.worker import Worker
 
 RETRY_STATUSES = frozenset({502, 503})
+CLIENT_GONE = 499  # what a request whose client left before any answer "gets" (nginx's code; nobody reads it)
 _ERROR_BODY_PREVIEW = 300  # characters of a refused answer quoted in the final 503
 
 
@@ -52,13 +54,28 @@ class Forwarder:
         self.config, self.failover, self.clock = config, failover, clock
         self.rng = rng or random.Random()
 
-    async def generation(self, request: RoutedRequest) -> Response:
+    async def generation(self, request: RoutedRequest,
+                         until_disconnect: Callable[[], Awaitable[None]] | None = None) -> Response:
+        """`until_disconnect` returns when the client leaves: a request still waiting for a worker's
+        answer (a whole, non-streamed generation takes a while) is then given up, and closing its
+        connection makes the worker abort the generation instead of finishing it for nobody."""
         def pick(workers: Sequence[Worker]) -> Worker:
             choice = self.policy.pick(request, workers)
             self.metrics.routed(self.policy.name, choice)
             return choice.worker
 
-        return await self._forward(pick, "POST", request.path, request.body, request)
+        if until_disconnect is None:
+            return await self._forward(pick, "POST", request.path, request.body, request)
+        answer = Response(status_code=CLIENT_GONE)
+        async with anyio.create_task_group() as tasks:
+            async def watch() -> None:
+                await until_disconnect()
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(watch)
+            answer = await self._forward(pick, "POST", request.path, request.body, request)
+            tasks.cancel_scope.cancel()  # the relay watches for the disconnect from here on
+        return answer
 
     async def plain(self, method: str, path: str) -> Response:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy

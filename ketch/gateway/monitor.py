@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 import httpx2 as httpx
 
@@ -62,7 +63,7 @@ class Monitor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _every(self, period: float, job, first_wait: bool = False) -> None:
+    async def _every(self, period: float, job: Callable[[], Awaitable[None]], first_wait: bool = False) -> None:
         if first_wait:
             await asyncio.sleep(period)
         while True:
