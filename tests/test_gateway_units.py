@@ -166,3 +166,16 @@ def test_config_names_the_bad_field(kwargs: dict, field: str):
     with pytest.raises(ValueError, match="cb_failure_threshold"):
         BreakerConfig(failure_threshold=0)
     assert RetryConfig(max_retries=4, enabled=False).attempts == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--worker-urls", "ftp://127.0.0.1:1"], "scheme must be http"),
+    (["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:1/"], "already registered"),
+    (["--cache-threshold", "1.5"], "cache_threshold"),
+    (["--cb-failure-threshold", "0"], "cb_failure_threshold"),
+])
+def test_the_cli_refuses_bad_flags_before_serving(argv: list[str], message: str, capsys: pytest.CaptureFixture):
+    from ketch.cli import main
+
+    assert main(["gateway", "--port", "0", *argv]) == 2
+    assert message in capsys.readouterr().err
