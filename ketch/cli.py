@@ -1,4 +1,4 @@
-"""`ketch serve | generate | chat | bench offline|serve`: parse arguments, call down, print."""
+"""`ketch serve | gateway | generate | chat | bench offline|serve`: parse arguments, call down, print."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 from ketch.bench.one_batch_args import add_one_batch_args
 from ketch.bench.serve_args import add_bench_serve_args
 from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from ketch.gateway.args import add_gateway_args
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -62,6 +63,13 @@ def _serve(a: argparse.Namespace) -> int:
         api_server_count=a.api_server_count,
     )
     return run(EngineConfig(**engine_kwargs(a)), server)
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    from ketch.gateway.args import gateway_config
+    from ketch.gateway.serve import run
+
+    return run(gateway_config(a))
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -132,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split <think>…</think> into reasoning_content")
     add_engine_args(s)
     s.set_defaults(func=_serve)
+
+    gw = sub.add_parser("gateway", help="an OpenAI-compatible router in front of several `ketch serve` workers")
+    add_gateway_args(gw)
+    gw.set_defaults(func=_gateway)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

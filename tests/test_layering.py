@@ -6,7 +6,8 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
 `ketch`). Each edge must be in ALLOWED or in PENDING_REMOVAL; each pending edge must still exist
 (the list only shrinks); the packages may not import each other in a cycle.
 
-    cli ─┬─▶ server ──▶ engine ──▶ scheduler ──▶ cache
+    cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package)
+         ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache
          │   (parsers)     │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
     bench┘                 │            └──▶ attention ──────────────▶ kernels
                      sampling: below engine, scheduler and runner
@@ -29,7 +30,8 @@ LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype"})
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, frozenset[str]] = {
     "ketch": frozenset({"llm", "sampling"}),  # the root: `ketch.LLM`, `ketch.SamplingParams`
-    "cli": frozenset({"bench", "cli_args", "llm", "server"}) | LEAVES,
+    "cli": frozenset({"bench", "cli_args", "gateway", "llm", "server"}) | LEAVES,
+    "gateway": frozenset(),  # the router talks to `ketch serve` over HTTP only: no engine, no server code
     "cli_args": frozenset({"sampling"}) | LEAVES,  # engine flags, shared by cli and bench
     "bench": frozenset({"cli_args", "engine", "sampling", "server"}) | LEAVES,  # beside cli
     "llm": frozenset({"engine", "sampling"}) | LEAVES,  # the in-process API, beside server
@@ -260,10 +262,10 @@ def test_imports_in_functions_under_type_checking_and_relative_ones_count(tmp_pa
 
 def test_a_cycle_and_an_unknown_package_are_reported(tmp_path):
     root = _tree(tmp_path, {"cache/a.py": "import ketch.scheduler.b\n", "scheduler/b.py": "import ketch.cache.a\n",
-                            "gateway/g.py": "import ketch.server\n", "server/__init__.py": ""})
+                            "router/g.py": "import ketch.server\n", "server/__init__.py": ""})
     problems = check_layering(root, ALLOWED, frozenset())
     assert problems == [
-        "ketch/gateway: package `gateway` is not in the table of allowed edges",
+        "ketch/router: package `router` is not in the table of allowed edges",
         "ketch/cache/a.py:1: cache -> scheduler (import ketch.scheduler.b): not an allowed edge",
         "import cycle cache -> scheduler -> cache: ketch/cache/a.py:1: cache -> scheduler (import ketch.scheduler.b); "
         "ketch/scheduler/b.py:1: scheduler -> cache (import ketch.cache.a)",

@@ -1,0 +1,185 @@
+"""The gateway's HTTP routes: the OpenAI API relayed to workers, its own health and metrics, and
+the worker admin routes.
+
+    POST /v1/chat/completions, /v1/completions   routed by the policy, relayed (stream or not)
+    GET  /v1/models                              relayed from the least loaded worker
+    GET  /health                                 200 while a worker is available, else 503 (no key)
+    GET  /metrics                                the gateway's own Prometheus metrics
+    GET  /workers                                every worker's state
+    POST /workers {"url": ..., "api_key"?: ...}  add one (it must answer /health first)
+    DELETE /workers/{url}                        remove one (the URL percent-encoded)
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from ketch.gateway.errors import GatewayError, unavailable
+from ketch.gateway.gateway import Gateway
+from ketch.gateway.monitor import probe_health
+from ketch.gateway.registry import DuplicateWorker
+from ketch.gateway.routed import CHAT, COMPLETIONS, routed_request
+from ketch.gateway.worker_url import WorkerAddress, parse_worker_url
+
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
+
+
+async def read_json_object(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """The raw body (forwarded as is) and its parsed object (read for routing)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"the request body is larger than {limit} bytes", "request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    try:
+        parsed = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError is one
+        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(parsed, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(parsed).__name__}",
+                           "invalid_json")
+    return body, parsed
+
+
+class FrontDoor:
+    """The outermost ASGI layer: the gateway's own API key on every route but /health. Pure ASGI
+    (not Starlette's BaseHTTPMiddleware), so relayed streams and the disconnect they watch for
+    pass through untouched."""
+
+    def __init__(self, app: Any, key: str | None) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.key is not None and scope["path"] not in OPEN_PATHS:
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            try:
+                check_key(authorization, self.key)
+            except GatewayError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def check_key(authorization: str, key: str) -> None:
+    scheme, _, token = authorization.partition(" ")
+    # bytes: compare_digest refuses non-ASCII str, and a header may carry any latin-1 byte
+    given = token.strip().encode("latin-1", "replace")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8")):
+        raise GatewayError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "invalid_api_key",
+                           type="authentication_error")
+
+
+def build_app(gw: Gateway) -> FrontDoor:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="ketch gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, e: GatewayError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        return GatewayError(e.status_code, str(e.detail), code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return GatewayError(400, str(e), "invalid_value").response()
+
+    async def generate(request: Request, route: str) -> Response:
+        body, parsed = await read_json_object(request, gw.config.max_request_bytes)
+
+        async def until_disconnect() -> None:  # the body is read: what comes next is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return await gw.forwarder.generation(routed_request(route, body, parsed), until_disconnect)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, CHAT)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await gw.forwarder.plain("GET", "/v1/models")
+
+    @app.get("/health")
+    async def health() -> Response:
+        available = len(gw.registry.available())
+        if not available:
+            return unavailable(f"no worker is available ({len(gw.registry.all())} registered)").response()
+        return JSONResponse({"status": "ok", "workers_available": available, "workers": len(gw.registry.all())})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/workers")
+    async def list_workers() -> dict[str, Any]:
+        now = gw.clock()
+        return {"policy": gw.policy.name, "workers": [w.describe(now) for w in gw.registry.all()]}
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request) -> JSONResponse:
+        _, parsed = await read_json_object(request, 64 * 1024)
+        address = _address(parsed)
+        if gw.registry.get(address.url) is not None:
+            raise GatewayError(409, f"worker {address.url} is already registered", "worker_exists", param="url")
+        key = address.api_key or gw.config.worker_api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        problem = await probe_health(gw.client, address.url, headers, gw.config.health.check_timeout_secs)
+        if problem is not None:
+            raise GatewayError(400, f"worker {address.url} did not pass its health check: {problem}",
+                               "worker_unreachable", param="url")
+        try:  # checked again: another POST may have added it while this one probed
+            worker = gw.registry.add(address)
+        except DuplicateWorker as e:
+            raise GatewayError(409, str(e), "worker_exists", param="url") from None
+        return JSONResponse(worker.describe(gw.clock()), status_code=201)
+
+    @app.delete("/workers/{url:path}")
+    async def remove_worker(url: str) -> dict[str, Any]:
+        try:
+            canonical = parse_worker_url(url).url
+            gw.registry.remove(canonical)
+        except (ValueError, KeyError):
+            raise GatewayError(404, f"no worker {url!r} is registered (GET /workers lists them)", "worker_not_found",
+                               param="url") from None
+        return {"url": canonical, "removed": True}
+
+    return FrontDoor(app, gw.config.api_key)
+
+
+def _address(parsed: dict[str, Any]) -> WorkerAddress:
+    unknown = sorted(set(parsed) - {"url", "api_key"})
+    if unknown:
+        raise GatewayError(400, f"{unknown[0]}: unknown field (expected 'url' and optionally 'api_key')",
+                           "invalid_value", param=unknown[0])
+    key = parsed.get("api_key")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise GatewayError(400, "api_key: must be a non-empty string", "invalid_value", param="api_key")
+    try:
+        address = parse_worker_url(parsed.get("url"))
+    except ValueError as e:
+        raise GatewayError(400, str(e), "invalid_value", param="url") from None
+    return WorkerAddress(address.url, key or address.api_key)

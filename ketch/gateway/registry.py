@@ -1,0 +1,50 @@
+"""The workers behind the gateway, keyed by canonical URL; they join and leave at run time.
+
+Everything runs on the gateway's one event loop, so there are no locks: a removed worker's
+in-flight requests finish on the Worker object they hold, it is just never picked again.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ketch.gateway.config import BreakerConfig, HealthConfig
+from ketch.gateway.worker import Worker
+from ketch.gateway.worker_url import WorkerAddress
+
+
+class DuplicateWorker(ValueError):
+    pass
+
+
+class WorkerRegistry:
+    def __init__(self, breaker: BreakerConfig, health: HealthConfig, default_api_key: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.breaker, self.health, self.default_api_key, self.clock = breaker, health, default_api_key, clock
+        self._workers: dict[str, Worker] = {}
+        self.on_removed: list[Callable[[str], None]] = []  # e.g. the cache-aware policy drops its tree
+
+    def add(self, address: WorkerAddress) -> Worker:
+        if address.url in self._workers:
+            raise DuplicateWorker(f"worker {address.url} is already registered")
+        worker = Worker(address, address.api_key or self.default_api_key, self.breaker, self.health)
+        self._workers[address.url] = worker
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        """KeyError if there is no such worker."""
+        worker = self._workers.pop(url)
+        for callback in self.on_removed:
+            callback(url)
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def available(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Worker]:
+        """Healthy workers whose breaker lets a request through, in the order they joined."""
+        now = self.clock()
+        return [w for w in self._workers.values() if w.url not in exclude and w.available(now)]

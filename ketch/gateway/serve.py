@@ -1,0 +1,28 @@
+"""`ketch gateway`: build the gateway, serve it with uvicorn until SIGTERM / Ctrl-C.
+
+On SIGTERM uvicorn stops accepting connections and gives open requests (streams included)
+`--shutdown-timeout` seconds to finish before it cuts them; then the background loops stop and
+the connection pool closes (the lifespan's exit).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from ketch.gateway.app import build_app
+from ketch.gateway.config import GatewayConfig
+from ketch.gateway.gateway import Gateway
+
+
+def run(config: GatewayConfig) -> int:
+    gateway = Gateway(config)  # ValueError for a bad worker URL: the CLI prints it, exit 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(gateway), host=config.host, port=config.port, log_level="warning", lifespan="on",
+        timeout_graceful_shutdown=config.shutdown_timeout))
+    print(f"ketch gateway on http://{config.host}:{config.port} ({config.policy}, "
+          f"{len(config.worker_urls)} workers)", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if server.started else 1  # not started: the port was taken, or the lifespan failed
