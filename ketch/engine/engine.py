@@ -34,7 +34,8 @@ from ketch.engine.step_batch import forward_batch
 from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
-from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
+from ketch.sampling.counter_rng import fresh_seed
+from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk
 
@@ -93,14 +94,15 @@ class Engine:
         self._validate(request_id, prompt_ids, params)
         samples: list[Request] = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            # sample i of a seeded request draws from seed + i, so the n samples differ
+            seed = fresh_seed() if params.seed is None else params.seed + i
             req = Request(
                 rid=request_id if params.n == 1 else f"{request_id}#{i}",
                 group_id=request_id,
                 index=i,
                 prompt_ids=list(prompt_ids),
                 params=params,
-                generator=None if seed is None or params.is_greedy else make_generator(seed, self.runner.device),
+                seed=seed,
                 eos_ids=self.eos_ids,
                 max_len=self.max_model_len,
                 arrival=next(self._arrivals),
@@ -229,7 +231,7 @@ class Engine:
         self.scheduler.after_forward(chunks)
         if not sampling:
             return None  # prefill chunks only: no token this step
-        rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
+        rows = [SamplingRow(r.params, r.seed, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
                 for r in sampling]
         result = sample_on_device(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
         if self._ranks:

@@ -16,8 +16,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ketch.sampling.params import SamplingParams
 
 
@@ -41,7 +39,7 @@ class Request:
     index: int  # which of the n samples
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int  # its output token k draws token_uniform(seed, k) (sampling/counter_rng.py)
     eos_ids: tuple[int, ...]
     max_len: int  # prompt + output may not exceed this (context length)
     arrival: int  # admission order for FCFS and preemption priority
