@@ -142,3 +142,20 @@ def test_llm_stop_string_spanning_the_boundary(llm):
     assert not sent.endswith(a[-2:])  # the original held the stop string's start back
     rest = "".join(llm.stream(prompt, params, ids[:k]))
     assert sent + rest == text[: text.index(stop)]
+
+
+def test_llm_grammar_replays_the_resumed_ids(llm):
+    """A constrained sample's matcher takes the resumed ids first: the continuation is the
+    original's; ids the grammar would not have allowed end the request with an error naming them."""
+    from ketch.sampling.grammar import GrammarSpec
+
+    prompt = "My phone number is"
+    params = SamplingParams(temperature=0.8, seed=2, max_tokens=30,
+                            grammar=GrammarSpec("regex", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"))
+    ids, deltas = deltas_per_token(llm, prompt, params)
+    k = len(ids) // 2
+    assert "".join(deltas[:k]) + "".join(llm.stream(prompt, params, ids[:k])) == "".join(deltas)
+    wrong = llm.tokenizer.encode(" hello")
+    with pytest.raises(ValueError, match=r"^generated_token_ids: token 0 \(\d+\) is not allowed by the grammar"):
+        list(llm.stream(prompt, params, wrong))
+    llm.engine.check_invariants()
