@@ -121,6 +121,16 @@ def test_a_stop_string_spanning_the_cut(server):
     assert resumed[-1]["finish_reason"] == "stop" and resumed[-1]["matched_stop"] == stop
 
 
+def test_logprob_offsets_go_on(server):
+    _, base = server
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 1, "return_token_ids": True}
+    whole = choices(sse(base, "/v1/completions", body))
+    ids = [t for c in whole for t in c["token_ids"]]
+    offsets = [o for c in whole if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    resumed = choices(sse(base, "/v1/completions", {**body, "resume": {"generated_token_ids": ids[:6]}}))
+    assert [o for c in resumed if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets[6:]
+
+
 @pytest.mark.parametrize("change, param, words", [
     ({"resume": {"generated_token_ids": [1, 49152]}}, "resume.generated_token_ids", "must be in [0, 49152)"),
     ({"resume": {"generated_token_ids": "12"}}, "resume.generated_token_ids", "a list of token ids"),

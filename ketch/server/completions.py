@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError
 from ketch.server.generation import Generation, check_context
-from ketch.server.logprobs import completion_logprobs
+from ketch.server.logprobs import completion_logprobs, text_offset_after
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
@@ -90,8 +90,8 @@ async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[s
 
 async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
                   echoes: list[str], with_ids: bool) -> AsyncIterator[dict]:
-    # a resumed stream's text offsets go on from the text its client has
-    offsets: dict[int, int] = {0: len(gen.resumed_text)} if gen.generated else {}
+    # a resumed stream's logprob text offsets go on from the original's
+    offsets: dict[int, int] = {0: text_offset_after(state.tokenizer, gen.generated)} if gen.generated else {}
     for i, text in enumerate(echoes):
         if text:
             yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
