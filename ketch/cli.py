@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens every prompt shares (a system prompt); reports the prefix cache hit rate")
     off.add_argument("--repeat", type=int, default=1, help="runs per batch size; the median (by decode tok/s) is reported")
     off.add_argument("--seed", type=int, default=0)
+    off.add_argument("--temperature", type=float, default=0.0,
+                     help="> 0: random sampling instead of greedy (what the sampler's draw costs)")
+    off.add_argument("--sampling-seed", action="store_true",
+                     help="with --temperature: each request carries a seed (the seeded draw)")
     off.add_argument("--output-file", default=None, help="write results as JSON")
     off.add_argument("--profile", default=None, metavar="PREFIX",
                      help="write chrome traces of --profile-windows steps of each batch size's first run")

@@ -88,15 +88,22 @@ class LLM:
         prompts = [self.encode_chat(c, chat_template) for c in conversations]
         return self._run(prompts, params or SamplingParams(), use_tqdm)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               generated_token_ids: Sequence[int] = ()) -> Iterator[str]:
         """Text deltas of one prompt's first sample as they are decoded. Bad input raises here,
-        not at the first `next()`."""
+        not at the first `next()`. `generated_token_ids` resumes a stream that produced them
+        (engine README, "Resuming a stream"): the deltas continue its text."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n == 1")
         ids = self._encode(prompt)
-        rid = self._add(ids, params)
-        return self._stream(rid, _SampleText(self.tokenizer, ids, params))
+        rid = self._add(ids, params, generated_token_ids)
+        try:
+            text = _SampleText(self.tokenizer, ids, params, generated_token_ids)
+        except ValueError:
+            self.engine.abort(rid)
+            raise
+        return self._stream(rid, text)
 
     def _stream(self, rid: str, text: _SampleText) -> Iterator[str]:
         try:
@@ -151,9 +158,9 @@ class LLM:
             return self._require_tokenizer().encode(prompt)
         return list(prompt)
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = ()) -> str:
         rid = f"llm-{next(self._ids)}"
-        self.engine.add_request(rid, prompt_ids, params)
+        self.engine.add_request(rid, prompt_ids, params, generated)
         return rid
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:

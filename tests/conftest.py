@@ -66,13 +66,14 @@ def run_engine_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     return request.param
 
 
-def make_tiny_engine(config_path: str, **kw) -> Engine:
-    """A 2-layer random Llama; deterministic weights (seed 0), fp32, a small KV pool by default."""
+def make_tiny_engine(config_path: str, eos_token_ids: tuple[int, ...] = (), **kw) -> Engine:
+    """A 2-layer random Llama; deterministic weights (seed 0), fp32, a small KV pool by default.
+    It has no tokenizer, so no EOS unless `eos_token_ids` (TINY_LLAMA's is 2)."""
     for key, value in ENGINE_DEFAULTS.items():
         kw.setdefault(key, value)
     kw.setdefault("kv_cache_memory", 2 * 1024 * 1024)
     kw.setdefault("page_size", 4)
-    return Engine(EngineConfig(model=config_path, load_format="dummy", dtype="float32", **kw))
+    return Engine(EngineConfig(model=config_path, load_format="dummy", dtype="float32", **kw), eos_token_ids)
 
 
 def drain(engine: Engine, max_steps: int = 10_000) -> list:

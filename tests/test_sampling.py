@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from ketch.sampling.generators import shared_generator
+from ketch.sampling.counter_rng import token_uniform
+from ketch.sampling.filters import draw_
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.sampler import (
     SamplingBatch,
     SamplingRow,
     edit_logits,
-    make_generator,
     sample,
     sample_on_device,
 )
@@ -27,7 +27,7 @@ def run(logits: torch.Tensor, rows: list[SamplingRow]):
 
 
 def seeded_row(seed: int, device: str, **kw) -> SamplingRow:
-    return SamplingRow(SamplingParams(**kw), generator=make_generator(seed, device))
+    return SamplingRow(SamplingParams(**kw), seed=seed)
 
 
 # --------------------------------------------------------------------------- params
@@ -99,7 +99,7 @@ def test_greedy_is_exact_argmax_and_top_k_1_is_greedy(device: str) -> None:
     top = logits.argmax(-1).tolist()
     rows = [
         SamplingRow(SamplingParams(temperature=0)),
-        SamplingRow(SamplingParams(top_k=1, temperature=0.9), generator=make_generator(1, device)),
+        SamplingRow(SamplingParams(top_k=1, temperature=0.9), seed=1),
         seeded_row(2, device, temperature=1.0),  # sampled batch mate
         # greedy after an edit: each one aimed at the row's top token (or the one it should become)
         SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.3), prompt_ids=[top[3]], output_ids=[5]),
@@ -129,12 +129,11 @@ def _sequence(
     device: str, steps: list[torch.Tensor], position: int, mates: list[SamplingRow]
 ) -> list[int]:
     """Run the seeded request at `position` among `mates` over several steps."""
-    generator = make_generator(1234, device)
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234)
     tokens = []
-    for step_logits in steps:
+    for k, step_logits in enumerate(steps):
         rows = list(mates)
-        rows.insert(position, SamplingRow(params, generator=generator))
+        rows.insert(position, SamplingRow(params, seed=1234, num_output=k))
         logits = torch.randn(len(rows), step_logits.shape[0], device=device)
         logits[position] = step_logits
         tokens.append(run(logits, rows).token_ids[position])
@@ -149,7 +148,7 @@ def test_seeded_rows_reproduce_regardless_of_batch(device: str) -> None:
     mates = [
         SamplingRow(SamplingParams(temperature=0)),
         seeded_row(7, device, temperature=1.3, min_p=0.1),
-        SamplingRow(SamplingParams(temperature=1.0), generator=None),
+        SamplingRow(SamplingParams(temperature=1.0), seed=None),
         SamplingRow(SamplingParams(temperature=0.5, presence_penalty=1.0), output_ids=[1, 2]),
     ]
     assert _sequence(device, steps, 2, mates) == alone
@@ -159,15 +158,54 @@ def test_seeded_rows_reproduce_regardless_of_batch(device: str) -> None:
     assert len(set(alone)) > 1, "flat enough logits should give varied tokens"
 
 
+def test_token_uniform_is_a_function_of_seed_and_index() -> None:
+    values = [[token_uniform(seed, k) for k in range(200)] for seed in range(50)]
+    flat = np.array(values).ravel()
+    assert np.all((flat > 0) & (flat < 1))
+    # distinct over the grid: sample seed+1 is not sample seed shifted by a token, and no index repeats
+    assert len(set(flat.tolist())) == flat.size
+    counts = np.bincount((flat * 10).astype(int), minlength=10) / flat.size
+    assert np.abs(counts - 0.1).max() < 0.015, counts.round(3)
+    assert token_uniform(7, 3) == token_uniform(7, 3)  # no state anywhere
+    assert 0 < token_uniform(-(2**63), 0) < 1 and token_uniform(-1, 0) != token_uniform(1, 0)  # negative seeds
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_token_draws_the_same_whatever_came_before(device: str) -> None:
+    """Token k of a seeded sample depends on (seed, k) only: drawn in a fresh process after the
+    first k tokens (a resumed stream) it is the token the whole run drew."""
+    torch.manual_seed(0)
+    steps = [torch.randn(300, device=device) * 0.5 for _ in range(8)]
+    params = SamplingParams(temperature=1.0, seed=5)
+    whole = [run(s.unsqueeze(0), [SamplingRow(params, seed=5, num_output=k)]).token_ids[0]
+             for k, s in enumerate(steps)]
+    for k in (3, 7):  # alone, no earlier draw: the same token
+        assert run(steps[k].unsqueeze(0), [SamplingRow(params, seed=5, num_output=k)]).token_ids[0] == whole[k]
+    other = [run(s.unsqueeze(0), [SamplingRow(params, seed=6, num_output=k)]).token_ids[0]
+             for k, s in enumerate(steps)]
+    assert other != whole, "the next seed (sample i + 1 of n) must draw differently"
+    assert len(set(whole)) > 1
+
+
+def test_draw_never_picks_a_zero_probability_token() -> None:
+    # Leading and trailing tokens filtered out (probability 0); the uniforms at both ends of
+    # (0, 1) and at 1.0 itself (the target at the CDF's top: a search would run past the end).
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.7, 0.0, 0.0]] * 4)
+    uniform = torch.tensor([[2.0**-53], [0.3], [1 - 2.0**-53], [1.0]], dtype=torch.float64)
+    picked = draw_(probs.clone(), uniform).tolist()
+    assert picked[:2] == [2, 2] and picked[2] == 3
+    assert picked[3] == 3  # never token 5, whose probability is 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_unseeded_rows_differ(device: str) -> None:
     logits = torch.zeros(1, 5000, device=device)  # uniform over 5000 tokens
     runs = []
     for _ in range(2):
-        row = SamplingRow(SamplingParams(), generator=make_generator(None, device))
+        row = SamplingRow(SamplingParams())  # no seed: fresh OS randomness per draw
         runs.append([run(logits, [row]).token_ids[0] for _ in range(5)])
     assert runs[0] != runs[1]
-    # Rows without a generator share one, so they differ from each other too.
+    # ... so rows without a seed differ from each other too.
     out = run(logits.expand(4, -1), [SamplingRow(SamplingParams())] * 4).token_ids
     assert len(set(out)) > 1
 
@@ -210,7 +248,7 @@ def test_min_tokens_bans_eos_and_stop_ids(device: str) -> None:
         SamplingRow(p, num_output=3, eos_ids=(eos,)),  # min_tokens reached: no ban
         SamplingRow(p_ignore, num_output=0, eos_ids=(eos,)),  # eos never banned, stop is
         SamplingRow(SamplingParams(min_tokens=3, stop_token_ids=[stop]), num_output=0,
-                    eos_ids=(eos,), generator=make_generator(0, device)),
+                    eos_ids=(eos,), seed=0),
     ]
     out = run(logits, rows)
     assert out.token_ids[0] not in (eos, stop)
@@ -298,20 +336,13 @@ CONFIGS = [
 
 
 def empirical(
-    device: str, configs: list[dict], draws: int, seed0: int | None
+    device: str, configs: list[dict], draws: int, seed0: int
 ) -> list[np.ndarray]:
-    """seed0=None: unseeded rows, drawing from the shared generator (seeded here for CI)."""
-    if seed0 is None:
-        shared_generator(torch.device(device)).manual_seed(0)
-        rows = [
-            SamplingRow(SamplingParams(**configs[i % len(configs)]))
-            for i in range(draws * len(configs))
-        ]
-    else:
-        rows = [
-            seeded_row(seed0 + i, device, **configs[i % len(configs)])
-            for i in range(draws * len(configs))
-        ]
+    """Row i draws with seed seed0 + i (its first token): a fixed sample for CI."""
+    rows = [
+        seeded_row(seed0 + i, device, **configs[i % len(configs)])
+        for i in range(draws * len(configs))
+    ]
     logits = torch.tensor([LOGITS8], device=device).expand(len(rows), 8).contiguous()
     tokens = np.array(run(logits, rows).token_ids).reshape(draws, len(configs))
     return [np.bincount(tokens[:, j], minlength=8) / draws for j in range(len(configs))]
@@ -323,8 +354,8 @@ def _config_id(config: dict) -> str:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 def test_sampling_distribution(config: dict) -> None:
-    # One config per batch (the fast paths), and unseeded rows (the shared draw).
-    (freq,) = empirical("cpu", [config], 20_000, seed0=None)
+    # One config per batch (the fast paths).
+    (freq,) = empirical("cpu", [config], 20_000, seed0=0)
     expected = expected_probs(**config)
     assert np.abs(freq - expected).max() < 0.015, (freq.round(3), expected.round(3))
     assert np.all(freq[expected == 0] == 0)

@@ -33,19 +33,21 @@ from ketch.sampling.params import SamplingParams
 
 
 def measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
-            shared_prefix: list[int] | None = None, profiler: WindowProfiler | None = None) -> dict:
+            shared_prefix: list[int] | None = None, profiler: WindowProfiler | None = None,
+            sampling: tuple[float, bool] = (0.0, False)) -> dict:
+    """`sampling`: (temperature, seeded); temperature 0 is greedy."""
     if engine.runner.device.type != "cuda":
-        return _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler)
+        return _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler, sampling)
     with StepTimeline(engine) as timeline:
-        r = _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler)
+        r = _measure(engine, batch, input_len, output_len, rng, tag, shared_prefix, profiler, sampling)
     r["gpu_phases"] = {k: vars(v) for k, v in timeline.phases().items()}
     r["gpu_steps"] = timeline.rows()  # for the JSON: each step's GPU time and shape
     return r
 
 
 def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: random.Random, tag: str,
-             shared_prefix: list[int] | None, profiler: WindowProfiler | None) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+             shared_prefix: list[int] | None, profiler: WindowProfiler | None, sampling: tuple[float, bool]) -> dict:
+    temperature, seeded = sampling
     vocab = engine.vocab_size
     prefix = shared_prefix or []
     stats = engine.scheduler.stats
@@ -56,6 +58,8 @@ def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: r
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i in range(batch):
+        params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True,
+                                seed=i if seeded else None)
         engine.add_request(f"{tag}-{i}", prefix + [rng.randrange(vocab) for _ in range(input_len - len(prefix))], params)
     generated = 0
     per_step: list[tuple[float, int]] = []  # (when a step's tokens arrived, how many)
@@ -122,8 +126,8 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
     for b in sizes:
         # this class of machine is noisy run to run (shared cores): report the median of --repeat runs
         prof = WindowProfiler(f"{a.profile}.b{b}", windows, engine.runner.device.type == "cuda") if a.profile else None
-        runs = [measure(engine, b, a.input_len, a.output_len, rng, f"b{b}r{i}", shared, prof if i == 0 else None)
-                for i in range(a.repeat)]
+        runs = [measure(engine, b, a.input_len, a.output_len, rng, f"b{b}r{i}", shared, prof if i == 0 else None,
+                        (a.temperature, a.sampling_seed)) for i in range(a.repeat)]
         r = sorted(runs, key=lambda x: x["decode_tok_s"] or 0)[len(runs) // 2]
         r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in runs]
         results.append(r)

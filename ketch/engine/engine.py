@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ketch.cache.allocator import PageAllocator
@@ -34,7 +35,8 @@ from ketch.engine.step_batch import forward_batch
 from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
-from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, make_generator, sample_on_device
+from ketch.sampling.counter_rng import fresh_seed
+from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, sample_on_device
 from ketch.scheduler.request import FinishReason, Request, RequestState
 from ketch.scheduler.scheduler import ScheduledChunk
 
@@ -87,22 +89,29 @@ class Engine:
         return self.kv.tree
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raises ValueError naming the field for bad input (the engine is unchanged)."""
-        self._validate(request_id, prompt_ids, params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    generated_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request; raises ValueError naming the field for bad input (the engine is unchanged).
+
+        `generated_token_ids` resumes a stream another worker began (README, "Resuming a stream"):
+        they are its first outputs, prefilled after the prompt, and it goes on from there."""
+        self._validate(request_id, prompt_ids, params, generated_token_ids)
         samples: list[Request] = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            # sample i of a seeded request draws from seed + i, so the n samples differ
+            seed = fresh_seed() if params.seed is None else params.seed + i
             req = Request(
                 rid=request_id if params.n == 1 else f"{request_id}#{i}",
                 group_id=request_id,
                 index=i,
                 prompt_ids=list(prompt_ids),
                 params=params,
-                generator=None if seed is None or params.is_greedy else make_generator(seed, self.runner.device),
+                seed=seed,
                 eos_ids=self.eos_ids,
                 max_len=self.max_model_len,
                 arrival=next(self._arrivals),
+                output_ids=list(generated_token_ids),
+                num_resumed=len(generated_token_ids),
             )
             samples.append(req)
         self.requests[request_id] = samples
@@ -112,11 +121,12 @@ class Engine:
         for req in samples:
             self.scheduler.add(req)
 
-    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  generated: Sequence[int]) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                         kv_capacity=self.kv.capacity_tokens)
+                         kv_capacity=self.kv.capacity_tokens, generated=generated, eos_ids=self.eos_ids)
         if params.grammar is not None:
             self.grammars.check(params.grammar)
 
@@ -225,7 +235,7 @@ class Engine:
         self.scheduler.after_forward(chunks)
         if not sampling:
             return None  # prefill chunks only: no token this step
-        rows = [SamplingRow(r.params, r.generator, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
+        rows = [SamplingRow(r.params, r.seed, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
                 for r in sampling]
         result = sample_on_device(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
         if self._ranks:
@@ -254,7 +264,7 @@ class Engine:
             if req.params.wants_logprobs:
                 top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
                 logprobs = [TokenLogprob(token, result.logprobs[i], top)]
-            if index == 0:
+            if index == req.num_resumed:  # the first token this engine made
                 req.first_token_at = now
             self._check_stop(req, token, index + 1)
             outputs.append(self._output(req, [token], logprobs))
@@ -266,8 +276,9 @@ class Engine:
     def _count_decode(self, req: Request, now: float) -> None:
         """The engine's side of TPOT: a finished request's time from its first to its last token
         over its n - 1 intervals, i.e. the mean step while it decoded, prompt-only steps excluded."""
-        if len(req.output_ids) > 1:
-            seconds, intervals = now - req.first_token_at, len(req.output_ids) - 1
+        made = len(req.output_ids) - req.num_resumed  # a resumed stream's first tokens came from elsewhere
+        if made > 1:
+            seconds, intervals = now - req.first_token_at, made - 1
             self._decode_seconds += seconds
             self._decode_intervals += intervals
             self._tpot_counts[tpot_bucket(seconds / intervals)] += 1

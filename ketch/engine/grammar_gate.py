@@ -58,6 +58,7 @@ class GrammarGate:
                 backend = self._compiler().backend
                 for req in p.samples:
                     req.grammar = backend.new_matcher(p.compiled.result())
+                    error = error or _replay(req)
             out.append((p.samples, error))
         return out
 
@@ -90,3 +91,11 @@ class GrammarGate:
     def shutdown(self) -> None:
         if self._cache is not None:
             self._cache.shutdown()
+
+
+def _replay(req: Request) -> ValueError | None:
+    """A resumed sample's matcher takes the outputs it already has, as if it had made them."""
+    for i, token in enumerate(req.output_ids[: req.num_resumed]):
+        if not req.grammar.accept(token):
+            return ValueError(f"generated_token_ids: token {i} ({token}) is not allowed by the grammar there")
+    return None

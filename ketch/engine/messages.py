@@ -75,6 +75,7 @@ class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     prompt_ids: list[int]
     params: WireSamplingParams
     origin: int = 0  # the API process that sent it (--api-server-count): its outputs go back there
+    generated_token_ids: list[int] = []  # a resumed stream's outputs so far (engine README)
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):

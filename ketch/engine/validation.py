@@ -2,11 +2,14 @@
 them before a stream starts, so a bad request still gets a 400). Messages start with the field."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ketch.sampling.params import SamplingParams
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                     kv_capacity: int, prompt_field: str = "prompt") -> None:
+                     kv_capacity: int, prompt_field: str = "prompt", generated: Sequence[int] = (),
+                     eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids") -> None:
     if not prompt_ids:
         raise ValueError(f"{prompt_field}: must not be empty")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
@@ -15,6 +18,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
     if len(prompt_ids) >= max_model_len:  # the prompt alone leaves no room for a token
         raise ValueError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens; the context length is "
                          f"{max_model_len}, so it may have at most {max_model_len - 1}")
+    # max_tokens bounds the whole output, resumed tokens included, so this bounds a resumed sequence too
     total = len(prompt_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(
@@ -25,3 +29,23 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
         raise ValueError(
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({kv_capacity} tokens)"
         )
+    if generated:
+        validate_resume(generated, params, vocab_size=vocab_size, eos_ids=eos_ids, field=generated_field)
+
+
+def validate_resume(generated: Sequence[int], params: SamplingParams, *, vocab_size: int,
+                    eos_ids: Sequence[int], field: str) -> None:
+    """The outputs a resumed stream already has (engine README, "Resuming a stream") must be ones
+    the original request could have produced and then gone on from."""
+    if params.n != 1:
+        raise ValueError(f"{field}: a stream is resumed one sample at a time (n = 1; sample i of a seeded "
+                         f"request is seed + i), got n = {params.n}")
+    if min(generated) < 0 or max(generated) >= vocab_size:
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size})")
+    if len(generated) >= params.max_tokens:
+        raise ValueError(f"{field}: {len(generated)} tokens were generated already, and max_tokens "
+                         f"({params.max_tokens}) counts them: nothing would be left to generate")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    for i, token in enumerate(generated):
+        if token in stops and i + 1 >= params.min_tokens:
+            raise ValueError(f"{field}: token {i} ({token}) is a stop token, so the stream ended there")

@@ -2,8 +2,8 @@
 
 All per-request Python work of a step happens here, once, in one pass over the rows; it
 also decides which stages run at all, so `sample` never branches per row. Host->device
-copies are few and packed: two for the sparse logit edits, two for the sampled rows' knobs,
-two for penalties, each only when some row needs it.
+copies are few and packed: two for the sparse logit edits, two for the sampled rows' knobs
+(their random numbers among them), two for penalties, each only when some row needs it.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ketch.sampling.counter_rng import fresh_seed, token_uniform
 from ketch.sampling.filters import TOP_P_OFF
 from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
 from ketch.sampling.params import SamplingParams
@@ -29,14 +30,17 @@ class SamplingRow:
     """What the sampler needs to know about one request for one step."""
 
     params: SamplingParams
-    # The request's own, from make_generator(); None draws from a shared per-device one
-    # (cheaper: one kernel for all such rows), fine when the request has no seed.
-    generator: torch.Generator | None = None
+    # The sample's seed: its token number k draws token_uniform(seed, k) (counter_rng.py), so
+    # the draw depends on nothing but the seed and the token's place in the output. The engine
+    # gives every sample one (fresh OS randomness when the request brought none); None here
+    # draws fresh OS randomness for this one token.
+    seed: int | None = None
     # Read only for rows with penalties. An int64 np.ndarray is the fast form (no per-token
     # Python work): keep the prompt as one, made once per request.
     output_ids: Sequence[int] | np.ndarray = ()  # generated so far
     prompt_ids: Sequence[int] | np.ndarray = ()  # repetition penalty covers prompt + output
-    num_output: int | None = None  # for min_tokens; None: len(output_ids)
+    # the output index of the token this row samples: for min_tokens and the draw; None: len(output_ids)
+    num_output: int | None = None
     eos_ids: tuple[int, ...] = ()  # banned with stop_token_ids until min_tokens are out
     grammar: GrammarMatcher | None = None  # the sample's grammar state; its mask applies this step
 
@@ -46,8 +50,7 @@ class SampledRows:
     """The rows that draw at random (not greedy), as a sub-batch of S rows."""
 
     index: torch.Tensor | None  # [S] positions in the batch; None when S == B
-    seeded: list[tuple[int, torch.Generator]]  # (position among the S, own generator)
-    any_shared: bool  # some row has no generator and draws from the shared one
+    uniform: torch.Tensor  # [S, 1] float64: each row's token_uniform(seed, output index)
     temperature: torch.Tensor  # [S, 1]
     top_k: torch.Tensor | None  # [S, 1] int64, V when off; None when no row uses it
     max_top_k: int
@@ -85,7 +88,7 @@ class SamplingBatch:
         edit_value: list[float] = []
         num_logprobs = -1
         sample_pos: list[int] = []
-        seeded: list[tuple[int, torch.Generator]] = []
+        uniforms: list[float] = []
         temps: list[float] = []
         top_ks: list[int] = []
         top_ps: list[float] = []
@@ -106,8 +109,7 @@ class SamplingBatch:
             if p.wants_logprobs:
                 num_logprobs = max(num_logprobs, p.top_logprobs)
             if not p.is_greedy:
-                if row.generator is not None:
-                    seeded.append((len(sample_pos), row.generator))
+                uniforms.append(token_uniform(fresh_seed() if row.seed is None else row.seed, n_out))
                 sample_pos.append(i)
                 temps.append(max(p.temperature, MIN_TEMPERATURE))
                 top_ks.append(min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size)
@@ -130,7 +132,7 @@ class SamplingBatch:
             grammar_mask=grammar_mask,
             grammar_backend=grammar_backend,
             sampled=_sampled_rows(
-                len(rows), vocab_size, device, sample_pos, seeded, temps, top_ks, top_ps, min_ps
+                len(rows), vocab_size, device, sample_pos, uniforms, temps, top_ks, top_ps, min_ps
             ),
             any_greedy=len(sample_pos) < len(rows),
             num_logprobs=min(num_logprobs, vocab_size),
@@ -153,7 +155,7 @@ def _sampled_rows(
     vocab_size: int,
     device: torch.device,
     positions: list[int],
-    seeded: list[tuple[int, torch.Generator]],
+    uniforms: list[float],
     temps: list[float],
     top_ks: list[int],
     top_ps: list[float],
@@ -161,8 +163,9 @@ def _sampled_rows(
 ) -> SampledRows | None:
     if not positions:
         return None
-    floats = to_device([temps, top_ps, min_ps], device, torch.float32)
-    floats = floats.unsqueeze(-1)  # [3, S, 1]
+    # one copy: the uniforms need float64 (52 random bits), the knobs are float32 after one cast
+    packed = to_device([uniforms, temps, top_ps, min_ps], device, torch.float64).unsqueeze(-1)  # [4, S, 1]
+    floats = packed[1:].float()
     use_top_k = min(top_ks) < vocab_size
     use_top_p = min(top_ps) < TOP_P_OFF
     partial = len(positions) < size
@@ -173,8 +176,7 @@ def _sampled_rows(
         index = ints[1] if partial else None
     return SampledRows(
         index=index,
-        seeded=seeded,
-        any_shared=len(seeded) < len(positions),
+        uniform=packed[0],
         temperature=floats[0],
         top_k=top_k,
         max_top_k=max(top_ks),

@@ -1,15 +1,11 @@
-"""Truncation filters (top-k, top-p, min-p) and the seeded draw, batched over sampled rows.
+"""Truncation filters (top-k, top-p, min-p) and the draw, batched over sampled rows.
 
 Per-row parameters arrive as [S, 1] tensors with neutral values for rows that do not use a
 filter (top_k = V, top_p = TOP_P_OFF, min_p = 0), so one kernel serves the whole sub-batch.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-from ketch.sampling.generators import shared_generator
 
 # Above any cumulative probability: fp rounding in cumsum (which can reach 1.0 before the last
 # token) must never trim a row that asked for top_p = 1.
@@ -70,22 +66,22 @@ def min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill_(probs < threshold, 0.0)
 
 
-def draw_(
-    probs: torch.Tensor, seeded: Sequence[tuple[int, torch.Generator]], any_shared: bool
-) -> torch.Tensor:
-    """Sample one token per row from (unnormalised) probs.
+def draw_(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row from (unnormalised) probs, by inverting each row's CDF at its
+    own uniform number `uniform` ([S, 1] float64 in (0, 1)).
 
-    Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is distributed as
-    p_i / sum(p). A seeded row (row index, its own generator) draws its own [V] noise, so it
-    gets the same numbers wherever it sits and whoever shares the batch; that costs one small
-    kernel per seeded row. The other rows share one draw from a per-device generator seeded
-    from OS randomness.
+    One number per row instead of V (an exponential race draws a [V] noise row per token): the
+    draw is a pure function of the row's (seed, output index), which a stream resumed elsewhere
+    can reproduce (counter_rng.py). The CDF is summed in float64 so that rare tokens keep their
+    odds (float32 running sums would round a 1e-7 token's share to nothing or double it).
+
+    A token of probability 0 (filtered, banned, masked) has cdf[j] == cdf[j - 1] and is never the
+    first entry above the target, given a monotone CDF; a parallel scan may break monotonicity by
+    a rounding, and a target at the very top of the CDF lands past the end: in those cases (about
+    one draw in 2**50) the row takes its most likely token instead, never a forbidden one.
     """
-    noise = torch.empty_like(probs)
-    if any_shared:
-        noise.exponential_(generator=shared_generator(probs.device))
-    for i, generator in seeded:
-        noise[i].exponential_(generator=generator)
-    # Exp(1) can return 0 on some backends; a zero would make 0/0 = NaN for banned tokens.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = uniform * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    allowed = probs.gather(1, picked) > 0
+    return torch.where(allowed, picked, probs.argmax(dim=-1, keepdim=True)).squeeze(1)

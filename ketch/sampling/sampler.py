@@ -5,7 +5,8 @@
       ├─► edits: logit_bias, min_tokens bans (one sparse add), penalties, grammar mask   [skipped if none]
       │
       ├─► greedy rows: argmax                  (bit-exact argmax of the input when unedited)
-      └─► sampled rows: / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► draw
+      └─► sampled rows: / temperature ─► top-k ─► top-p ─► softmax ─► min-p ─► draw (inverse CDF at
+                                                                   the row's token_uniform(seed, k))
 
 Returned logprobs describe the RAW model distribution (before bias, penalties, temperature
 and truncation), as vLLM does by default: they say what the model thought, not how the
@@ -21,7 +22,6 @@ import torch
 
 from ketch.sampling.batch import SampledRows, SamplingBatch, SamplingRow
 from ketch.sampling.filters import draw_, min_p_, top_k_only_, top_k_top_p_
-from ketch.sampling.generators import make_generator
 
 __all__ = [
     "DeviceSample",
@@ -30,7 +30,6 @@ __all__ = [
     "SampleResult",
     "SamplingBatch",
     "SamplingRow",
-    "make_generator",
     "sample",
     "sample_on_device",
 ]
@@ -144,7 +143,7 @@ def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
     probs = scaled.softmax(dim=-1)
     if rows.min_p is not None:
         min_p_(probs, rows.min_p)
-    return draw_(probs, rows.seeded, rows.any_shared)
+    return draw_(probs, rows.uniform)
 
 
 def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:

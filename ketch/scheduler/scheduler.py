@@ -144,9 +144,10 @@ class Scheduler:
             req.state = RequestState.RUNNING
             if not req.admitted_once:
                 req.admitted_once = True
-                req.num_cached_prompt = hit.length
+                # a resumed request's hit may go on into its generated ids: they are not prompt
+                req.num_cached_prompt = min(hit.length, len(req.prompt_ids))
                 self.stats.prompt_tokens += len(req.prompt_ids)
-                self.stats.cached_prompt_tokens += hit.length
+                self.stats.cached_prompt_tokens += req.num_cached_prompt
             self.running.append(req)
             out.append(ScheduledChunk(req, n))
             budget -= n

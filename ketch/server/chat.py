@@ -18,7 +18,7 @@ from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
 from ketch.server.logprobs import chat_logprobs
-from ketch.server.protocol import CHAT_FIELDS, check_fields, sampling_params
+from ketch.server.protocol import CHAT_FIELDS, check_fields, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
@@ -54,28 +54,33 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar,
                              state.max_n)
     params = plan.adjust(params, fields)
-    check_context(prompt_ids, params, state.client, "messages")
+    generated = resume_token_ids(fields)
+    check_context(prompt_ids, params, state.client, "messages", generated)
     rid = new_request_id("chatcmpl")
-    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"))
+    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated)
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    with_ids = bool(fields.get("return_token_ids"))
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, plan))
+        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, plan, with_ids))
     try:
-        return await unless_disconnected(request, _whole(state, gen, head, plan))
+        return await unless_disconnected(request, _whole(state, gen, head, plan, with_ids))
     finally:
         gen.close()
 
 
-async def _whole(state: ServerState, gen: Generation, head: dict, plan: ChatPlan) -> JSONResponse:
+async def _whole(state: ServerState, gen: Generation, head: dict, plan: ChatPlan, with_ids: bool) -> JSONResponse:
     params = gen.params
     texts = [""] * params.n
     choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None, "matched_stop": None} for i in range(params.n)]
+                "finish_reason": None, "matched_stop": None, **({"token_ids": []} if with_ids else {})}
+               for i in range(params.n)]
     async for ev in gen.events():
         c = choices[ev.index]
         texts[ev.index] += ev.text
+        if with_ids:
+            c["token_ids"] += ev.token_ids
         if params.wants_logprobs:
             c["logprobs"] = c["logprobs"] or {"content": []}
             c["logprobs"]["content"] += chat_logprobs(state.tokenizer, ev.logprobs)["content"]
@@ -91,7 +96,7 @@ async def _whole(state: ServerState, gen: Generation, head: dict, plan: ChatPlan
 
 
 async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
-                  plan: ChatPlan) -> AsyncIterator[dict]:
+                  plan: ChatPlan, with_ids: bool) -> AsyncIterator[dict]:
     def chunk(choices: list[dict]) -> dict:
         out = {**head, "object": "chat.completion.chunk", "choices": choices}
         if include_usage:
@@ -99,21 +104,29 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
         return out
 
     parsers = [plan.output_parser() for _ in range(gen.params.n)]
-    for i in range(gen.params.n):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+    if gen.generated is not None:
+        # A resumed stream: its client has the role chunk and what the parser made of the text so
+        # far; the parser takes that text (its deltas were sent) so it goes on from the same state.
+        parsers[0].feed(gen.resumed_text)
+    else:
+        for i in range(gen.params.n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
     async for ev in gen.events():
         parser = parsers[ev.index]
         logprobs = chat_logprobs(state.tokenizer, ev.logprobs) if gen.params.wants_logprobs else None
+        ids = ev.token_ids if with_ids else None  # on the event's first chunk; a gateway resumes from them
         deltas = [parser.feed(ev.text) if ev.text else None]
         if ev.finish_reason is not None:
             deltas.append(parser.finish())
         for delta in deltas:
-            if delta or logprobs:
-                yield chunk([{"index": ev.index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": None}])
-                logprobs = None
+            if delta or logprobs or ids:
+                choice = {"index": ev.index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": None}
+                yield chunk([{**choice, "token_ids": ids} if with_ids else choice])
+                logprobs, ids = None, []
         if ev.finish_reason is not None:
-            yield chunk([{"index": ev.index, "delta": {}, "logprobs": None,
-                          "finish_reason": parser.finish_reason(ev.finish_reason), "matched_stop": ev.matched_stop}])
+            last = {"index": ev.index, "delta": {}, "logprobs": None,
+                    "finish_reason": parser.finish_reason(ev.finish_reason), "matched_stop": ev.matched_stop}
+            yield chunk([{**last, "token_ids": []} if with_ids else last])
     if include_usage:
         yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": gen.usage.as_dict()}

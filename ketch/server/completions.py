@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError
 from ketch.server.generation import Generation, check_context
-from ketch.server.logprobs import completion_logprobs
-from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, sampling_params
+from ketch.server.logprobs import completion_logprobs, text_offset_after
+from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
@@ -43,33 +43,42 @@ async def completions(state: ServerState, body: Any, request: Request):
     fields = check_fields(body, COMPLETION_FIELDS)
     state.check_model(fields.get("model"))
     raw = completion_prompts(fields.get("prompt"))
+    generated = resume_token_ids(fields)
+    if generated is not None and len(raw) != 1:
+        raise APIError(400, f"resume: continues one prompt's stream, got {len(raw)} prompts", param="resume")
     prompts = [_encode(state, p) for p in raw]
     grammar, _ = grammar_spec(fields)
     params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar, state.max_n)
     echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
+    if generated is not None:
+        echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already
     for ids in prompts:
-        check_context(ids, params, state.client, "prompt")
+        check_context(ids, params, state.client, "prompt", generated)
     rid = new_request_id("cmpl")
-    gen = Generation(state, rid, prompts, params, fields.get("timeout"))
+    gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated)
     gen.start()
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
+    with_ids = bool(fields.get("return_token_ids"))
     if fields.get("stream"):
         usage = bool((fields.get("stream_options") or {}).get("include_usage"))
-        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, echoes))
+        return GenerationStream(gen, lambda g: _chunks(state, g, head, usage, echoes, with_ids))
     try:
-        return await unless_disconnected(request, _whole(state, gen, head, echoes))
+        return await unless_disconnected(request, _whole(state, gen, head, echoes, with_ids))
     finally:
         gen.close()
 
 
-async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[str]) -> JSONResponse:
+async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[str],
+                 with_ids: bool) -> JSONResponse:
     params = gen.params
-    choices = [{"index": i, "text": echoes[i], "logprobs": None, "finish_reason": None, "matched_stop": None}
-               for i in range(len(gen.prompts) * params.n)]
+    choices = [{"index": i, "text": echoes[i], "logprobs": None, "finish_reason": None, "matched_stop": None,
+                **({"token_ids": []} if with_ids else {})} for i in range(len(gen.prompts) * params.n)]
     for_logprobs: dict[int, list] = {i: [] for i in range(len(choices))}
     async for ev in gen.events():
         c = choices[ev.index]
         c["text"] += ev.text
+        if with_ids:
+            c["token_ids"] += ev.token_ids
         for_logprobs[ev.index] += ev.logprobs
         if ev.finish_reason is not None:
             c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
@@ -80,8 +89,9 @@ async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[s
 
 
 async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
-                  echoes: list[str]) -> AsyncIterator[dict]:
-    offsets: dict[int, int] = {}
+                  echoes: list[str], with_ids: bool) -> AsyncIterator[dict]:
+    # a resumed stream's logprob text offsets go on from the original's
+    offsets: dict[int, int] = {0: text_offset_after(state.tokenizer, gen.generated)} if gen.generated else {}
     for i, text in enumerate(echoes):
         if text:
             yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
@@ -92,6 +102,8 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
             logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets.get(ev.index, 0))
             offsets[ev.index] = offsets.get(ev.index, 0) + sum(len(t) for t in logprobs["tokens"])
         choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+        if with_ids:
+            choice["token_ids"] = ev.token_ids
         if ev.finish_reason is not None:
             choice["matched_stop"] = ev.matched_stop
         out = {**head, "choices": [choice]}

@@ -23,6 +23,7 @@ from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
 from ketch.server.errors import APIError, bad_value, engine_unavailable
+from ketch.server.protocol import RESUME_FIELD
 from ketch.server.state import ServerState
 from ketch.text.sample_text import SampleText
 
@@ -58,13 +59,15 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str) -> None:
+def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str,
+                  generated: list[int] | None = None) -> None:
     """The engine's own request checks, made before sending so that a stream can still answer 400."""
     ready = client.ready
     assert ready is not None
     try:
         validate_request(prompt_ids, params, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
-                         kv_capacity=ready.kv_capacity_tokens, prompt_field=param)
+                         kv_capacity=ready.kv_capacity_tokens, prompt_field=param, generated=generated or (),
+                         eos_ids=client.eos_token_ids, generated_field=RESUME_FIELD)
     except ValueError as e:
         error = bad_value(e)
         if "exceeds the" in error.message or "the context length is" in error.message:
@@ -72,17 +75,28 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
         raise error from None
 
 
+def _resume_named(message: str) -> str:
+    """The engine and ketch.text name the resumed ids by their Python name; a client sent them in `resume`."""
+    return f"resume.{message}" if message.startswith("generated_token_ids") else message
+
+
 class Generation:
+    """`generated`: a resumed stream's ids so far (one prompt, n = 1; README, "Resuming a stream")."""
+
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, generated: list[int] | None = None) -> None:
         self.client, self.params = state.client, params
         self.timeout = timeout if timeout is not None else state.request_timeout
         self._admission, self._metrics = state.admission, state.metrics
         self.rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
         self.prompts = dict(zip(self.rids, prompts))
-        self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params))
-                        for rid, ids in self.prompts.items() for j in range(params.n)}
+        self.generated = generated
+        try:
+            self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or ()))
+                            for rid, ids in self.prompts.items() for j in range(params.n)}
+        except ValueError as e:  # a resumed text that already holds a stop string
+            raise bad_value(_resume_named(str(e))) from None
         self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue = asyncio.Queue()
         self._started_at = 0.0
@@ -93,10 +107,16 @@ class Generation:
         # joined run: its tokens after the stop would then count in usage
         self._coalesce = not params.stop
 
+    @property
+    def resumed_text(self) -> str:
+        """The text the resumed stream's client already has (its first choice's; "" if not resumed)."""
+        return next(iter(self.samples.values())).text.resumed_text
+
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
         # encode first: a value the wire cannot carry fails here, before a slot is taken
-        messages = [(rid, self.client.encode_request(rid, ids, self.params, self.client.origin)) for rid, ids in self.prompts.items()]
+        messages = [(rid, self.client.encode_request(rid, ids, self.params, self.client.origin, self.generated))
+                    for rid, ids in self.prompts.items()]
         try:
             self._admission.acquire(len(self.samples))
         except APIError as e:
@@ -170,7 +190,7 @@ class Generation:
                     if isinstance(item, APIError):  # deadline, shutdown
                         raise item
                     if isinstance(item, RequestError):
-                        raise bad_value(item.message)
+                        raise bad_value(_resume_named(item.message))
                     event = self._apply(item)
                     if event is not None:
                         yield event
@@ -182,7 +202,7 @@ class Generation:
         if sample is None or sample.finished:
             return None  # e.g. the abort report after a stop string
         if d.error is not None:
-            raise bad_value(d.error)
+            raise bad_value(_resume_named(d.error))
         if d.index == 0 and d.request_id not in self.usage._seen_prompts:
             self.usage._seen_prompts.add(d.request_id)
             self.usage.cached_tokens += d.num_cached_tokens

@@ -26,3 +26,9 @@ def completion_logprobs(tok: Tokenizer | None, lps: list[WireLogprob], offset: i
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{_token(tok, t): l for t, l in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def text_offset_after(tok: Tokenizer | None, token_ids: list[int]) -> int:
+    """The text_offset that follows `token_ids` (a resumed stream's first): offsets add up the
+    tokens' own texts, as completion_logprobs counts them."""
+    return sum(len(_token(tok, t)) for t in token_ids)

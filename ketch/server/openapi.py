@@ -50,6 +50,10 @@ def _field(name: str, types: tuple[type, ...], max_n: int, vocab_size: int) -> d
         schema.update(minLength=1, minItems=1)
     if name == "tokens":
         schema["items"] = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    if name == "resume":  # README, "Resuming a stream"
+        schema.update(additionalProperties=False, required=["generated_token_ids"], properties={
+            "generated_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                "maximum": vocab_size - 1}}})
     if name in _STRING_OR_LIST and "array" in names:
         schema.update(_STRING_OR_LIST[name])
     return schema

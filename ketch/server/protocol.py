@@ -34,7 +34,10 @@ _SAMPLING: dict[str, tuple[tuple[type, ...], str | None]] = {
     "skip_special_tokens": ((bool,), "skip_special_tokens"),
 }
 _COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,),
-           "timeout": _NUM}  # seconds: the request's own deadline (ketch's extension)
+           "timeout": _NUM,  # seconds: the request's own deadline (ketch's extension)
+           # ketch's extensions for a gateway's mid-stream failover (README, "Resuming a stream"):
+           "return_token_ids": (bool,),  # each choice (chunk) carries the token ids of its text
+           "resume": (dict,)}  # {"generated_token_ids": [...]}: continue a stream that made them
 _GRAMMAR = {"response_format": (dict,), "regex": (str,), "ebnf": (str,)}
 CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR, "messages": (list,),
                "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,),
@@ -129,3 +132,26 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
         return [list(p) for p in prompt]
     raise APIError(400, "prompt: expected a string, a list of strings, token ids or a list of token id lists",
                    param="prompt")
+
+
+RESUME_FIELD = "resume.generated_token_ids"
+
+
+def resume_token_ids(fields: dict[str, Any]) -> list[int] | None:
+    """The `resume` extension's ids (None without it); its shape only: the values are the engine's
+    checks (validate_request), made before the stream starts."""
+    resume = fields.get("resume")
+    if resume is None:
+        return None
+    unknown = set(resume) - {"generated_token_ids"}
+    if unknown:
+        raise APIError(400, f"resume: unsupported field {sorted(unknown)[0]!r}; it takes generated_token_ids",
+                       param="resume", code="unsupported_field")
+    ids = resume.get("generated_token_ids")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise APIError(400, f"{RESUME_FIELD}: expected a list of token ids (integers)", param=RESUME_FIELD,
+                       code="invalid_type")
+    if not fields.get("stream"):
+        raise APIError(400, "resume: continues a stream, so it needs stream=true (a whole answer that failed is "
+                       "simply asked again)", param="resume")
+    return ids

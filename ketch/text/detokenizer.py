@@ -8,9 +8,11 @@ output every step is O(n) per token. We keep a small window over the id list:
                  '--- already emitted ---'   '--- pending ---'
 
 Each push decodes ids[prefix_offset:] and ids[prefix_offset:read_offset]; the difference is the new
-text. It is emitted only when the decoded tail is not U+FFFD (an incomplete UTF-8 sequence is
-waiting for its next bytes); then the window slides forward. read_offset therefore always sits on
-a character boundary, which is what makes the emitted pieces add up to decode(all ids).
+text. It is emitted only up to the last id after which the decoded tail is not U+FFFD (an
+incomplete UTF-8 sequence is waiting for its next bytes); then the window slides forward.
+read_offset therefore always sits on a character boundary, which is what makes the emitted pieces
+add up to decode(all ids), and the text emitted after any id is the same however the ids were
+grouped into pushes.
 
 The window starts on the last few prompt tokens so the first output token decodes in context
 (its leading space survives), unless the prompt ends mid-character: then it starts empty.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _CONTEXT_TOKENS = 5
+_MAX_SCAN_BACK = 8  # ids looked back past a partial character (>= 4 bytes' worth: one id >= one byte)
 _REPLACEMENT = "\ufffd"
 
 
@@ -53,10 +56,26 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        end = len(self._ids)
         full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not final):
+        if full.endswith(_REPLACEMENT) and not final:
+            # Emit up to the last id after which the text is whole, as pushing the ids one at a
+            # time would have: what is emitted then never depends on how the ids were grouped
+            # (coalesced deltas, or a resumed stream's outputs pushed at once, SampleText).
+            end, full = self._last_whole(prefix)
+        if len(full) <= len(prefix):
             return ""
         # Drop ids before the window for good: callers only ever see text, never offsets.
         del self._ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        self._prefix_offset, self._read_offset = 0, end - self._read_offset
         return full[len(prefix) :]
+
+    def _last_whole(self, prefix: str) -> tuple[int, str]:
+        """(end, decoded window up to it) for the last end among the newest ids where the text
+        does not end in a partial character; (read_offset, prefix) if none. A character has at
+        most 4 bytes, so a few ids back suffice unless the bytes are invalid, which we then hold."""
+        for end in range(len(self._ids) - 1, max(self._read_offset, len(self._ids) - _MAX_SCAN_BACK - 1), -1):
+            text = self._decode(self._ids[self._prefix_offset : end])
+            if not text.endswith(_REPLACEMENT) and len(text) > len(prefix):
+                return end, text
+        return self._read_offset, prefix
