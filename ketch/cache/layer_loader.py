@@ -32,7 +32,7 @@ Ordering, hazard by hazard:
   its copy is in flight. Device-side scratch is allocated on the copy stream and freed there.
 
 Copy plan, chosen per load from the page lists (`page_runs`; measured on an H200, see
-`DIRECT_MIN_RUN`): host page ids and device page ids often come in ascending runs (both free
+`DIRECT_MIN_RUN_BYTES`): host page ids and device page ids often come in ascending runs (both free
 lists hand out consecutive ids). A run contiguous on both sides is one DMA straight from the
 pinned pool slice into the pool slice: no host copy, no scatter kernel. When runs are short the
 launches dominate, and the rows are gathered on the host into pinned staging (index_select into
@@ -53,10 +53,14 @@ import torch
 
 from ketch.host_copy import to_device
 
-# A load whose runs average at least this many pages is copied run by run, straight from the
-# pinned pool; shorter runs are gathered into pinned staging first. Measured on an H200 (PCIe
-# Gen5) with 32 KB page rows (Llama-8B, bf16, 16 tokens per page): see HostPool's README notes.
-DIRECT_MIN_RUN = 2
+# A load whose runs average at least this many bytes per DMA (run pages x one tensor's page row)
+# is copied run by run, straight from the pinned pool; shorter runs are gathered into pinned
+# staging first. Measured on an H200 (PCIe Gen5 x16, 16 host cores; benchmarks/hicache_load_cost.py,
+# Llama-8B rows of 32 KiB, 1 GiB a load): a torch copy_ costs ~13 us of host time to issue, so
+# runs of 1/8/64/512 pages moved 2.6/15.5/51/54 GB/s copied directly, and the gather (torch's
+# threaded index_select into pinned memory, pipelined with the DMAs layer by layer) held
+# 33-42 GB/s whatever the runs. The two meet near 20 pages (640 KiB) per DMA.
+DIRECT_MIN_RUN_BYTES = 1 << 20
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -75,9 +79,10 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     return runs
 
 
-def copies_directly(runs: Sequence[tuple[int, int, int]], num_pages: int) -> bool:
-    """Whether a load of `num_pages` in these runs goes run by run (else: gathered)."""
-    return len(runs) * DIRECT_MIN_RUN <= num_pages
+def copies_directly(runs: Sequence[tuple[int, int, int]], num_pages: int, row_bytes: int) -> bool:
+    """Whether a load of `num_pages` in these runs goes run by run (else: gathered); row_bytes:
+    one page of the smallest tensor of a layer (what one page adds to one DMA)."""
+    return len(runs) * DIRECT_MIN_RUN_BYTES <= num_pages * row_bytes
 
 
 class PendingLoad:
@@ -107,6 +112,7 @@ class SideStreamLoader:
                  device: torch.device) -> None:
         self.host_layers, self.device_layers, self.device = host_layers, device_layers, device
         self.stream = torch.cuda.Stream(device)
+        self.row_bytes = min(t[0].numel() * t.element_size() for t in host_layers[0].values())
         # re-recorded by every load: a wait takes the event's latest record, and a load's event l
         # comes after every earlier load's copies on the same stream
         self.events = [torch.cuda.Event() for _ in device_layers]
@@ -117,7 +123,7 @@ class SideStreamLoader:
         """Queue the copies of host_pages into device_pages (pairwise), every tensor of every
         layer; returns the events the step reading them waits for, layer by layer."""
         runs = page_runs(host_pages, device_pages)
-        copy_layer = self._direct(runs) if copies_directly(runs, len(host_pages)) \
+        copy_layer = self._direct(runs) if copies_directly(runs, len(host_pages), self.row_bytes) \
             else self._gathered(host_pages, device_pages)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages' last users
