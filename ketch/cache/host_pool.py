@@ -12,9 +12,13 @@ one holder, the radix node that stores it, so its refcount is 0 or 1). The memor
 the CPU and pinned when the device pool is on CUDA (a pinned buffer is what an asynchronous
 host→device copy needs).
 
+Loads: on the CPU a plain copy, done before the step that reads the pages is launched. On CUDA
+a side-stream loader (layer_loader.py): the copies are queued on a copy stream layer by layer,
+and the device pool's next forward waits, before each layer's attention, for that layer's copies
+only. Saves stay synchronous (the tree frees the device pages right after).
+
 The layout is the device's (layer-first, a tensor per layer and name). A page-first layout
-(one contiguous object per page, zero-copy to an L3 store) and a side-stream loader that
-overlaps with the forward are later steps of the KV hierarchy (issue 15).
+(one contiguous object per page, zero-copy to an L3 store) is a later step (issue 15).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.kv_pool import KVPool
+from ketch.cache.layer_loader import SideStreamLoader, as_bytes
 from ketch.config import EngineConfig
 
 
@@ -34,10 +39,14 @@ class HostCopyStats:
     loaded_pages: int = 0  # host → device
     saved_bytes: int = 0
     loaded_bytes: int = 0
-    # wall time of the copies: exact on the CPU; on CUDA the load only queues its copies (the
-    # step waits for them), so bytes over these seconds is not the PCIe bandwidth there
-    saved_seconds: float = 0.0
+    saved_seconds: float = 0.0  # wall time of the saves (synchronous: their real duration)
+    # host time spent in load(): the copies themselves on the CPU; on CUDA only planning and
+    # queueing them (and the host gather of a fragmented load), not their duration
     loaded_seconds: float = 0.0
+    # how long the loads' copies took where they ran: the CPU's wall time, or on CUDA the copy
+    # stream's own time between events around each load (read once it finished: collect_timings).
+    # loaded_bytes over it is the host→device bandwidth
+    load_copy_seconds: float = 0.0
 
 
 class HostPool:
@@ -59,6 +68,9 @@ class HostPool:
         ]
         self.bytes_per_page = device_pool.bytes_per_page
         self.stats = HostCopyStats()
+        # CUDA: loads go on a side stream, layer by layer; None on the CPU (plain copies)
+        self.loader = SideStreamLoader(self.layers, device_pool.layers, self.device) \
+            if self.device.type == "cuda" else None
 
     # ---------------------------------------------------------------- pages
     @property
@@ -70,7 +82,10 @@ class HostPool:
         return self.allocator.num_used
 
     def alloc(self, n: int) -> list[int]:
-        """n free host pages (all or nothing: OutOfPages)."""
+        """n free host pages (all or nothing: OutOfPages). Their holder writes them on the host, so
+        on CUDA a load still reading host rows (maybe these, freed since) must have finished."""
+        if self.loader is not None:
+            self.loader.fence()
         return self.allocator.alloc(n)
 
     def free(self, pages: list[int]) -> None:
@@ -92,7 +107,7 @@ class HostPool:
         h_idx = torch.tensor(host_pages, dtype=torch.long)
         for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
             for name, h in host.items():
-                _raw(h).index_copy_(0, h_idx, _raw(dev[name]).index_select(0, d_idx).to("cpu"))
+                as_bytes(h).index_copy_(0, h_idx, as_bytes(dev[name]).index_select(0, d_idx).to("cpu"))
         self.stats.saved_seconds += time.perf_counter() - t0
         self.stats.saved_pages += len(device_pages)
         self.stats.saved_bytes += len(device_pages) * self.bytes_per_page
@@ -100,24 +115,36 @@ class HostPool:
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages (pairwise), every tensor of every layer.
 
-        On the CPU this is a plain copy, done when it returns. On CUDA the copies are queued on
-        the current stream ahead of the step that reads the pages, so the step sees them.
-        HOOK (issue 15, CUDA): load on a side stream, layer by layer, and make each layer's
-        attention wait for its own layer's event instead of the whole load."""
+        CPU: plain copies, done when this returns (before the step that reads them is launched).
+        CUDA: queued on the loader's copy stream, layer by layer; the device pool's next forward
+        waits for layer l's copies before layer l's attention (layer_loader.py)."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"load: {len(host_pages)} host pages for {len(device_pages)} device pages")
         if not host_pages:
             return
         t0 = time.perf_counter()
+        if self.loader is None:
+            self._copy_in(host_pages, device_pages)
+            self.stats.load_copy_seconds += time.perf_counter() - t0
+        else:
+            self.device_pool.pending_load = self.loader.load(host_pages, device_pages)
+        self.stats.loaded_seconds += time.perf_counter() - t0
+        self.stats.loaded_pages += len(host_pages)
+        self.stats.loaded_bytes += len(host_pages) * self.bytes_per_page
+
+    def _copy_in(self, host_pages: list[int], device_pages: list[int]) -> None:
         d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
         h_idx = torch.tensor(host_pages, dtype=torch.long)
         for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
             for name, h in host.items():
-                rows = _raw(h).index_select(0, h_idx).to(self.device, non_blocking=True)
-                _raw(dev[name]).index_copy_(0, d_idx, rows)
-        self.stats.loaded_seconds += time.perf_counter() - t0
-        self.stats.loaded_pages += len(host_pages)
-        self.stats.loaded_bytes += len(host_pages) * self.bytes_per_page
+                as_bytes(dev[name]).index_copy_(0, d_idx, as_bytes(h).index_select(0, h_idx).to(self.device))
+
+    def collect_timings(self) -> HostCopyStats:
+        """The stats, with the copy-stream time of every load finished by now added (CUDA: read
+        from the loads' events, never waiting for one still in flight)."""
+        if self.loader is not None:
+            self.stats.load_copy_seconds += self.loader.collect_seconds()
+        return self.stats
 
 
 def host_pages_for(device_pool: KVPool, config: EngineConfig) -> int:
@@ -126,8 +153,3 @@ def host_pages_for(device_pool: KVPool, config: EngineConfig) -> int:
     if config.hicache_size is not None:
         return round(config.hicache_size * 1e9) // device_pool.bytes_per_page
     return int(device_pool.num_pages * config.hicache_ratio)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """1-byte element types (fp8) as uint8, the same bytes: torch has no fp8 index_copy_ on the CPU."""
-    return t.view(torch.uint8) if t.element_size() == 1 else t

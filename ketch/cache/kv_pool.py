@@ -18,10 +18,15 @@ model's dtype; the Triton kernels store and load the same way per tile
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ketch.config import KVSpec
 from ketch.kv_dtype import to_kv_dtype  # shared with the Triton store kernel (ketch/kernels/kv_store.py)
+
+if TYPE_CHECKING:
+    from ketch.cache.layer_loader import PendingLoad
 
 
 class KVPool:
@@ -52,10 +57,18 @@ class KVPool:
              for t in spec.tensors}
             for _ in range(spec.num_layers)
         ]
+        # CUDA: the host→device load (HostPool on its copy stream) the next forward must wait
+        # for, layer by layer; None on every other step, and always on the CPU
+        self.pending_load: PendingLoad | None = None
         # the attention backends and kernels index these lists directly (MHA specs)
         for name in ("k", "v"):
             if name in dtypes:
                 setattr(self, name, [tensors[name] for tensors in self.layers])
+
+    def take_pending_load(self) -> PendingLoad | None:
+        """The load the step about to run must wait for (None: nothing is being loaded), once."""
+        pending, self.pending_load = self.pending_load, None
+        return pending
 
     def __getattr__(self, name: str) -> object:
         # only reached when normal lookup fails: `k` / `v` of a spec without them

@@ -86,8 +86,9 @@ class HostTierStats:
     saved_bytes: int = 0  # device -> host
     evicted_pages: int = 0  # host pages freed by host LRU eviction
     dropped_pages: int = 0  # device pages evicted with no host copy (gone from both tiers)
-    loaded_seconds: float = 0.0  # wall time of the copies (host_pool.py: exact on the CPU only)
+    loaded_seconds: float = 0.0  # host time in loads (CPU: the copies; CUDA: queueing them)
     saved_seconds: float = 0.0
+    load_copy_seconds: float = 0.0  # the copies' own time (CUDA: copy-stream events; bytes over it: GB/s)
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,8 @@ class KVCacheManager(StorageReads):
             return False
         fresh = self.allocator.alloc(need)
         if hit.host_tokens:
-            # CPU: copied here, before the step that reads these pages is launched. CUDA (issue 15,
-            # to come): a side stream overlapping the step, layer by layer (HostPool.load's hook).
+            # CPU: copied here, before the step that reads these pages is launched. CUDA: queued on
+            # a copy stream layer by layer, each layer of the next forward waiting for its own.
             assert isinstance(self.tree, HiRadixCache)
             self.tree.load_back(hit.node, fresh[: hit.host_tokens // self.page_size])
         holder.page_table = list(hit.pages) + fresh
@@ -296,9 +297,10 @@ class KVCacheManager(StorageReads):
         if host is None:
             return HostTierStats()
         assert isinstance(self.tree, HiRadixCache)
-        return HostTierStats(host.num_pages, host.num_free, host.stats.loaded_bytes, host.stats.saved_bytes,
-                             self.tree.host_evicted_pages, self.tree.dropped_pages, host.stats.loaded_seconds,
-                             host.stats.saved_seconds)
+        st = host.collect_timings()  # finished loads' GPU-measured copy time; never waits
+        return HostTierStats(host.num_pages, host.num_free, st.loaded_bytes, st.saved_bytes,
+                             self.tree.host_evicted_pages, self.tree.dropped_pages, st.loaded_seconds,
+                             st.saved_seconds, st.load_copy_seconds)
 
     def usage(self) -> dict[str, TierUsage]:
         """Pages per tier, each count taken on its own (a check, and what /metrics will show).

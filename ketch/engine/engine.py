@@ -194,6 +194,7 @@ class Engine:
             host_dropped_pages=host.dropped_pages,
             host_loaded_seconds=host.loaded_seconds,
             host_saved_seconds=host.saved_seconds,
+            host_load_copy_seconds=host.load_copy_seconds,
             **self.kv.storage_stats(),
         )
 

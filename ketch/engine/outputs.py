@@ -74,8 +74,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_saved_bytes: int = 0  # device -> host
     host_evicted_pages: int = 0  # host LRU evictions
     host_dropped_pages: int = 0  # device evictions with no host copy
-    host_loaded_seconds: float = 0.0  # the copies' wall time (exact on the CPU; CUDA: queueing only)
+    host_loaded_seconds: float = 0.0  # host time in loads (the copies on the CPU; CUDA: queueing only)
     host_saved_seconds: float = 0.0
+    host_load_copy_seconds: float = 0.0  # the loads' copy time (CUDA: measured on the copy stream)
     # The storage tier (L3; all 0 when it is off): cache/storage_tier.py's counters
     storage_enabled: bool = False
     storage_hit_tokens: int = 0  # prompt tokens read from L3 for admitted requests

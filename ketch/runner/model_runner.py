@@ -35,6 +35,7 @@ from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
 from ketch.runner.graph_runner import GraphRunner
+from ketch.runner.layer_waits import LayerWaitingAttention
 from ketch.runner.future_tokens import FutureTokens
 from ketch.runner.memory_plan import MemoryPlan, plan_gpu_pool
 from ketch.weights import ModelSource, iter_weights
@@ -140,12 +141,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the step; returns logits [len(batch.sample_rows), vocab] in fp32, in sampling order."""
+        # a host-tier load queued since the last step (CUDA; None otherwise: one read per step)
+        pending = self.pool.take_pending_load()
         if self.graphs is not None and self.graphs.can_run(batch):
+            if pending is not None:
+                pending.wait_all()  # a captured graph holds no per-layer waits: the whole load first
             return self.graphs.run(batch)
-        meta = self.attn.init_metadata(batch)
+        attn = self.attn if pending is None else LayerWaitingAttention(self.attn, pending)
+        meta = attn.init_metadata(batch)
         # one copy for ids, positions and sampling rows; placeholders (overlap) resolve on the device
         host = to_device(np.concatenate((batch.input_ids, batch.positions, batch.sample_rows)), self.device)
         n = batch.num_tokens
         input_ids = self.future.resolve(host[:n])
-        hidden = self.model(input_ids, host[n : 2 * n], self.attn, meta)
+        hidden = self.model(input_ids, host[n : 2 * n], attn, meta)
         return self.model.compute_logits(hidden.index_select(0, host[2 * n :]))

@@ -98,8 +98,11 @@ class _EngineCollector(Collector):
                 "ketch_hicache_host_evicted_pages": ("Host-tier pages freed by LRU eviction", s.host_evicted_pages),
                 "ketch_hicache_dropped_pages": ("Device pages evicted without a host copy (gone from both tiers)",
                                                 s.host_dropped_pages),
-                "ketch_hicache_load_seconds": ("Wall time of host-to-device copies (loaded bytes over it: GB/s; exact "
-                                               "on the CPU, on CUDA only the time to queue them)", s.host_loaded_seconds),
+                "ketch_hicache_load_seconds": ("Host time spent loading from the host tier (on the CPU the copies "
+                                               "themselves, on CUDA only queueing them)", s.host_loaded_seconds),
+                "ketch_hicache_load_copy_seconds": ("Time the host-to-device copies took where they ran (CUDA: "
+                                                    "events on the copy stream; CPU: their wall time); loaded "
+                                                    "bytes over it: the load bandwidth", s.host_load_copy_seconds),
                 "ketch_hicache_save_seconds": ("Wall time of device-to-host copies", s.host_saved_seconds),
             }
             for name, (doc, value) in host.items():

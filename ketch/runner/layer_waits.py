@@ -1,0 +1,32 @@
+"""The attention of a step that follows a host→device load: each layer waits for its own pages.
+
+A host-tier hit is copied back on a side stream, layer by layer (ketch/cache/layer_loader.py).
+For the one step after such a load the runner hands the model this wrapper instead of its
+backend: before layer l's attention (the first thing of the layer that reads or writes the KV
+pool) the compute stream waits for event l of the load, so layer 0 runs while later layers'
+pages are still copying. Every other step gets the backend itself: no check per layer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ketch.attention.base import AttentionBackend
+from ketch.cache.layer_loader import PendingLoad
+from ketch.forward_batch import ForwardBatch
+
+
+class LayerWaitingAttention(AttentionBackend):
+    """`inner`, with a stream wait for the pending load's layer before each layer's forward."""
+
+    def __init__(self, inner: AttentionBackend, pending: PendingLoad) -> None:
+        self.inner = inner
+        self.pending = pending
+
+    def init_metadata(self, batch: ForwardBatch) -> Any:
+        return self.inner.init_metadata(batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any) -> torch.Tensor:
+        self.pending.wait_layer(layer)
+        return self.inner.forward(q, k, v, layer, metadata)

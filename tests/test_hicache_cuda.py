@@ -1,0 +1,166 @@
+"""The host tier's side-stream loader on CUDA (ketch/cache/layer_loader.py; skipped without a GPU).
+
+1. HostPool save, then a side-stream load into other device pages: every byte of every layer
+   comes back, for a load copied run by run and for a gathered one, bf16 and fp8 pages.
+2. An engine (tiny random Llama, fp32, Triton, decode graphs) whose device pool is a fraction of
+   the working set: greedy output identical with the hierarchy off, host hits counted, the copy
+   time measured on the GPU.
+3. Each layer waits for its own copies: the copy stream is held back (torch.cuda._sleep before
+   every layer's copies) and the device pool is scribbled over before a request whose prefix
+   is only on the host runs; its logits equal those of the same run without the delay. The
+   same run with the waits taken out reads the scribbles and must differ: the test's teeth.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import collect, drain, make_tiny_engine
+from logit_tap import LogitTap
+from test_hicache_l2 import DEVICE_PAGES, PS, multi_turn
+
+from ketch.cache.host_pool import HostPool
+from ketch.cache.kv_pool import KVPool
+from ketch.cache import layer_loader
+from ketch.cache.layer_loader import PendingLoad, SideStreamLoader, copies_directly, page_runs
+from ketch.config import KVSpec
+from ketch.engine.engine import Engine
+from ketch.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SLEEP_CYCLES = 40_000_000  # per layer, ~20 ms at 2 GHz: far longer than the tiny model's whole step
+
+
+def _random_bytes(pool: KVPool, seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for layer in pool.layers:
+        for t in layer.values():
+            b = t.view(torch.uint8)
+            b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, device="cuda", generator=g))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout", ["runs", "scattered"])
+@pytest.mark.parametrize("plan", ["direct", "gathered"])
+def test_save_then_side_stream_load_round_trips_every_byte(dtype: torch.dtype, layout: str, plan: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layer_loader, "DIRECT_MIN_RUN_BYTES", 1 if plan == "direct" else 1 << 60)
+    pool = KVPool(KVSpec.mha(4, 2, 64), 64, 16, dtype, "cuda", compute_dtype=torch.bfloat16)
+    host = HostPool(pool, 48)
+    assert host.loader is not None and host.layers[0]["k"].is_pinned()
+    _random_bytes(pool, 0)
+    rng = torch.Generator().manual_seed(1)
+    saved = torch.randperm(64, generator=rng)[:20].tolist()
+    if layout == "runs":  # two runs, contiguous on both sides
+        host_pages, targets = list(range(4, 24)), list(range(30, 40)) + list(range(5, 15))
+    else:  # mostly runs of one page
+        host_pages, targets = torch.randperm(48, generator=rng)[:20].tolist(), torch.randperm(64, generator=rng)[:20].tolist()
+    host.save(saved, host_pages)
+    want = [{n: t[saved].view(torch.uint8).clone() for n, t in layer.items()} for layer in pool.layers]
+    _random_bytes(pool, 2)  # on the compute stream: the copy stream must wait for it first
+    assert (len(page_runs(host_pages, targets)) == 2) == (layout == "runs")
+    assert copies_directly(page_runs(host_pages, targets), 20, host.loader.row_bytes) == (plan == "direct")
+    host.load(host_pages, targets)
+    pending = pool.take_pending_load()
+    assert isinstance(pending, PendingLoad) and pool.take_pending_load() is None  # taken once
+    pending.wait_all()  # as the runner does before a graph replay
+    for layer, rows in zip(pool.layers, want, strict=True):
+        for name, t in layer.items():
+            assert torch.equal(t[targets].view(torch.uint8), rows[name]), (layout, name)
+    torch.cuda.synchronize()
+    st = host.collect_timings()
+    assert st.loaded_bytes == 20 * host.bytes_per_page and st.load_copy_seconds > 0
+
+
+def _cuda_engine(path: str, **kw) -> Engine:
+    return make_tiny_engine(path, device="cuda", page_size=PS, cuda_graph_max_bs=8, **kw)
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_config_path: str) -> list[list[int]]:
+    """The hierarchy off, on the GPU: every conversation's answers."""
+    return multi_turn(_cuda_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_engine_output_is_identical_with_pages_loaded_on_the_side_stream(tiny_config_path: str, cuda_reference,
+                                                                         overlap: bool) -> None:
+    eng = _cuda_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, enable_hierarchical_cache=True,
+                       hicache_ratio=8.0, overlap_schedule=overlap)
+    assert eng.allocator.num_pages == DEVICE_PAGES
+    assert multi_turn(eng) == cuda_reference
+    host = eng.kv.host_pool
+    assert host is not None and host.loader is not None
+    assert eng.kv.hits.host_tokens > 0 and host.stats.loaded_pages > 0
+    torch.cuda.synchronize()
+    st = eng.kv.host_stats()
+    assert st.loaded_bytes > 0 and st.load_copy_seconds > 0
+
+
+# ---- 3: each layer waits for its own layer's copies -------------------------------------------
+
+def _delay_each_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold the copy stream back before every layer's copies (they run on it: the loader is
+    inside its stream context when it calls a layer's copy)."""
+    def slowed(make):
+        def plan(self, *args):
+            copy_layer = make(self, *args)
+
+            def slow(layer: int) -> None:
+                torch.cuda._sleep(SLEEP_CYCLES)
+                copy_layer(layer)
+            return slow
+        return plan
+    monkeypatch.setattr(SideStreamLoader, "_direct", slowed(SideStreamLoader._direct))
+    monkeypatch.setattr(SideStreamLoader, "_gathered", slowed(SideStreamLoader._gathered))
+
+
+def _host_hit_run(path: str, new_tokens: int, monkeypatch: pytest.MonkeyPatch, delay: bool,
+                  waits: bool = True) -> tuple[list[int], list[torch.Tensor], float]:
+    """A 40-token prefix cached, pushed to the host, the device pool scribbled over; then the
+    prompt again with `new_tokens` past the prefix (1: a decode-graph step; more: an eager
+    extend step). Returns its tokens, its logits and the copy stream's seconds."""
+    eng = _cuda_engine(path, kv_cache_memory=64 * 2048, enable_hierarchical_cache=True, hicache_ratio=4.0)
+    prefix = [3 + (i * 7) % 500 for i in range(40)]
+    prompt = prefix + [11, 12, 13][:new_tokens]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eng.add_request("first", prefix + [9], params)
+    drain(eng)
+    eng.kv.tree.evict(eng.allocator.num_pages)  # every cached device page goes to the host
+    hit = eng.kv.match(prompt[:-1])
+    assert hit.tier == "host" and hit.host_tokens == 40 and not hit.pages
+    for layer in eng.runner.pool.layers:
+        for t in layer.values():
+            t.normal_(0.0, 3.0)  # what a step reads if it does not wait for the load
+    if delay:
+        _delay_each_layer(monkeypatch)
+    if not waits:
+        monkeypatch.setattr(PendingLoad, "wait_layer", lambda self, layer: None)
+        monkeypatch.setattr(PendingLoad, "wait_all", lambda self: None)
+    with LogitTap(eng, keep=lambda row: row.float().cpu()) as tap:
+        eng.add_request("again", prompt, params)
+        outs = drain(eng)
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert eng.kv.hits.host_tokens == 40
+    return collect(outs)[("again", 0)]["ids"], tap.rows["again"], eng.kv.host_stats().load_copy_seconds
+
+
+@pytest.mark.parametrize("new_tokens", [3, 1], ids=["extend-per-layer-waits", "decode-graph-waits-all"])
+def test_each_layer_waits_for_its_own_copies(tiny_config_path: str, monkeypatch: pytest.MonkeyPatch,
+                                             new_tokens: int) -> None:
+    ids, logits, _ = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=False)
+    slow_ids, slow_logits, seconds = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=True)
+    assert seconds > 0.01  # the copy stream really was held back (2 layers x ~20 ms)
+    assert slow_ids == ids
+    assert all(torch.equal(a, b) for a, b in zip(slow_logits, logits, strict=True))
+
+
+@pytest.mark.parametrize("new_tokens", [3, 1], ids=["extend", "decode-graph"])
+def test_without_the_waits_the_step_reads_stale_pages(tiny_config_path: str, monkeypatch: pytest.MonkeyPatch,
+                                                      new_tokens: int) -> None:
+    """The planted bug: with the waits gone, the delayed copies land after attention read the
+    pool, so the first logits differ; this is what makes the test above able to fail."""
+    _, logits, _ = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=False)
+    _, stale, _ = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=True, waits=False)
+    assert not torch.allclose(stale[0], logits[0])
