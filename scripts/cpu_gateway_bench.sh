@@ -58,7 +58,7 @@ run() {  # run POLICY PASS
   local gw=$!
   PIDS+=($gw)
   wait_up "http://127.0.0.1:$PORT"
-  echo "=== $policy pass $pass ($(date +%T))" | tee -a "$LOG"
+  echo "=== $policy pass $pass ($(date +%T); load average $(cut -d" " -f1-3 /proc/loadavg))" | tee -a "$LOG"
   "$PY" -m ketch.cli bench serve --base-url "http://127.0.0.1:$PORT" --backend "$BACKEND" \
     --dataset-name generated-shared-prefix --gsp-num-groups "$NUM_GROUPS" --gsp-prompts-per-group "$PER_GROUP" \
     --gsp-system-prompt-len "$SYSTEM" --gsp-question-len "$QUESTION" --gsp-output-len "$OUTPUT" \

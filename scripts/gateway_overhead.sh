@@ -53,7 +53,7 @@ wait_up "$GW"
 bench() {  # bench TARGET_NAME URL SHAPE ROUND
   local rate=inf
   [ "$3" = poisson ] && rate=$RATE
-  echo "=== $1 $3 round $4 ($(date +%T))" >> "$LOG"
+  echo "=== $1 $3 round $4 ($(date +%T); load average $(cut -d" " -f1-3 /proc/loadavg))" >> "$LOG"
   "$PY" -m ketch.cli bench serve --base-url "$2" --num-prompts "$PROMPTS" --random-input-len "$INPUT" \
     --random-output-len "$OUTPUT" --random-range-ratio 1 --max-concurrency 64 --request-rate "$rate" \
     --num-client-processes "$CLIENTS" --warmup-requests 8 --seed "$4" --disable-tqdm \
