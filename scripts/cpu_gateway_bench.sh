@@ -33,6 +33,9 @@ trap cleanup EXIT
 wait_up() { for _ in $(seq 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "no $1" >&2; exit 1; }
 URLS=()
 for i in $(seq "$WORKERS"); do URLS+=("http://127.0.0.1:$((PORT + i))"); done
+for u in "http://127.0.0.1:$PORT" "${URLS[@]}"; do
+  if curl -s -o /dev/null "$u/health"; then echo "something already answers on $u: stop it first" >&2; exit 1; fi
+done
 
 { echo "date $(date -u +'%F %T UTC'); commit $(git -C "$REPO" rev-parse --short HEAD); $(nproc) cpus; $(lscpu | grep 'Model name' | sed 's/  */ /g')"
   echo "workload: $NUM_GROUPS groups x $PER_GROUP requests, system prompt $SYSTEM tokens, question $QUESTION, output $OUTPUT," \
