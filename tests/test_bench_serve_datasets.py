@@ -1,12 +1,14 @@
-"""`ketch bench serve`: the prompt datasets (random lengths, ShareGPT parsing and filters)."""
+"""`ketch bench serve`: the prompt datasets (random lengths, ShareGPT parsing and filters, groups
+sharing a generated system prompt)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from bench_util import tok  # noqa: F401  (a fixture)
 
-from ketch.bench.datasets import random_requests, sharegpt_requests
+from ketch.bench.datasets import GSP_SEPARATOR, random_requests, shared_prefix_requests, sharegpt_requests
 
 
 def test_random_lengths_in_range_and_reproducible(tok):
@@ -49,3 +51,33 @@ def test_sharegpt_parsing_and_filters(tok, tmp_path):
     assert {r.output_len for r in sharegpt_requests(str(path), tok, 10, seed=0, output_len=12)} == {12}
     with pytest.raises(ValueError, match="dataset_path"):
         sharegpt_requests(str(tmp_path / "missing.json"), tok, 10, seed=0)
+
+
+def test_shared_prefix_groups_shapes_and_reproducibility(tok):
+    reqs = shared_prefix_requests(tok, 4, 3, 48, 8, 5, seed=2)
+    assert len(reqs) == 12 and sorted(r.group for r in reqs) == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert {r.output_len for r in reqs} == {5}
+    assert all(r.prompt_len == len(tok.encode(r.prompt, add_special_tokens=False)) for r in reqs)
+    # a group's system prompt: what its prompts have in common, up to the separator (random text may hold
+    # the separator's characters too, so the last one)
+    common = {g: os.path.commonprefix([r.prompt for r in reqs if r.group == g]) for g in range(4)}
+    system = {g: c[:c.rindex(GSP_SEPARATOR)] for g, c in common.items()}
+    assert len(set(system.values())) == 4  # one system prompt per group
+    for g, text in system.items():
+        assert len(tok.encode(text, add_special_tokens=False)) == 48
+        prefix_ids = tok.encode(text + GSP_SEPARATOR, add_special_tokens=False)
+        group = [r for r in reqs if r.group == g]
+        assert len({r.prompt for r in group}) == 3  # each request its own question
+        for r in group:
+            assert r.prompt.startswith(text + GSP_SEPARATOR)
+            question = r.prompt[len(text + GSP_SEPARATOR):]
+            assert len(tok.encode(question, add_special_tokens=False)) == 8
+            # the exact tokens a prefix cache keys on: the group's prefix, whatever follows it
+            assert tok.encode(r.prompt, add_special_tokens=False)[:len(prefix_ids)] == prefix_ids
+    # shuffled: the groups interleave rather than arriving one group after the other
+    order = [r.group for r in reqs]
+    assert order != sorted(order)
+    assert shared_prefix_requests(tok, 4, 3, 48, 8, 5, seed=2) == reqs
+    assert shared_prefix_requests(tok, 4, 3, 48, 8, 5, seed=3) != reqs
+    with pytest.raises(ValueError, match="gsp_prompts_per_group"):
+        shared_prefix_requests(tok, 4, 0, 48, 8, 5, seed=2)

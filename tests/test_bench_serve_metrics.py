@@ -1,10 +1,10 @@
-"""`ketch bench serve`: the metric math (throughputs, latency percentiles, TPOT, ITL) and the multi-turn
-per-round figures (TTFT, cache hit rate), on hand-made timings."""
+"""`ketch bench serve`: the metric math (throughputs, latency percentiles, TPOT, ITL, the cache hit
+rate) and the multi-turn per-round figures (TTFT, cache hit rate), on hand-made timings."""
 from __future__ import annotations
 
 import pytest
 
-from ketch.bench.serve_metrics import RequestResult, compute_metrics
+from ketch.bench.serve_metrics import RequestResult, compute_metrics, format_report
 
 
 def test_metrics_on_hand_made_timings():
@@ -40,6 +40,25 @@ def test_metrics_single_token_outputs_have_no_tpot_and_empty_runs_are_zero():
     assert none.completed == 0 and none.failed == 1 and none.concurrency == 0.0 and none.p99_e2e_ms == 0.0
     with pytest.raises(ValueError, match="duration_s"):
         compute_metrics([one], duration_s=0.0)
+
+
+def test_cache_hit_rate_sums_cached_over_prompt_tokens_of_the_successes_that_said():
+    def ok(prompt: int, cached: int | None) -> RequestResult:
+        return RequestResult(success=True, prompt_len=prompt, output_len=2, ttft=0.1, latency=0.2, cached_tokens=cached)
+
+    # a pooled ratio (1000 + 0 + 30) / (1100 + 1100 + 100), not the mean of per-request rates (0.40)
+    failed = RequestResult(success=False, prompt_len=900, cached_tokens=800, error="HTTP 500")
+    m = compute_metrics([ok(1100, 1000), ok(1100, 0), ok(100, 30), failed], duration_s=1.0)
+    assert m.total_cached == 1030 and m.cache_hit_rate == pytest.approx(1030 / 2300)
+    assert m.as_dict()["cache_hit_rate"] == pytest.approx(1030 / 2300)
+    assert "Cache hit rate:                          44.78% (1030 prompt tokens cached)" in format_report(m, {})
+    # a success whose server did not say is left out of both sums, not counted as a miss
+    assert compute_metrics([ok(100, 50), ok(300, None)], 1.0).cache_hit_rate == pytest.approx(0.5)
+    # no answer said: no rate (n/a), not a rate of 0
+    silent = compute_metrics([ok(100, None)], 1.0)
+    assert silent.cache_hit_rate is None and silent.total_cached is None
+    assert "Cache hit rate:                          n/a" in format_report(silent, {})
+    assert compute_metrics([ok(100, 0)], 1.0).cache_hit_rate == 0.0
 
 
 def test_engine_side_tpot_median_from_two_histogram_readings():

@@ -1,10 +1,12 @@
 """`ketch bench serve` run by the CLI against a deterministic stub OpenAI server in a thread: the
 printed metrics, the requests it sends, the result file, failures, and short outputs; multi-turn
-conversations (what each round sends, a failed round, --flush-cache's place and its refusal)."""
+conversations (what each round sends, a failed round, --flush-cache's place and its refusal);
+groups sharing a system prompt and the cache hit rate read from the usage."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 from typing import Callable
@@ -16,7 +18,7 @@ from bench_util import shared_tokenizer, tok  # noqa: F401  (fixtures)
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ketch.bench.datasets import random_requests, random_turns
+from ketch.bench.datasets import random_requests, random_turns, shared_prefix_requests
 from ketch.cli import main
 
 METRIC_NAMES = [
@@ -42,9 +44,12 @@ def _chunk_sizes(max_tokens: int) -> list[int]:
 class Stub:
     """A deterministic OpenAI streaming server; a request for which `fail(body)` holds gets a 500."""
 
-    def __init__(self, fail: Callable[[dict], bool], short: bool = False, flush: bool = False) -> None:
+    def __init__(self, fail: Callable[[dict], bool], short: bool = False, flush: bool = False,
+                 cache: bool = False) -> None:
         self.fail = fail
         self.short = short  # stop one token early, like a server that ignores ignore_eos
+        # completions: report cached_tokens = the longest common prefix (in characters) with an earlier prompt
+        self.cache = cache
         self.bodies: list[dict] = []
         self.flushed_after: list[int] = []  # bodies received when each POST /flush_cache came
         self.active = self.max_active = 0
@@ -78,6 +83,9 @@ class Stub:
         # the chat route reports none, so the bench must count the text itself
         n_out = max(1, body["max_tokens"] - 1) if self.short else body["max_tokens"]
         usage = {"prompt_tokens": 1000 + len(body.get("prompt", "")), "completion_tokens": n_out}
+        if self.cache and not chat:
+            usage["prompt_tokens_details"] = {"cached_tokens": max(
+                (_common_prefix(body["prompt"], b["prompt"]) for b in self.bodies[:-1]), default=0)}
 
         async def events():
             for n in _chunk_sizes(n_out):
@@ -93,13 +101,20 @@ class Stub:
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 @pytest.fixture
 def stub_server():
     servers = []
 
     def start(fail: Callable[[dict], bool] = lambda body: False, short: bool = False,
-              flush: bool = False) -> tuple[Stub, str]:
-        stub = Stub(fail, short, flush)
+              flush: bool = False, cache: bool = False) -> tuple[Stub, str]:
+        stub = Stub(fail, short, flush, cache)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen(64)  # connections made before uvicorn starts wait in the backlog: no readiness poll
@@ -262,3 +277,33 @@ def test_multiturn_refusals(stub_server, capsys, tok):
     assert "request_rate: " in capsys.readouterr().err
     assert main(["bench", "serve", "--base-url", url, *MULTITURN, "--multiturn-rounds", "0"]) == 2
     assert "multiturn_rounds: must be >= 1" in capsys.readouterr().err
+
+
+def test_shared_prefix_dataset_sends_the_groups_and_reports_the_hit_rate(stub_server, tmp_path, capsys, tok):
+    want = shared_prefix_requests(tok, 3, 4, 20, 6, 3, seed=4)
+    stub, url = stub_server(cache=True)
+    out_file = tmp_path / "gsp.json"
+    assert main(["bench", "serve", "--base-url", url, "--dataset-name", "generated-shared-prefix",
+                 "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "20",
+                 "--gsp-question-len", "6", "--gsp-output-len", "3", "--seed", "4", "--max-concurrency", "1",
+                 "--num-prompts", "2", "--disable-tqdm", "--output-file", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    # the warmup first (a question-length prompt of no group), then every request once in the dataset's order
+    # (one at a time here, so in that order); --num-prompts does not apply
+    assert [b["prompt"] for b in stub.bodies[1:]] == [q.prompt for q in want]
+    assert not any(stub.bodies[0]["prompt"].startswith(q.prompt[:20]) for q in want)
+    assert all(b["max_tokens"] == 3 and b["ignore_eos"] is True for b in stub.bodies)
+    doc = json.loads(out_file.read_text())
+    reqs, m = doc["requests"], doc["metrics"]
+    assert [r["group"] for r in reqs] == [q.group for q in want]
+    # cached / prompt tokens summed over the run, as the stub reported them per request
+    assert all(isinstance(r["cached_tokens"], int) for r in reqs)
+    assert m["total_cached"] == sum(r["cached_tokens"] for r in reqs)
+    assert m["cache_hit_rate"] == pytest.approx(m["total_cached"] / sum(r["prompt_len"] for r in reqs))
+    # every group's later requests share at least its system prompt's text with the group's first one
+    for g in range(3):
+        group = [q.prompt for q in want if q.group == g]
+        system = os.path.commonprefix(group)
+        later = [r for r in reqs if r["group"] == g][1:]
+        assert len(later) == 3 and all(r["cached_tokens"] >= len(system) > 20 for r in later)
+    assert _printed(out)["Cache hit rate"] == f"{100 * m['cache_hit_rate']:.2f}% ({m['total_cached']} prompt tokens cached)"

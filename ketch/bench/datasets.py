@@ -1,5 +1,6 @@
-"""Prompts for `ketch bench serve`: random token prompts, ShareGPT conversations, and the random
-user turns of multi-turn conversations (bench/multiturn.py).
+"""Prompts for `ketch bench serve`: random token prompts, ShareGPT conversations, groups of prompts
+sharing a generated system prompt, and the random user turns of multi-turn conversations
+(bench/multiturn.py).
 
 Each request carries its prompt text, the prompt's length in tokens by our tokenizer (the server's
 own count, when it reports usage, replaces it later), the number of tokens to ask for and, in a
@@ -35,6 +36,7 @@ class SampleRequest:
     output_len: int
     # a conversation's earlier turns, user and assistant alternately (serve_client.py lays them out)
     history: tuple[str, ...] = ()
+    group: int | None = None  # generated-shared-prefix: which system prompt the prompt starts with
 
 
 def _count(tokenizer: TextTokenizer, text: str) -> int:
@@ -93,6 +95,49 @@ def random_turns(tokenizer: TextTokenizer, num_clients: int, num_rounds: int, tu
     rng = random.Random(seed)
     pool = _token_pool(tokenizer)
     return [[_random_text(tokenizer, turn_len, rng, pool) for _ in range(num_rounds)] for _ in range(num_clients)]
+
+
+# Between a group's system prompt and a request's question (the layout of SGLang's bench_serving).
+GSP_SEPARATOR = "\n\n"
+
+
+def _shares_prefix(tokenizer: TextTokenizer, prefix_ids: list[int], text: str) -> bool:
+    return tokenizer.encode(text, add_special_tokens=False)[:len(prefix_ids)] == prefix_ids
+
+
+def shared_prefix_requests(tokenizer: TextTokenizer, num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                           question_len: int, output_len: int, seed: int) -> list[SampleRequest]:
+    """`--dataset-name generated-shared-prefix`: `num_groups` system prompts of `system_prompt_len`
+    random tokens, each followed (after GSP_SEPARATOR) by `prompts_per_group` questions of
+    `question_len` random tokens; every request asks for `output_len` tokens. Reproducible by seed.
+
+    Each prompt's tokens start with exactly its group's system prompt and separator tokens (a
+    question whose first characters would merge with the separator when tokenized is drawn again),
+    so a prefix cache can serve that many tokens to every request of a group after its first. The
+    requests are shuffled by seed, so a group's requests are spread over the run, between the
+    other groups' ones (as SGLang shuffles them): which worker a request lands on decides whether
+    its system prompt is already cached there."""
+    for name, value in (("gsp_num_groups", num_groups), ("gsp_prompts_per_group", prompts_per_group),
+                        ("gsp_system_prompt_len", system_prompt_len), ("gsp_question_len", question_len),
+                        ("gsp_output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    rng = random.Random(seed)
+    pool = _token_pool(tokenizer)
+    out = []
+    for g in range(num_groups):
+        prefix = _random_text(tokenizer, system_prompt_len, rng, pool) + GSP_SEPARATOR
+        prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
+        for _ in range(prompts_per_group):
+            for _ in range(16):
+                text = prefix + _random_text(tokenizer, question_len, rng, pool)
+                if _shares_prefix(tokenizer, prefix_ids, text):
+                    break
+            else:
+                raise ValueError(f"gsp: no question kept group {g}'s system prompt tokens intact in 16 draws")
+            out.append(SampleRequest(text, _count(tokenizer, text), output_len, group=g))
+    rng.shuffle(out)
+    return out
 
 
 def _first_turns(conversation: list) -> tuple[str, str] | None:

@@ -27,7 +27,7 @@ from ketch.bench.datasets import SampleRequest
 from ketch.bench.serve_client import UNCOUNTED, RequestConfig, chat_messages, completion_prompt
 from ketch.bench.serve_http import HTTPClient
 from ketch.bench.serve_load import LoadRun, limited
-from ketch.bench.serve_metrics import RequestResult, report_row, report_rule
+from ketch.bench.serve_metrics import RequestResult, cache_hits, report_row, report_rule
 
 
 @dataclass(frozen=True)
@@ -112,12 +112,6 @@ def _ttft_ms(results: list[RequestResult], stat: Callable[[list[float]], float])
     return 1000.0 * stat(ttft) if ttft else 0.0
 
 
-def _hits(results: list[RequestResult]) -> tuple[int, int, float | None]:
-    told = [r for r in results if r.success and r.cached_tokens is not None]
-    prompt, cached = sum(r.prompt_len for r in told), sum(r.cached_tokens or 0 for r in told)
-    return prompt, cached, (cached / prompt if told and prompt > 0 else None)
-
-
 def round_metrics(results: list[RequestResult], rounds: int) -> dict:
     """Per round and over rounds >= 2 (pooled over their requests, not a mean of round means);
     `results` client-major as `run_conversations` gives them."""
@@ -125,13 +119,13 @@ def round_metrics(results: list[RequestResult], rounds: int) -> dict:
     out = []
     for r, rs in enumerate(per_round, start=1):
         ok = sum(1 for x in rs if x.success)
-        prompt, cached, rate = _hits(rs)
+        prompt, cached, rate = cache_hits(rs)
         out.append(RoundMetrics(r, ok, len(rs) - ok, _ttft_ms(rs, statistics.fmean),
                                 _ttft_ms(rs, statistics.median), prompt, cached, rate))
     later = [x for rs in per_round[1:] for x in rs]
     return {"clients": len(results) // rounds, "rounds": rounds, "per_round": [asdict(m) for m in out],
             "mean_ttft_ms_rounds_2plus": _ttft_ms(later, statistics.fmean) if later else None,
-            "cache_hit_rate_rounds_2plus": _hits(later)[2] if later else None}
+            "cache_hit_rate_rounds_2plus": cache_hits(later)[2] if later else None}
 
 
 def format_rounds(m: dict) -> str:

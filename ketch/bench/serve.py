@@ -5,8 +5,9 @@ arrivals follow a Poisson process at --request-rate (inf: all at once), optional
 --max-concurrency in flight. Warmup requests go first and are not counted; --flush-cache then
 empties the server's prefix cache. The load runs on one event loop here (serve_load.py) or, with
 --num-client-processes N, on N processes whose records are merged (serve_procs.py); multi-turn
-conversations (--dataset-name multiturn) run on one loop (multiturn.py). Outputs the server did
-not count are tokenized after the run.
+conversations (--dataset-name multiturn) run on one loop (multiturn.py). Groups of prompts sharing a
+system prompt (--dataset-name generated-shared-prefix) are sent shuffled, like any list of
+requests. Outputs the server did not count are tokenized after the run.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import os
 import sys
 import time
 
-from ketch.bench.datasets import SampleRequest, random_requests, random_turns, sharegpt_requests
+from ketch.bench.datasets import (SampleRequest, random_requests, random_turns, shared_prefix_requests,
+                                  sharegpt_requests)
 from ketch.bench.multiturn import Conversations, count_prompts, format_rounds, round_metrics, run_conversations
 from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, flush_cache, make_client
 from ketch.bench.serve_engine_steps import StepWindow, read_step_clock, step_window
@@ -52,7 +54,7 @@ def _check_args(a: argparse.Namespace) -> None:
         raise ValueError(f"request_timeout: must be > 0, got {a.request_timeout}")
     if a.num_client_processes < 1:
         raise ValueError(f"num_client_processes: must be >= 1, got {a.num_client_processes}")
-    if a.num_client_processes > a.num_prompts:
+    if a.dataset_name != "generated-shared-prefix" and a.num_client_processes > a.num_prompts:
         raise ValueError(f"num_client_processes: {a.num_client_processes} is more than --num-prompts {a.num_prompts}")
     if a.max_concurrency is not None and a.num_client_processes > a.max_concurrency:
         raise ValueError(f"num_client_processes: {a.num_client_processes} is more than --max-concurrency "
@@ -79,10 +81,25 @@ def build_requests(a: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     if a.dataset_name == "multiturn":
         return random_requests(tokenizer, max(1, a.warmup_requests), a.multiturn_turn_len, a.random_output_len,
                                1.0, a.seed + 1)
+    if a.dataset_name == "generated-shared-prefix":
+        reqs = shared_prefix_requests(tokenizer, a.gsp_num_groups, a.gsp_prompts_per_group, a.gsp_system_prompt_len,
+                                      a.gsp_question_len, a.gsp_output_len, a.seed)
+        if a.num_client_processes > len(reqs):
+            raise ValueError(f"num_client_processes: {a.num_client_processes} is more than the {len(reqs)} requests")
+        return reqs
     if a.dataset_name == "random":
         return random_requests(tokenizer, a.num_prompts, a.random_input_len, a.random_output_len,
                                a.random_range_ratio, a.seed)
     return sharegpt_requests(a.dataset_path, tokenizer, a.num_prompts, a.seed, a.sharegpt_output_len)
+
+
+def warmup_requests(a: argparse.Namespace, tokenizer, requests: list[SampleRequest]) -> list[SampleRequest]:
+    """What the warmup sends: the run's own first requests, but for generated-shared-prefix random
+    prompts of the question length from another seed, which share no group's system prompt (the
+    run's hit rate counts only what the run itself cached, or the earlier runs without --flush-cache)."""
+    if a.dataset_name != "generated-shared-prefix":
+        return requests
+    return random_requests(tokenizer, max(1, a.warmup_requests), a.gsp_question_len, a.gsp_output_len, 1.0, a.seed + 1)
 
 
 async def _prepare(client: HTTPClient, a: argparse.Namespace, base_url: str, api_key: str | None,
@@ -109,14 +126,14 @@ async def _prepare(client: HTTPClient, a: argparse.Namespace, base_url: str, api
 
 
 def _bench(a: argparse.Namespace, base_url: str, api_key: str | None, requests: list[SampleRequest],
-           ignore_eos: bool, conv: Conversations | None) -> dict | None:
+           warmup: list[SampleRequest], ignore_eos: bool, conv: Conversations | None) -> dict | None:
     load = Load(a.max_concurrency, a.request_rate, a.seed)
     show = not a.disable_tqdm
     bar = None if a.disable_tqdm else "requests"
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         client = make_client(base_url)
         try:
-            cfg = runner.run(_prepare(client, a, base_url, api_key, requests, ignore_eos))
+            cfg = runner.run(_prepare(client, a, base_url, api_key, warmup, ignore_eos))
             if cfg is None:
                 return None
             clock0 = read_step_clock(base_url, api_key)  # after the warmup
@@ -175,10 +192,10 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     if a.dataset_name == "multiturn":
         conv = Conversations(random_turns(tokenizer, a.multiturn_clients, a.multiturn_rounds, a.multiturn_turn_len,
                                           a.seed), a.random_output_len)
-    ignore_eos = a.ignore_eos if a.ignore_eos is not None else a.dataset_name in ("random", "multiturn")
+    ignore_eos = a.ignore_eos if a.ignore_eos is not None else a.dataset_name != "sharegpt"
 
     try:
-        out = _bench(a, base_url, api_key, requests, ignore_eos, conv)
+        out = _bench(a, base_url, api_key, requests, warmup_requests(a, tokenizer, requests), ignore_eos, conv)
     except RuntimeError as e:  # a client process died: there is no whole run to report
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -243,7 +260,7 @@ def _write_json(a: argparse.Namespace, base_url: str, model: str, ignore_eos: bo
         "requests": [
             {"success": r.success, "prompt_len": r.prompt_len, "output_len": r.output_len,
              "requested_output_len": q.output_len, "cached_tokens": r.cached_tokens, "ttft": r.ttft,
-             "e2e": r.latency, "itl": r.itl, "error": r.error} | _place(a, i)
+             "e2e": r.latency, "itl": r.itl, "error": r.error} | _place(a, i, q)
             for i, (q, r) in enumerate(zip(requests, results))
         ],
     }
@@ -251,8 +268,11 @@ def _write_json(a: argparse.Namespace, base_url: str, model: str, ignore_eos: bo
         json.dump(doc, f, indent=2)
 
 
-def _place(a: argparse.Namespace, i: int) -> dict:
-    """Multiturn: which conversation (from 0) and round (from 1) request i was."""
+def _place(a: argparse.Namespace, i: int, req: SampleRequest) -> dict:
+    """Multiturn: which conversation (from 0) and round (from 1) request i was; generated-shared-prefix:
+    its group (from 0)."""
+    if a.dataset_name == "generated-shared-prefix":
+        return {"group": req.group}
     if a.dataset_name != "multiturn":
         return {}
     return {"client": i // a.multiturn_rounds, "round": i % a.multiturn_rounds + 1}

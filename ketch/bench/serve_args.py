@@ -19,8 +19,11 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--extra-request-body", default=None, help="JSON object merged into every request body")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "multiturn"],
-                   help="multiturn: --multiturn-clients conversations of --multiturn-rounds rounds (not --num-prompts)")
+    d.add_argument("--dataset-name", default="random",
+                   choices=["random", "sharegpt", "multiturn", "generated-shared-prefix"],
+                   help="multiturn: --multiturn-clients conversations of --multiturn-rounds rounds; "
+                        "generated-shared-prefix: --gsp-num-groups x --gsp-prompts-per-group prompts (neither "
+                        "uses --num-prompts)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (for --dataset-name sharegpt)")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -36,6 +39,17 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="multiturn: rounds per conversation (--num-rounds there)")
     d.add_argument("--multiturn-turn-len", type=int, default=256,
                    help="multiturn: tokens of each new user turn (--request-length there); answers: --random-output-len")
+    # SGLang bench_serving's names and defaults
+    d.add_argument("--gsp-num-groups", type=int, default=64,
+                   help="generated-shared-prefix: groups, each with its own system prompt")
+    d.add_argument("--gsp-prompts-per-group", type=int, default=16,
+                   help="generated-shared-prefix: requests per group (its system prompt + a question each)")
+    d.add_argument("--gsp-system-prompt-len", type=int, default=2048,
+                   help="generated-shared-prefix: tokens of each group's system prompt (random tokens)")
+    d.add_argument("--gsp-question-len", type=int, default=128,
+                   help="generated-shared-prefix: tokens of each request's question (random tokens)")
+    d.add_argument("--gsp-output-len", type=int, default=256,
+                   help="generated-shared-prefix: max_tokens of every request")
 
     r = p.add_argument_group("load")
     r.add_argument("--request-rate", type=float, default=float("inf"),
@@ -45,8 +59,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--flush-cache", action="store_true",
                    help="POST /flush_cache after the warmup, so the run starts with an empty prefix cache")
     r.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask the server to run every request to max_tokens (default: on for random and "
-                        "multiturn, off for sharegpt)")
+                   help="ask the server to run every request to max_tokens (default: on for random, "
+                        "multiturn and generated-shared-prefix, off for sharegpt)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--num-client-processes", type=int, default=1,
                    help="split the requests (and --max-concurrency, --request-rate) over this many client "

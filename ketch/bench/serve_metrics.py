@@ -6,6 +6,9 @@ Definitions (those of the usual serving benchmarks):
   several tokens is one gap).
 - TPOT: (E2E − TTFT) / (output tokens − 1), per request with more than one output token.
 - Concurrency: the sum of E2E latencies over the benchmark duration (the mean number in flight).
+- Cache hit rate: prompt tokens the server's prefix cache served (its usage's
+  `prompt_tokens_details.cached_tokens`) over prompt tokens, both summed over the successes whose
+  answer said how many were cached; None when none did.
 Token totals and throughputs count successful requests only.
 """
 from __future__ import annotations
@@ -56,6 +59,8 @@ class BenchmarkMetrics:
     p95_itl_ms: float
     p99_itl_ms: float
     max_itl_ms: float
+    total_cached: int | None = None  # prompt tokens served from the prefix cache (None: no answer said)
+    cache_hit_rate: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +80,15 @@ def _ms(values: list[float], stat: str, q: float = 50.0) -> float:
     return float(v) * 1000.0
 
 
+def cache_hits(results: list[RequestResult]) -> tuple[int, int, float | None]:
+    """(prompt tokens, cached prompt tokens, their ratio) over the successes whose server reported
+    cached tokens: a sum over requests, not a mean of per-request rates; the ratio is None when no
+    success reported them (not a rate of 0) or their prompts were empty."""
+    told = [r for r in results if r.success and r.cached_tokens is not None]
+    prompt, cached = sum(r.prompt_len for r in told), sum(r.cached_tokens or 0 for r in told)
+    return prompt, cached, (cached / prompt if told and prompt > 0 else None)
+
+
 def compute_metrics(results: list[RequestResult], duration_s: float) -> BenchmarkMetrics:
     if duration_s <= 0:
         raise ValueError(f"duration_s: must be > 0, got {duration_s}")
@@ -85,6 +99,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> Benchmar
     itl = [gap for r in ok for gap in r.itl]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
+    _, cached, hit_rate = cache_hits(ok)
     return BenchmarkMetrics(
         completed=len(ok),
         failed=len(results) - len(ok),
@@ -110,6 +125,8 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> Benchmar
         p95_itl_ms=_ms(itl, "pct", 95),
         p99_itl_ms=_ms(itl, "pct", 99),
         max_itl_ms=_ms(itl, "max"),
+        total_cached=cached if hit_rate is not None else None,
+        cache_hit_rate=hit_rate,
     )
 
 
@@ -138,6 +155,8 @@ def format_report(m: BenchmarkMetrics, header: dict[str, object]) -> str:
         report_row("Output token throughput (tok/s)", m.output_throughput),
         report_row("Total token throughput (tok/s)", m.total_throughput),
         report_row("Concurrency", m.concurrency),
+        report_row("Cache hit rate", "n/a (the server reported no cached tokens)" if m.cache_hit_rate is None
+                   else f"{100 * m.cache_hit_rate:.2f}% ({m.total_cached} prompt tokens cached)"),
         report_rule("End-to-End Latency"),
         report_row("Mean E2E Latency (ms)", m.mean_e2e_ms),
         report_row("Median E2E Latency (ms)", m.median_e2e_ms),
