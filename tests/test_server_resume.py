@@ -55,9 +55,10 @@ def usage(events: list[dict]) -> dict:
     return events[-1]["usage"]
 
 
-def cut_and_resume(base: str, path: str, body: dict, cuts: tuple[int, ...]) -> list[int]:
+def cut_and_resume(base: str, path: str, body: dict, cuts: tuple[int, ...], regenerate: bool = False) -> list[int]:
     """The uncut stream, then for each cut c: the chunks up to the one that brings the c-th id (a
-    slow reader may get several ids per chunk), as the client had them, resumed."""
+    slow reader may get several ids per chunk), as the client had them, resumed. `regenerate`:
+    as the gateway resumes, with the last chunk's ids made again silently (regenerate_last)."""
     body = {**body, "return_token_ids": True, "stream_options": {"include_usage": True}}
     whole = sse(base, path, body)
     parts = [c for c in choices(whole) if c.get("token_ids") or text_of(c) or c["finish_reason"]]
@@ -70,7 +71,8 @@ def cut_and_resume(base: str, path: str, body: dict, cuts: tuple[int, ...]) -> l
         sent_ids = [t for c in parts[:upto] for t in c["token_ids"]]
         sent_text = "".join(text_of(c) for c in parts[:upto])
         assert 0 < len(sent_ids) < len(whole_ids), cut
-        resumed = sse(base, path, {**body, "resume": {"generated_token_ids": sent_ids}})
+        m = len(parts[upto - 1]["token_ids"]) if regenerate else 0
+        resumed = sse(base, path, {**body, "resume": {"generated_token_ids": sent_ids, "regenerate_last": m}})
         rest = choices(resumed)
         assert "role" not in rest[0].get("delta", {}), "a resumed chat stream has no second role chunk"
         assert sent_text + "".join(text_of(c) for c in rest) == whole_text, cut
@@ -79,7 +81,7 @@ def cut_and_resume(base: str, path: str, body: dict, cuts: tuple[int, ...]) -> l
         # usage: the original prompt; completion tokens are this stream's (the gateway adds the ids it sent)
         u, w = usage(resumed), usage(whole)
         assert u["prompt_tokens"] == w["prompt_tokens"]
-        assert u["completion_tokens"] == w["completion_tokens"] - len(sent_ids)
+        assert u["completion_tokens"] == w["completion_tokens"] - len(sent_ids) + m
         assert u["prompt_tokens_details"]["cached_tokens"] <= u["prompt_tokens"]
     wait_for(lambda: pages_all_back(metrics(base)), "every page back")
     return whole_ids
@@ -88,16 +90,59 @@ def cut_and_resume(base: str, path: str, body: dict, cuts: tuple[int, ...]) -> l
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.95, "seed": 5,
                                                             "frequency_penalty": 0.5, "min_tokens": 20}],
                          ids=["greedy", "seeded"])
-def test_completions_stream_resumed(server, sampling):
+@pytest.mark.parametrize("regenerate", [False, True], ids=["prefilled", "regenerated"])
+def test_completions_stream_resumed(server, sampling, regenerate):
     _, base = server
-    ids = cut_and_resume(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, **sampling}, (1, 7, 23))
+    ids = cut_and_resume(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, **sampling}, (1, 7, 23),
+                         regenerate)
     assert len(ids) == 24 and len(set(ids)) > 5
 
 
-def test_chat_stream_resumed(server):
+@pytest.mark.parametrize("regenerate", [False, True], ids=["prefilled", "regenerated"])
+def test_chat_stream_resumed(server, regenerate):
     _, base = server
     body = {"messages": STORY, "max_tokens": 20, "temperature": 0.8, "seed": 9}
-    cut_and_resume(base, "/v1/chat/completions", body, (2, 12))
+    cut_and_resume(base, "/v1/chat/completions", body, (2, 12), regenerate)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": STORY, "max_tokens": 6}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 64}),
+], ids=["chat-length", "completions-length", "chat-eos"])
+def test_a_finishing_chunk_regenerated_ends_the_stream(server, path, body):
+    """The gateway's uncertain case: the client has the chunk with the last ids, maybe not the finish
+    (a chat stream sends it in a chunk of its own). Regenerating those ids silently ends the stream
+    with the original's finish and nothing else: no text, no ids; usage counts them."""
+    _, base = server
+    body = {**body, "temperature": 0, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    whole = sse(base, path, body)
+    parts = [c for c in choices(whole) if c.get("token_ids")]
+    ids = [t for c in parts for t in c["token_ids"]]
+    reason = next(c["finish_reason"] for c in choices(whole) if c["finish_reason"])
+    m = len(parts[-1]["token_ids"])
+    resumed = sse(base, path, {**body, "resume": {"generated_token_ids": ids, "regenerate_last": m}})
+    assert [(text_of(c), c["token_ids"], c["finish_reason"]) for c in choices(resumed)] == [("", [], reason)]
+    assert usage(resumed)["completion_tokens"] == m
+    if "eos" in path or body["max_tokens"] == 64:
+        assert reason == "stop" and ids[-1] == EOS
+
+
+def test_a_regenerated_id_that_differs_ends_the_stream_with_an_error(server):
+    _, base = server
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    ids = [t for c in choices(sse(base, "/v1/completions", body)) for t in c["token_ids"]]
+    wrong = ids[:3] + [(ids[3] + 1) % 49152]
+    conn = connect(base, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "resume": {
+            "generated_token_ids": wrong, "regenerate_last": 1}}), {"content-type": "application/json"})
+        events = [json.loads(line[6:]) for line in conn.getresponse() if line.startswith(b"data: {")]
+    finally:
+        conn.close()
+    assert events[-1]["error"]["code"] == "resume_diverged", events
+    assert not any(e.get("choices") for e in events)  # nothing of a forked text went out
+    wait_for(lambda: pages_all_back(metrics(base)), "every page back")
 
 
 def test_a_stop_string_spanning_the_cut(server):
@@ -142,6 +187,8 @@ def test_logprob_offsets_go_on(server):
     ({"n": 2, "resume": {"generated_token_ids": [7]}}, "resume.generated_token_ids", "one sample at a time"),
     ({"prompt": ["a", "b"], "resume": {"generated_token_ids": [7]}}, "resume", "one prompt's stream, got 2"),
     ({"stream": False, "resume": {"generated_token_ids": [7]}}, "resume", "needs stream=true"),
+    ({"resume": {"generated_token_ids": [7], "regenerate_last": 2}}, "resume.regenerate_last", "from 0 to the number"),
+    ({"resume": {"generated_token_ids": [7], "regenerate_last": "1"}}, "resume.regenerate_last", "an integer"),
 ])
 def test_bad_resume_is_a_400_naming_the_field(server, change, param, words):
     _, base = server

@@ -54,10 +54,10 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar,
                              state.max_n)
     params = plan.adjust(params, fields)
-    generated = resume_token_ids(fields)
+    generated, replay = resume_token_ids(fields) or (None, None)
     check_context(prompt_ids, params, state.client, "messages", generated)
     rid = new_request_id("chatcmpl")
-    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated)
+    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay)
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     with_ids = bool(fields.get("return_token_ids"))
@@ -114,6 +114,8 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
                           "finish_reason": None}])
     async for ev in gen.events():
         parser = parsers[ev.index]
+        if ev.silent_text:
+            parser.feed(ev.silent_text)  # its deltas reached the client from the original stream
         logprobs = chat_logprobs(state.tokenizer, ev.logprobs) if gen.params.wants_logprobs else None
         ids = ev.token_ids if with_ids else None  # on the event's first chunk; a gateway resumes from them
         deltas = [parser.feed(ev.text) if ev.text else None]

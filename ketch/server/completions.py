@@ -43,7 +43,7 @@ async def completions(state: ServerState, body: Any, request: Request):
     fields = check_fields(body, COMPLETION_FIELDS)
     state.check_model(fields.get("model"))
     raw = completion_prompts(fields.get("prompt"))
-    generated = resume_token_ids(fields)
+    generated, replay = resume_token_ids(fields) or (None, None)
     if generated is not None and len(raw) != 1:
         raise APIError(400, f"resume: continues one prompt's stream, got {len(raw)} prompts", param="resume")
     prompts = [_encode(state, p) for p in raw]
@@ -55,7 +55,7 @@ async def completions(state: ServerState, body: Any, request: Request):
     for ids in prompts:
         check_context(ids, params, state.client, "prompt", generated)
     rid = new_request_id("cmpl")
-    gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated)
+    gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated, replay)
     gen.start()
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     with_ids = bool(fields.get("return_token_ids"))
@@ -90,13 +90,16 @@ async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[s
 
 async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage: bool,
                   echoes: list[str], with_ids: bool) -> AsyncIterator[dict]:
-    # a resumed stream's logprob text offsets go on from the original's
-    offsets: dict[int, int] = {0: text_offset_after(state.tokenizer, gen.generated)} if gen.generated else {}
+    # a resumed stream's logprob text offsets go on from the original's (its regenerated ids included)
+    resumed = (gen.generated or []) + gen.replay
+    offsets: dict[int, int] = {0: text_offset_after(state.tokenizer, resumed)} if resumed else {}
     for i, text in enumerate(echoes):
         if text:
             yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
                    **({"usage": None} if include_usage else {})}
     async for ev in gen.events():
+        if not ev.token_ids and ev.finish_reason is None:
+            continue  # all of it regenerated (resume.regenerate_last): its client has that text
         logprobs = None
         if gen.params.wants_logprobs:
             logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets.get(ev.index, 0))

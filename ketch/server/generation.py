@@ -23,9 +23,9 @@ from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
 from ketch.server.errors import APIError, bad_value, engine_unavailable
-from ketch.server.protocol import RESUME_FIELD
+from ketch.server.protocol import REGENERATE_FIELD, RESUME_FIELD
 from ketch.server.state import ServerState
-from ketch.text.sample_text import SampleText
+from ketch.text.sample_text import ReplayedTokens, SampleText
 
 
 @dataclass
@@ -36,11 +36,15 @@ class ChoiceEvent:
     logprobs: list[WireLogprob]
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    # text of regenerated tokens its client already has (resume.regenerate_last): never sent, but
+    # an output parser takes it so that it stands where the original's did
+    silent_text: str = ""
 
 
 @dataclass
 class _Sample:
     text: SampleText
+    replay: list[int] = field(default_factory=list)  # regenerated ids still to come (resume.regenerate_last)
     finished: bool = False
     num_tokens: int = 0
     last_token_at: float | None = None
@@ -81,10 +85,13 @@ def _resume_named(message: str) -> str:
 
 
 class Generation:
-    """`generated`: a resumed stream's ids so far (one prompt, n = 1; README, "Resuming a stream")."""
+    """`generated`: a resumed stream's ids so far (one prompt, n = 1; README, "Resuming a stream");
+    `replay`: the ids its client has after those, which the engine makes again without their text
+    being sent, so that an event the original had cut short (its finish not sent yet) ends here."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 timeout: float | None = None, generated: list[int] | None = None) -> None:
+                 timeout: float | None = None, generated: list[int] | None = None,
+                 replay: list[int] | None = None) -> None:
         self.client, self.params = state.client, params
         self.timeout = timeout if timeout is not None else state.request_timeout
         self._admission, self._metrics = state.admission, state.metrics
@@ -92,8 +99,9 @@ class Generation:
         self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
         self.prompts = dict(zip(self.rids, prompts))
         self.generated = generated
+        self.replay = list(replay or ())
         try:
-            self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or ()))
+            self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or ()), list(self.replay))
                             for rid, ids in self.prompts.items() for j in range(params.n)}
         except ValueError as e:  # a resumed text that already holds a stop string
             raise bad_value(_resume_named(str(e))) from None
@@ -210,9 +218,13 @@ class Generation:
             self._observe_tokens(sample, len(d.new_token_ids))
         sample.num_tokens += len(d.new_token_ids)
         self.usage.completion_tokens += len(d.new_token_ids)
-        text, stopped = sample.text.push(d)
+        silent, stopped, rest = self._replay(sample, d) if sample.replay else ("", None, d)
+        text = ""
+        if rest is not None and stopped is None:
+            text, stopped = sample.text.push(rest)
         choice = self._prompt_index[d.request_id] * self.params.n + d.index
-        event = ChoiceEvent(choice, text, list(d.new_token_ids), list(d.new_logprobs or []))
+        event = ChoiceEvent(choice, text, list(rest.new_token_ids) if rest else [],
+                            list(rest.new_logprobs or []) if rest else [], silent_text=silent)
         if stopped is not None:
             self.client.abort(d.request_id, d.index)
             event.finish_reason, event.matched_stop = "stop", stopped
@@ -221,6 +233,24 @@ class Generation:
         if event.finish_reason is not None:
             self._end(sample, event.finish_reason)
         return event
+
+    @staticmethod
+    def _replay(sample: _Sample, d: TokenDelta) -> tuple[str, str | None, TokenDelta | None]:
+        """Take the regenerated ids off the front of `d`: their text (silent), a stop string they
+        completed, and the rest of `d` (None when nothing is left: `d`'s finish was pushed too)."""
+        n = min(len(sample.replay), len(d.new_token_ids))
+        made = list(d.new_token_ids[:n])
+        if made != sample.replay[:n]:  # unseeded sampling, or another model: the client's text would fork
+            raise APIError(400, f"{REGENERATE_FIELD}: the worker made {made}, not {sample.replay[:n]} as the "
+                           f"original stream did, so it cannot continue it", param=REGENERATE_FIELD,
+                           code="resume_diverged")
+        sample.replay = sample.replay[n:]
+        if n == len(d.new_token_ids):
+            silent, stopped = sample.text.push(d)
+            return silent, stopped, None
+        silent, stopped = sample.text.push(ReplayedTokens(made))
+        logprobs = None if d.new_logprobs is None else d.new_logprobs[n:]
+        return silent, stopped, msgspec.structs.replace(d, new_token_ids=d.new_token_ids[n:], new_logprobs=logprobs)
 
 
 def coalesce(items: list) -> list:

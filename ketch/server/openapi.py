@@ -53,7 +53,8 @@ def _field(name: str, types: tuple[type, ...], max_n: int, vocab_size: int) -> d
     if name == "resume":  # README, "Resuming a stream"
         schema.update(additionalProperties=False, required=["generated_token_ids"], properties={
             "generated_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                                "maximum": vocab_size - 1}}})
+                                                                "maximum": vocab_size - 1}},
+            "regenerate_last": {"type": "integer", "minimum": 0}})
     if name in _STRING_OR_LIST and "array" in names:
         schema.update(_STRING_OR_LIST[name])
     return schema

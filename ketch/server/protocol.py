@@ -135,23 +135,29 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 RESUME_FIELD = "resume.generated_token_ids"
+REGENERATE_FIELD = "resume.regenerate_last"
 
 
-def resume_token_ids(fields: dict[str, Any]) -> list[int] | None:
-    """The `resume` extension's ids (None without it); its shape only: the values are the engine's
-    checks (validate_request), made before the stream starts."""
+def resume_token_ids(fields: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """The `resume` extension (None without it) as (ids to prefill, ids to regenerate silently):
+    `regenerate_last` m splits the last m ids off (README, "Resuming a stream"). Its shape only:
+    the values are the engine's checks (validate_request), made before the stream starts."""
     resume = fields.get("resume")
     if resume is None:
         return None
-    unknown = set(resume) - {"generated_token_ids"}
+    unknown = set(resume) - {"generated_token_ids", "regenerate_last"}
     if unknown:
-        raise APIError(400, f"resume: unsupported field {sorted(unknown)[0]!r}; it takes generated_token_ids",
-                       param="resume", code="unsupported_field")
+        raise APIError(400, f"resume: unsupported field {sorted(unknown)[0]!r}; it takes generated_token_ids "
+                       f"and regenerate_last", param="resume", code="unsupported_field")
     ids = resume.get("generated_token_ids")
     if not isinstance(ids, list) or not all(type(t) is int for t in ids):
         raise APIError(400, f"{RESUME_FIELD}: expected a list of token ids (integers)", param=RESUME_FIELD,
                        code="invalid_type")
+    m = resume.get("regenerate_last", 0)
+    if type(m) is not int or not 0 <= m <= len(ids):
+        raise APIError(400, f"{REGENERATE_FIELD}: expected an integer from 0 to the number of generated_token_ids "
+                       f"({len(ids)}), got {m!r}", param=REGENERATE_FIELD)
     if not fields.get("stream"):
         raise APIError(400, "resume: continues a stream, so it needs stream=true (a whole answer that failed is "
                        "simply asked again)", param="resume")
-    return ids
+    return ids[:len(ids) - m], ids[len(ids) - m:]

@@ -26,7 +26,8 @@ class SampleTextParams(Protocol):
 
 
 @dataclass
-class _Resumed:
+class ReplayedTokens:
+    """Ids pushed as a run of their own (a resumed stream's, a regenerated one's): not a finish."""
     new_token_ids: list[int]
     finished: bool = False
     matched_stop: int | str | None = None
@@ -59,7 +60,7 @@ class SampleText:
         text = ""
         for part in (ids[:split], ids[split:]):
             if part:
-                delta, stopped = self.push(_Resumed(part))
+                delta, stopped = self.push(ReplayedTokens(part))
                 if stopped is not None:
                     raise ValueError(f"generated_token_ids: their text contains the stop string {stopped!r}, "
                                      f"so the stream ended there")
