@@ -17,7 +17,7 @@ import openai
 import pytest
 from gateway_util import (MODEL, Replica, replicas, request, running_gateway, sigkill_replica, start_replica, stop,
                           wait_healthy, workers)
-from server_util import free_port, open_stream, parse_metrics, wait_for
+from server_util import connect, free_port, parse_metrics, wait_for
 
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
 
@@ -77,21 +77,49 @@ def test_a_port_with_nothing_listening_is_skipped_and_its_breaker_opens(cluster:
     assert {served_by(cluster.health_base) for _ in range(4)} == live
 
 
-def test_a_stream_whose_worker_is_sigkilled_ends_with_an_error_event(cluster: Cluster):
-    conn, resp = open_stream(cluster.base, "/v1/completions", {"model": MODEL, "prompt": "Count:", "max_tokens": 2000,
-                                                               "ignore_eos": True})
-    victim = resp.getheader("x-ketch-worker")
-    sigkill_replica(next(r for r in cluster.replicas if r.url == victim))
-    # read() returns: the gateway ended the stream (open_stream left the first event's blank line)
-    events = [e.strip() for e in resp.read().split(b"\n\n") if e.strip()]
-    conn.close()
-    assert events[-1] == b"data: [DONE]"
-    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
-    assert error["code"] == "worker_lost" and victim in error["message"]
-    for e in events[:-2]:  # whatever arrived before the cut is whole events, none torn
-        assert "choices" in json.loads(e.removeprefix(b"data: "))
-    wait_for(lambda: workers(cluster.base)[victim]["in_flight"] == 0, "the stream's slot to come back", 10)
-    assert errors(gateway_metrics(cluster.base), victim, "stream_cut") == 1
+def stream_events(base: str, body: dict, on_first_event=None) -> list[dict]:
+    """A streamed completion's events ([DONE] checked and left out); `on_first_event(response)` is
+    called once the first one arrived (the engine has the request)."""
+    conn = connect(base, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        lines = [resp.readline()]
+        if on_first_event is not None:
+            on_first_event(resp)
+        lines += list(resp)
+    finally:
+        conn.close()
+    events = [line[6:].strip() for line in lines if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_stream_whose_worker_is_sigkilled_goes_on_on_the_survivor(cluster: Cluster):
+    """The stream goes on on the other replica: one unbroken stream (one id, no error, no token_ids
+    the client did not ask for) with the text of the same request on a healthy server."""
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 160, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    victims = []
+
+    def kill_its_worker(resp) -> None:
+        victims.append(resp.getheader("x-ketch-worker"))
+        sigkill_replica(next(r for r in cluster.replicas if r.url == victims[0]))
+
+    events = stream_events(cluster.base, body, kill_its_worker)
+    survivor = next(r.url for r in cluster.replicas if r.url != victims[0])
+    reference = stream_events(survivor, body)
+    assert all("error" not in e and "token_ids" not in str(e) for e in events), events
+    assert {e["id"] for e in events} == {events[0]["id"]}
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == "".join(c["text"] for e in reference for c in e["choices"])
+    assert events[-1]["usage"] == reference[-1]["usage"] | {"prompt_tokens_details": events[-1]["usage"]["prompt_tokens_details"]}
+    assert events[-1]["usage"]["completion_tokens"] == 160
+    wait_for(lambda: workers(cluster.base)[victims[0]]["in_flight"] == 0, "the stream's slot to come back", 10)
+    m = gateway_metrics(cluster.base)
+    assert errors(m, victims[0], "stream_cut") == 1
+    assert m['ketch_gateway_failovers_total{outcome="resumed"}'] == 1
 
 
 def test_requests_after_a_sigkill_go_to_the_survivor(cluster: Cluster):

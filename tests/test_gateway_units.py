@@ -12,7 +12,7 @@ from ketch.gateway.config import BreakerConfig, GatewayConfig, HealthConfig, Ret
 from ketch.gateway.failover import StreamTranscript
 from ketch.gateway.forward import backoff_seconds
 from ketch.gateway.monitor import queue_length
-from ketch.gateway.relay import event_boundary, lost_event
+from ketch.gateway.sse import event_boundary, lost_event
 from ketch.gateway.routed import CHAT, COMPLETIONS, chat_text, routed_request
 from ketch.gateway.worker import HealthTracker
 from ketch.gateway.worker_url import parse_worker_url

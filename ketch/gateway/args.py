@@ -36,6 +36,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retry-backoff-multiplier", type=float, default=rt.backoff_multiplier)
     g.add_argument("--retry-jitter-factor", type=float, default=rt.jitter_factor)
     g.add_argument("--disable-retries", action="store_true")
+    g.add_argument("--disable-failover", action="store_true",
+                   help="a stream whose worker is lost ends with an error event instead of going on on another")
     g.add_argument("--cb-failure-threshold", type=int, default=cb.failure_threshold)
     g.add_argument("--cb-success-threshold", type=int, default=cb.success_threshold)
     g.add_argument("--cb-timeout-duration-secs", type=float, default=cb.timeout_duration_secs)
@@ -70,5 +72,5 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
                             a.health_success_threshold),
         load_interval_secs=a.load_interval_secs, request_timeout_secs=a.request_timeout_secs,
         connect_timeout_secs=a.connect_timeout_secs, max_request_bytes=a.max_request_bytes,
-        shutdown_timeout=a.shutdown_timeout,
+        shutdown_timeout=a.shutdown_timeout, enable_failover=not a.disable_failover,
     )

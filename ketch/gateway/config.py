@@ -116,6 +116,7 @@ class GatewayConfig:
     connect_timeout_secs: float = 5.0
     max_request_bytes: int = 32 * 1024 * 1024
     shutdown_timeout: float = 30.0  # SIGTERM: seconds open streams get to finish
+    enable_failover: bool = True  # a stream whose worker is lost goes on on another (failover.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -1,25 +1,35 @@
-"""The seam for mid-stream failover (issue 16, item 4: not done yet).
+"""Mid-stream failover (issue 16, item 4): a stream whose worker is lost goes on on another one.
 
-A stream is relayed in whole SSE events (relay.py), so when its worker dies the client has
-received an exact, well-formed prefix of events and nothing of a half-written one. The
-`StreamTranscript` records that prefix; a `Failover` gets it with the routed request and the lost
-worker and may return the rest of the stream (events from another worker that continue the same
-choices), which the relay then sends on after what the client already has.
+A stream is relayed in whole SSE events (relay.py), so when its worker dies the client has an
+exact, well-formed prefix of events and nothing of a half-written one. The `StreamTranscript`
+keeps that prefix (with the token ids the gateway asked for); `Failover.resume` gets it with the
+routed request and the lost worker and returns the rest of the stream, or None.
 
-Today `NoFailover` answers None: the client gets one error event (`worker_lost`) and
-`data: [DONE]`, never a hang or a torn event. A real failover sets `keep_events` so the
-transcript keeps the relayed events (it needs each choice's text so far to build the
-continuation request for another worker; the engine side of that is the `resume` branch).
+`ResumeFailover` reads what the client has (resume.py), asks another worker to resume from it
+(the worker makes the same tokens from there: greedy, or seeded), and relays that worker's events
+rewritten to read as one stream. If that worker is lost too, it goes on again from everything the
+client has by then, each time on a worker not tried yet, up to the retry budget
+(`--retry-max-retries`); then, or for a stream that cannot be resumed (n > 1, several prompts),
+the client gets one `worker_lost` error event and [DONE]: never a hang or a torn event.
+`NoFailover` (`--disable-failover`) always gives up.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
+import anyio
+import httpx2 as httpx
+
+from ketch.gateway.attempt import Attempt
+from ketch.gateway.metrics import GatewayMetrics
+from ketch.gateway.resume import Continuation, continuation, read_so_far
 from ketch.gateway.routed import RoutedRequest
+from ketch.gateway.sse import DONE, lost_event, whole_events
 from ketch.gateway.worker import Worker
 
-DONE = b"data: [DONE]"
+# (request, body, workers to avoid) -> the attempt and its 200 answer, or why there is none
+OpenContinuation = Callable[[RoutedRequest, bytes, set[str]], Awaitable[tuple[Attempt, httpx.Response] | str]]
 
 
 @dataclass
@@ -28,7 +38,7 @@ class StreamTranscript:
     events: int = 0  # whole events sent to the client
     bytes_sent: int = 0
     done: bool = False  # the last event sent was [DONE]: the stream is complete
-    blocks: list[bytes] = field(default_factory=list)  # the events as sent, when keep_events
+    blocks: list[bytes] = field(default_factory=list)  # the events as sent (ids kept), when keep_events
 
     def feed(self, block: bytes) -> None:
         """`block`: one or more whole events (each ends with a blank line), as sent to the client."""
@@ -44,7 +54,8 @@ class Failover(Protocol):
 
     async def resume(self, request: RoutedRequest, transcript: StreamTranscript,
                      lost: Worker) -> AsyncIterator[bytes] | None:
-        """The rest of the stream (whole events, ending with [DONE]), or None: give up."""
+        """The rest of the stream (whole events as the client gets them, ending with [DONE]; it
+        feeds `transcript` itself), or None: give up."""
         ...
 
 
@@ -54,3 +65,53 @@ class NoFailover:
     async def resume(self, request: RoutedRequest, transcript: StreamTranscript,
                      lost: Worker) -> AsyncIterator[bytes] | None:
         return None
+
+
+class ResumeFailover:
+    keep_events = True
+
+    def __init__(self, open_continuation: OpenContinuation, metrics: GatewayMetrics, attempts: int) -> None:
+        self.open, self.metrics, self.attempts = open_continuation, metrics, attempts
+
+    async def resume(self, request: RoutedRequest, transcript: StreamTranscript,
+                     lost: Worker) -> AsyncIterator[bytes] | None:
+        if request.fields is None:
+            self.metrics.failovers.labels("not_resumable").inc()
+            return None
+        return self._rest(request, transcript, lost)
+
+    async def _rest(self, request: RoutedRequest, transcript: StreamTranscript, lost: Worker) -> AsyncIterator[bytes]:
+        tried, why = {lost.url}, "no worker could continue it"
+        for _ in range(self.attempts):
+            so = read_so_far(transcript.blocks)
+            plan = continuation(request.fields, so)
+            self.metrics.failover_tokens.inc(len(so.ids))
+            opened = await self.open(request, plan.body, tried)
+            if isinstance(opened, str):
+                why = opened
+                break
+            attempt, upstream = opened
+            tried.add(attempt.worker.url)
+            rewrite = Continuation(so, plan, request.strip_ids)
+            try:
+                async for block in whole_events(upstream):
+                    kept, sent = rewrite(block)
+                    if kept:
+                        transcript.feed(kept)
+                    if sent:
+                        yield sent
+            except httpx.TransportError as e:
+                attempt.failed("timeout" if isinstance(e, httpx.TimeoutException) else "stream_cut")
+                why = f"{attempt.worker.url} was lost too"
+                continue
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+                attempt.close()
+            if transcript.done:
+                self.metrics.failovers.labels("resumed").inc()
+                return
+            attempt.failed("stream_cut")
+            why = f"{attempt.worker.url} closed it before [DONE] too"
+        self.metrics.failovers.labels("gave_up").inc()
+        yield lost_event(lost.url, why)

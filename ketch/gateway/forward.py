@@ -11,13 +11,14 @@
 Why those retry: a refused connection or a 502/503 (the worker shutting down, its engine gone)
 means the worker did not take the request, so another may; a reset before any answer means it
 died with it, and a generation has no side effect worth protecting. Once the client has a byte
-of the answer nothing is retried here (failover.py is the seam for streams).
+of the answer nothing is retried here: a stream whose worker is lost goes on elsewhere from what the
+client has (failover.py, through `continuation`).
 """
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Collection, Sequence
 
 import anyio
 import httpx2 as httpx
@@ -59,11 +60,7 @@ class Forwarder:
         """`until_disconnect` returns when the client leaves: a request still waiting for a worker's
         answer (a whole, non-streamed generation takes a while) is then given up, and closing its
         connection makes the worker abort the generation instead of finishing it for nobody."""
-        def pick(workers: Sequence[Worker]) -> Worker:
-            choice = self.policy.pick(request, workers)
-            self.metrics.routed(self.policy.name, choice)
-            return choice.worker
-
+        pick = self._picker(request)
         if until_disconnect is None:
             return await self._forward(pick, "POST", request.path, request.body, request)
         answer = Response(status_code=CLIENT_GONE)
@@ -77,14 +74,43 @@ class Forwarder:
             tasks.cancel_scope.cancel()  # the relay watches for the disconnect from here on
         return answer
 
+    async def continuation(self, request: RoutedRequest, body: bytes,
+                           exclude: set[str]) -> tuple[Attempt, httpx.Response] | str:
+        """A stream that goes on from a lost worker's (failover.py): `body` to a worker not in
+        `exclude`, picked and retried as any request. Its 200 answer, still unread; or why not."""
+        opened = await self._forward(self._picker(request), "POST", request.path, body, request,
+                                     exclude=exclude, relay=False)
+        if not isinstance(opened, tuple):  # no worker took it (503), or one timed out (504)
+            return opened.body.decode("utf-8", "replace")
+        attempt, upstream = opened
+        if upstream.status_code == 200:
+            return opened
+        try:  # refused (a 4xx: the resume request itself; a 500): not worth another worker
+            text = (await upstream.aread()).decode("utf-8", "replace")
+        except httpx.TransportError:
+            text = ""
+        finally:
+            await upstream.aclose()
+            attempt.close()
+        return f"{attempt.worker.url} refused it: {upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}"
+
+    def _picker(self, request: RoutedRequest) -> Callable[[Sequence[Worker]], Worker]:
+        def pick(workers: Sequence[Worker]) -> Worker:
+            choice = self.policy.pick(request, workers)
+            self.metrics.routed(self.policy.name, choice)
+            return choice.worker
+        return pick
+
     async def plain(self, method: str, path: str) -> Response:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy
         state untouched."""
         return await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, None)
 
     async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
-                       body: bytes | None, routed: RoutedRequest | None) -> Response:
-        tried: set[str] = set()
+                       body: bytes | None, routed: RoutedRequest | None, exclude: Collection[str] = (),
+                       relay: bool = True) -> Any:
+        """The relayed answer (or, `relay` False, the attempt and its unread answer), else the error."""
+        tried: set[str] = set(exclude)
         failures: list[str] = []
         retry = self.config.retry
         route = routed.route if routed is not None else path
@@ -103,15 +129,17 @@ class Forwarder:
             worker = pick(workers)
             tried.add(worker.url)
             attempt = Attempt(worker, route, self.metrics, self.clock)
-            outcome = await self._try(attempt, method, path, body, routed, failures)
+            outcome = await self._try(attempt, method, path, body, failures)
+            if isinstance(outcome, httpx.Response):
+                return Relay(outcome, attempt, routed, self.failover) if relay else (attempt, outcome)
             if outcome is not None:
                 return outcome
         self.metrics.no_worker.inc()
         return self._no_worker(failures).response()
 
     async def _try(self, attempt: Attempt, method: str, path: str, body: bytes | None,
-                   routed: RoutedRequest | None, failures: list[str]) -> Response | None:
-        """The relayed answer, a 504, or None (recorded in `failures`): try another worker."""
+                   failures: list[str]) -> httpx.Response | Response | None:
+        """The worker's answer (unread), a 504, or None (recorded in `failures`): try another worker."""
         worker = attempt.worker
         headers = {"content-type": "application/json", "accept-encoding": "identity", **worker.auth_headers()}
         request = self.client.build_request(method, worker.url + path, content=body, headers=headers)
@@ -145,7 +173,7 @@ class Forwarder:
                 attempt.close()
             failures.append(f"{worker.url}: {upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}")
             return None
-        return Relay(upstream, attempt, routed, self.failover)
+        return upstream
 
     def _no_worker(self, failures: list[str]) -> GatewayError:
         if failures:

@@ -7,12 +7,14 @@ import time
 import httpx2 as httpx
 
 from ketch.gateway.config import GatewayConfig
-from ketch.gateway.failover import Failover, NoFailover
+from ketch.gateway.attempt import Attempt
+from ketch.gateway.failover import Failover, NoFailover, ResumeFailover
 from ketch.gateway.forward import Forwarder
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.monitor import Monitor
 from ketch.gateway.policies import make_policy
 from ketch.gateway.registry import WorkerRegistry
+from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.worker_url import parse_worker_url
 
 # uvicorn (the workers' server) closes an idle keep-alive connection after 5 s; the pool lets go
@@ -30,7 +32,10 @@ class Gateway:
         self.policy = make_policy(config.policy, config.cache_aware)
         self.registry.on_removed.append(self.policy.forget)
         self.metrics = GatewayMetrics(self.registry, self.policy, self.clock)
-        self.failover = failover or NoFailover()
+        if failover is None:
+            failover = ResumeFailover(self._continuation, self.metrics, config.retry.attempts) \
+                if config.enable_failover else NoFailover()
+        self.failover = failover
         self.client: httpx.AsyncClient | None = None
         self.forwarder: Forwarder | None = None
         self.monitor: Monitor | None = None
@@ -47,6 +52,11 @@ class Gateway:
         self.forwarder = Forwarder(self.client, self.registry, self.policy, self.metrics, c, self.failover, self.clock)
         self.monitor = Monitor(self.client, self.registry, self.policy, c)
         self.monitor.start()
+
+    async def _continuation(self, request: RoutedRequest, body: bytes,
+                            exclude: set[str]) -> tuple[Attempt, httpx.Response] | str:
+        assert self.forwarder is not None  # failovers happen only while serving
+        return await self.forwarder.continuation(request, body, exclude)
 
     async def stop(self) -> None:
         if self.monitor is not None:

@@ -63,6 +63,11 @@ class GatewayMetrics:
         self.worker_errors = Counter("ketch_gateway_worker_errors", "Failures charged to a worker: connect, reset "
                                      "(lost before an answer), timeout, status_5xx, stream_cut", ["worker", "kind"],
                                      registry=r)
+        self.failovers = Counter("ketch_gateway_failovers", "Streams whose worker was lost mid-stream, by outcome: "
+                                 "resumed on another worker, gave_up, not_resumable (n > 1, several prompts)",
+                                 ["outcome"], registry=r)
+        self.failover_tokens = Counter("ketch_gateway_failover_tokens", "Tokens a failed-over stream's client already "
+                                       "had, which the next worker went on from", registry=r)
         self.retries = Counter("ketch_gateway_retries", "Attempts beyond a request's first", registry=r)
         self.no_worker = Counter("ketch_gateway_no_available_worker", "Requests answered 503: no worker could take "
                                  "them", registry=r)

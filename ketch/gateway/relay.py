@@ -8,11 +8,13 @@
 - The worker failing mid-answer (connection lost, silent past the timeout, a stream closed before
   [DONE]) is charged to it; a stream then gets `Failover.resume`'s continuation, or an error event
   and [DONE].
+- A resumable stream's chunks carry the token ids the gateway asked for (routed.py): the transcript
+  keeps them, the client gets them only if it asked.
 - The in-flight count is given back exactly once (Attempt.close in the `finally`).
 """
 from __future__ import annotations
 
-import json
+from contextlib import aclosing
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -22,6 +24,7 @@ from starlette.responses import Response
 from ketch.gateway.attempt import Attempt
 from ketch.gateway.failover import Failover, StreamTranscript
 from ketch.gateway.routed import RoutedRequest
+from ketch.gateway.sse import event_boundary, lost_event, strip_token_ids
 
 Send = Callable[[dict], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict]]
@@ -34,18 +37,6 @@ WORKER_HEADER = b"x-ketch-worker"
 
 class _ClientGone(Exception):
     pass
-
-
-def event_boundary(data: bytes) -> int:
-    """Length of the leading part of `data` that is whole SSE events (0: none)."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-def lost_event(url: str, reason: str) -> bytes:
-    error = {"error": {"message": f"the worker {url} was lost mid-stream: {reason}", "type": "service_unavailable",
-                       "param": None, "code": "worker_lost"}}
-    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
 def _describe(e: Exception) -> str:
@@ -63,6 +54,7 @@ class Relay(Response):
         self.raw_headers.append((WORKER_HEADER, attempt.worker.url.encode()))
         self.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
         self.transcript = StreamTranscript(keep_events=failover.keep_events)
+        self.strip_ids = request is not None and request.strip_ids
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         try:
@@ -90,7 +82,7 @@ class Relay(Response):
                 data = pending + chunk if pending else chunk
                 cut = event_boundary(data)
                 if cut:
-                    await _send(send, _body(data[:cut]))
+                    await _send(send, _body(strip_token_ids(data[:cut]) if self.strip_ids else data[:cut]))
                     self.transcript.feed(data[:cut])
                 pending = data[cut:]
         except httpx.TransportError as e:  # the worker, not the client: its reads failed
@@ -113,9 +105,9 @@ class Relay(Response):
         if rest is None:
             await _send(send, _body(lost_event(self.attempt.worker.url, reason)))
             return
-        async for block in rest:
-            await _send(send, _body(block))
-            self.transcript.feed(block)
+        async with aclosing(rest):  # closed now if the client leaves, so its worker sees it too
+            async for block in rest:  # it keeps the transcript itself (ids and all)
+                await _send(send, _body(block))
 
 
 def _body(data: bytes, more: bool = True) -> dict:

@@ -4,13 +4,19 @@ the cache-aware policy matches against its trees.
 The text approximates the prompt the worker will build, in the same order, so that requests that
 share a prompt prefix share a text prefix: chat -> the tools (they go first, into the system
 prompt), then each message as role and content; completions -> the prompt. It is never the exact
-prompt (the gateway has no tokenizer or template); the body itself is forwarded untouched, and a
-malformed one routes with whatever text can be read from it (the worker answers the 400).
+prompt (the gateway has no tokenizer or template); a malformed body routes with whatever text can
+be read from it (the worker answers the 400).
+
+The body is forwarded untouched, except for a stream that can be resumed on another worker if its
+worker dies (n = 1, one prompt; resume.py): the gateway asks for `return_token_ids` and, when the
+client gave no seed, adds a random one (sampling then draws the same on every worker; an unseeded
+request is one with a seed nobody chose).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Any
 
 CHAT, COMPLETIONS = "chat", "completions"
@@ -22,7 +28,10 @@ class RoutedRequest:
     route: str  # CHAT | COMPLETIONS
     text: str
     stream: bool
-    body: bytes  # what the client sent, forwarded as is
+    body: bytes  # what a worker gets
+    # a resumable stream's body as sent (resume.continuation builds on it); None: not resumable
+    fields: dict[str, Any] | None = field(default=None, compare=False)
+    strip_ids: bool = False  # token_ids were asked for by the gateway, not by the client
 
     @property
     def path(self) -> str:
@@ -31,7 +40,27 @@ class RoutedRequest:
 
 def routed_request(route: str, body: bytes, parsed: dict[str, Any]) -> RoutedRequest:
     text = chat_text(parsed) if route == CHAT else prompt_text(parsed.get("prompt"))
-    return RoutedRequest(route=route, text=text, stream=parsed.get("stream") is True, body=body)
+    stream = parsed.get("stream") is True
+    if not (stream and _one_sample(route, parsed)):
+        return RoutedRequest(route=route, text=text, stream=stream, body=body)
+    fields = {**parsed, "return_token_ids": True}
+    if fields.get("seed") is None:
+        fields["seed"] = random.getrandbits(63)
+    return RoutedRequest(route=route, text=text, stream=True, body=json.dumps(fields).encode(), fields=fields,
+                         strip_ids=parsed.get("return_token_ids") is not True)
+
+
+def _one_sample(route: str, parsed: dict[str, Any]) -> bool:
+    """One prompt, n = 1, not a resume already: what a worker can resume (server README)."""
+    n = parsed.get("n")
+    if (n is not None and (type(n) is not int or n != 1)) or "resume" in parsed \
+            or type(parsed.get("return_token_ids", False)) is not bool:  # a bad one stays for the worker's 400
+        return False
+    if route == CHAT:
+        return True
+    prompt = parsed.get("prompt")
+    return isinstance(prompt, str) or (isinstance(prompt, list) and len(prompt) >= 1 and (
+        all(type(t) is int for t in prompt) or len(prompt) == 1))
 
 
 def _content_text(content: Any) -> str:

@@ -1,0 +1,57 @@
+"""Server-sent events as the gateway relays them: whole events only, never half of one."""
+from __future__ import annotations
+
+import json
+import re
+from typing import AsyncIterator
+
+import httpx2 as httpx
+
+DONE = b"data: [DONE]"
+
+# `, "token_ids": [...]` as ketch serve writes it (json.dumps: the last key of a choice). It cannot
+# match inside a JSON string: there a quote is always escaped, so `,` + spaces + `"` never occurs.
+_TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[0-9,\s]*\]')
+
+
+def event_boundary(data: bytes) -> int:
+    """Length of the leading part of `data` that is whole SSE events (0: none)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+async def whole_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The upstream body in blocks of whole events, each as soon as its blank line arrived; a tail
+    that never completes is dropped (a stream that ends there was cut)."""
+    pending = b""
+    async for chunk in upstream.aiter_raw():
+        data = pending + chunk if pending else chunk
+        cut = event_boundary(data)
+        if cut:
+            yield data[:cut]
+        pending = data[cut:]
+
+
+def payloads(block: bytes) -> list[bytes]:
+    """The data of each event in a block of whole events (several data lines joined by newlines)."""
+    out = []
+    for event in block.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            out.append(b"\n".join(lines))
+    return out
+
+
+def event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def strip_token_ids(block: bytes) -> bytes:
+    """The block without the choices' `token_ids` (the gateway asked for them; the client did not)."""
+    return _TOKEN_IDS.sub(b"", block)
+
+
+def lost_event(url: str, reason: str) -> bytes:
+    error = {"error": {"message": f"the worker {url} was lost mid-stream: {reason}", "type": "service_unavailable",
+                       "param": None, "code": "worker_lost"}}
+    return event(error) + DONE + b"\n\n"
