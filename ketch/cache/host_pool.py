@@ -129,11 +129,11 @@ class HostPool:
         if self.saver is not None:
             self.saver.save(device_pages, host_pages)
         else:
-            d_idx = torch.tensor(device_pages, dtype=torch.long)
+            d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
             h_idx = torch.tensor(host_pages, dtype=torch.long)
             for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
                 for name, h in host.items():
-                    as_bytes(h).index_copy_(0, h_idx, as_bytes(dev[name]).index_select(0, d_idx))
+                    as_bytes(h).index_copy_(0, h_idx, as_bytes(dev[name]).index_select(0, d_idx).to("cpu"))
             self.stats.save_copy_seconds += time.perf_counter() - t0
         self.stats.saved_seconds += time.perf_counter() - t0
         self.stats.saved_pages += len(device_pages)
