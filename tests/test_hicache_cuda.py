@@ -9,6 +9,12 @@
    every layer's copies) and the device pool is scribbled over before a request whose prefix
    is only on the host runs; its logits equal those of the same run without the delay. The
    same run with the waits taken out reads the scribbles and must differ: the test's teeth.
+4. Saves on the copy stream (ketch/cache/host_saver.py), held back by torch.cuda._sleep: the
+   device pages are rewritten on the compute stream right after the save, as write_back's
+   eviction lets the next step do, behind the forward's wait (`take_pending_save`); the host
+   rows are the saved bytes (and without that wait they are not: the planted bug); the L3 writer
+   thread encodes the saved bytes although it is handed the pages before the copy ran; the engine
+   with write_back and delayed saves answers as with the hierarchy off.
 """
 from __future__ import annotations
 
@@ -19,7 +25,13 @@ from logit_tap import LogitTap
 from test_hicache_l2 import DEVICE_PAGES, PS, multi_turn
 
 from ketch.cache.host_pool import HostPool
+from ketch.cache.host_saver import SideStreamSaver
 from ketch.cache.kv_pool import KVPool
+from ketch.cache.page_codec import decode_page
+from ketch.cache.page_format import PageFormat
+from ketch.cache.page_hash import chain_hashes
+from ketch.cache.storage.file import FileStorage
+from ketch.cache.storage_tier import StorageTier
 from ketch.cache import layer_loader
 from ketch.cache.layer_loader import PendingLoad, SideStreamLoader, copies_directly, page_runs
 from ketch.config import KVSpec
@@ -57,6 +69,10 @@ def test_save_then_side_stream_load_round_trips_every_byte(dtype: torch.dtype, l
         host_pages, targets = torch.randperm(48, generator=rng)[:20].tolist(), torch.randperm(64, generator=rng)[:20].tolist()
     host.save(saved, host_pages)
     want = [{n: t[saved].view(torch.uint8).clone() for n, t in layer.items()} for layer in pool.layers]
+    host.guard_device_reuse()  # the pool is rewritten next, as after an eviction: after the save
+    saving = pool.take_pending_save()
+    if saving is not None:
+        saving.wait()  # as ModelRunner.forward does
     _random_bytes(pool, 2)  # on the compute stream: the copy stream must wait for it first
     assert (len(page_runs(host_pages, targets)) == 2) == (layout == "runs")
     assert copies_directly(page_runs(host_pages, targets), 20, host.loader.row_bytes) == (plan == "direct")
@@ -82,19 +98,20 @@ def cuda_reference(tiny_config_path: str) -> list[list[int]]:
     return multi_turn(_cuda_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048))
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_engine_output_is_identical_with_pages_loaded_on_the_side_stream(tiny_config_path: str, cuda_reference,
-                                                                         overlap: bool) -> None:
+                                                                         overlap: bool, policy: str) -> None:
     eng = _cuda_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, enable_hierarchical_cache=True,
-                       hicache_ratio=8.0, overlap_schedule=overlap)
+                       hicache_ratio=8.0, overlap_schedule=overlap, hicache_write_policy=policy)
     assert eng.allocator.num_pages == DEVICE_PAGES
     assert multi_turn(eng) == cuda_reference
     host = eng.kv.host_pool
-    assert host is not None and host.loader is not None
-    assert eng.kv.hits.host_tokens > 0 and host.stats.loaded_pages > 0
+    assert host is not None and host.loader is not None and host.saver is not None
+    assert eng.kv.hits.host_tokens > 0 and host.stats.loaded_pages > 0 and host.stats.saved_pages > 0
     torch.cuda.synchronize()
     st = eng.kv.host_stats()
-    assert st.loaded_bytes > 0 and st.load_copy_seconds > 0
+    assert st.loaded_bytes > 0 and st.load_copy_seconds > 0 and st.save_copy_seconds > 0
 
 
 # ---- 3: each layer waits for its own layer's copies -------------------------------------------
@@ -129,6 +146,7 @@ def _host_hit_run(path: str, new_tokens: int, monkeypatch: pytest.MonkeyPatch, d
     eng.kv.tree.evict(eng.allocator.num_pages)  # every cached device page goes to the host
     hit = eng.kv.match(prompt[:-1])
     assert hit.tier == "host" and hit.host_tokens == 40 and not hit.pages
+    torch.cuda.synchronize()  # the saves of the eviction have landed (a forward would wait: pending_save)
     for layer in eng.runner.pool.layers:
         for t in layer.values():
             t.normal_(0.0, 3.0)  # what a step reads if it does not wait for the load
@@ -164,3 +182,93 @@ def test_without_the_waits_the_step_reads_stale_pages(tiny_config_path: str, mon
     _, logits, _ = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=False)
     _, stale, _ = _host_hit_run(tiny_config_path, new_tokens, monkeypatch, delay=True, waits=False)
     assert not torch.allclose(stale[0], logits[0])
+
+
+# ---- 4: saves on the copy stream ----------------------------------------------------------------
+
+def _delay_saves(monkeypatch: pytest.MonkeyPatch, cycles: int = SLEEP_CYCLES) -> None:
+    """Hold the copy stream back before each save's copies (they run inside its stream context)."""
+    def slowed(copy):
+        def slow(self, *args) -> None:
+            torch.cuda._sleep(cycles)
+            copy(self, *args)
+        return slow
+    monkeypatch.setattr(SideStreamSaver, "_direct", slowed(SideStreamSaver._direct))
+    monkeypatch.setattr(SideStreamSaver, "_gathered", slowed(SideStreamSaver._gathered))
+
+
+def _saved_rows_after_reuse(plan: str, layout: str, monkeypatch: pytest.MonkeyPatch, wait: bool) -> bool:
+    """Save 20 pages on a delayed copy stream, free them (guard_device_reuse, as an eviction does)
+    and rewrite them on the compute stream at once, after the wait a forward makes unless `wait`
+    is False; True when the host rows hold the bytes the pages had at the save."""
+    monkeypatch.setattr(layer_loader, "DIRECT_MIN_RUN_BYTES", 1 if plan == "direct" else 1 << 60)
+    pool = KVPool(KVSpec.mha(4, 2, 64), 64, 16, torch.bfloat16, "cuda")
+    host = HostPool(pool, 48)
+    _random_bytes(pool, 0)
+    if layout == "runs":
+        saved, host_pages = list(range(10, 30)), host.alloc(20, for_save=True)  # one run on both sides
+    else:
+        rng = torch.Generator().manual_seed(3)
+        saved, host_pages = torch.randperm(64, generator=rng)[:20].tolist(), torch.randperm(48, generator=rng)[:20].tolist()
+    want = [{n: t[saved].view(torch.uint8).clone() for n, t in layer.items()} for layer in pool.layers]
+    _delay_saves(monkeypatch)
+    host.save(saved, host_pages)
+    assert host.last_save() is not None  # still in flight: the engine thread did not wait
+    host.guard_device_reuse()
+    pending = pool.take_pending_save()
+    assert pending is not None and pool.take_pending_save() is None  # taken once
+    if wait:
+        pending.wait()  # what ModelRunner.forward does first
+    _random_bytes(pool, 1)  # the next step writing the freed pages
+    host.saver.log.wait_pages(host_pages)  # as HostPool.alloc before a host-side writer
+    assert host.last_save() is None
+    monkeypatch.undo()
+    return all(torch.equal(h[n][host_pages].view(torch.uint8), rows[n])
+               for h, rows in zip(host.layers, want, strict=True) for n in rows)
+
+
+@pytest.mark.parametrize("layout", ["runs", "scattered"])
+@pytest.mark.parametrize("plan", ["direct", "gathered"])
+def test_a_delayed_save_keeps_the_bytes_of_pages_rewritten_after_it(plan: str, layout: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _saved_rows_after_reuse(plan, layout, monkeypatch, wait=True)
+
+
+def test_without_the_save_wait_the_next_step_overwrites_what_is_saved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the rewrite no longer waits for the delayed save, which then copies the
+    new bytes; what makes the test above able to fail."""
+    assert not _saved_rows_after_reuse("gathered", "scattered", monkeypatch, wait=False)
+
+
+def test_the_l3_writer_encodes_what_a_delayed_save_wrote(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = KVPool(KVSpec.mha(4, 2, 64), 32, 16, torch.bfloat16, "cuda")
+    host = HostPool(pool, 16)
+    for layer in host.layers:
+        for t in layer.values():
+            t.view(torch.uint8).fill_(0xAB)  # what a writer reading too early would encode
+    _random_bytes(pool, 5)
+    fmt = PageFormat.for_pool(pool, "fp")
+    tier = StorageTier(FileStorage(str(tmp_path)), fmt, host)
+    device_pages, host_pages = [7, 8, 3], host.alloc(3, for_save=True)
+    hashes = chain_hashes(b"", list(range(3 * 16)), 16)
+    _delay_saves(monkeypatch)
+    host.save(device_pages, host_pages)
+    tier.save(hashes, host_pages)  # right after, as HiRadixCache._copy_to_host's on_host_copy
+    assert host.last_save() is not None  # queued before the copy ran
+    assert tier.drain(10.0) and tier.stats.written_pages == 3
+    for h, d in zip(hashes, device_pages, strict=True):
+        page = decode_page(tier.backend.get(fmt.key(h)), fmt)
+        for dev, got in zip(pool.layers, page.layers, strict=True):
+            for n, t in dev.items():
+                assert torch.equal(got[n].view(torch.uint8), t[d].cpu().view(torch.uint8)), (d, n)
+    tier.close()
+
+
+def test_engine_with_delayed_write_back_saves_is_identical(tiny_config_path: str, cuda_reference,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save held back ~1 ms while the engine evicts and reuses device pages behind it."""
+    _delay_saves(monkeypatch, SLEEP_CYCLES // 20)
+    eng = _cuda_engine(tiny_config_path, kv_cache_memory=DEVICE_PAGES * 2048, enable_hierarchical_cache=True,
+                       hicache_ratio=8.0, hicache_write_policy="write_back", overlap_schedule=True)
+    assert multi_turn(eng) == cuda_reference
+    assert eng.kv.hits.host_tokens > 0 and eng.kv.host_pool.stats.saved_pages > 0

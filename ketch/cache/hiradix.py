@@ -171,6 +171,8 @@ class HiRadixCache(RadixCache):
             if parent in self._dev_leaves and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         self.stats.evicted_pages += dropped
+        if dropped:
+            self.host_pool.guard_device_reuse()  # a save (CUDA) may still read the freed pages
         return freed
 
     # ---- internals -----------------------------------------------------------------------
@@ -182,7 +184,7 @@ class HiRadixCache(RadixCache):
         if short > 0:
             self.evict_host(short)
         if self.host_pool.num_free >= n:
-            node.host = self.host_pool.alloc(n)
+            node.host = self.host_pool.alloc(n, for_save=True)  # written by the save: stream order
             self.host_pool.save(node.pages, node.host)
             if self.on_host_copy is not None:
                 self.on_host_copy(node.hashes, node.host)

@@ -15,7 +15,9 @@ host→device copy needs).
 Loads: on the CPU a plain copy, done before the step that reads the pages is launched. On CUDA
 a side-stream loader (layer_loader.py): the copies are queued on a copy stream layer by layer,
 and the device pool's next forward waits, before each layer's attention, for that layer's copies
-only. Saves stay synchronous (the tree frees the device pages right after).
+only. Saves: on the CPU a plain copy; on CUDA queued on the same copy stream (host_saver.py),
+never waited for on the engine thread; the hazards that leaves (host readers, reused host pages,
+device pages freed right after) are listed there.
 
 The layout is the device's (layer-first, a tensor per layer and name). A page-first layout
 (one contiguous object per page, zero-copy to an L3 store) is a later step (issue 15).
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ketch.cache.allocator import PageAllocator
+from ketch.cache.host_saver import SideStreamSaver
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.layer_loader import SideStreamLoader, as_bytes
 from ketch.config import EngineConfig
@@ -39,7 +42,8 @@ class HostCopyStats:
     loaded_pages: int = 0  # host → device
     saved_bytes: int = 0
     loaded_bytes: int = 0
-    saved_seconds: float = 0.0  # wall time of the saves (synchronous: their real duration)
+    # host time spent in save(): the copies themselves on the CPU; on CUDA only queueing them
+    saved_seconds: float = 0.0
     # host time spent in load(): the copies themselves on the CPU; on CUDA only planning and
     # queueing them (and the host gather of a fragmented load), not their duration
     loaded_seconds: float = 0.0
@@ -47,6 +51,8 @@ class HostCopyStats:
     # stream's own time between events around each load (read once it finished: collect_timings).
     # loaded_bytes over it is the host→device bandwidth
     load_copy_seconds: float = 0.0
+    # the same for saves (CPU: wall time; CUDA: copy-stream events): saved_bytes over it is d2h GB/s
+    save_copy_seconds: float = 0.0
 
 
 class HostPool:
@@ -71,6 +77,12 @@ class HostPool:
         # CUDA: loads go on a side stream, layer by layer; None on the CPU (plain copies)
         self.loader = SideStreamLoader(self.layers, device_pool.layers, self.device) \
             if self.device.type == "cuda" else None
+        # CUDA: saves on the loader's stream (ordered with the loads); None on the CPU
+        self.saver = None if self.loader is None else SideStreamSaver(
+            self.loader.stream, self.layers, device_pool.layers, self.device, self.loader.row_bytes)
+        # bumped each time a host page is handed out: a reader off the engine thread (the L3
+        # writer) checks it did not change while it copied the page (else the copy may be torn)
+        self.generation = [0] * num_pages
 
     # ---------------------------------------------------------------- pages
     @property
@@ -81,12 +93,22 @@ class HostPool:
     def num_used(self) -> int:
         return self.allocator.num_used
 
-    def alloc(self, n: int) -> list[int]:
-        """n free host pages (all or nothing: OutOfPages). Their holder writes them on the host, so
-        on CUDA a load still reading host rows (maybe these, freed since) must have finished."""
-        if self.loader is not None:
-            self.loader.fence()
-        return self.allocator.alloc(n)
+    def alloc(self, n: int, for_save: bool = False) -> list[int]:
+        """n free host pages (all or nothing: OutOfPages), in ascending order: pages freed together
+        come back as contiguous runs, which a save or load copies with one DMA per run.
+
+        A holder that writes them on the host (an L3 adoption) needs, on CUDA, every queued copy
+        touching them finished: the last load (it may read them, freed since) and a save into
+        them, waited for only when one of these very pages has one in flight. `for_save`: the
+        writer is a save on the copy stream, ordered after both by the stream: no wait."""
+        pages = sorted(self.allocator.alloc(n))
+        gen = self.generation
+        for p in pages:
+            gen[p] += 1
+        if self.saver is not None and not for_save:
+            self.loader.fence()  # type: ignore[union-attr]
+            self.saver.log.wait_pages(pages)
+        return pages
 
     def free(self, pages: list[int]) -> None:
         """Give host pages back; freeing a free page raises ("released twice")."""
@@ -96,18 +118,23 @@ class HostPool:
     def save(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages into host pages (pairwise), every tensor of every layer.
 
-        Synchronous: the rows are on the host when this returns, so the device pages may be
-        reused right after (the tree frees them as it evicts)."""
+        CPU: synchronous, the rows are on the host when this returns. CUDA: queued on the copy
+        stream (host_saver.py); host-side readers wait for `last_save()`, and a caller freeing
+        the device pages calls `guard_device_reuse()` after."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"save: {len(device_pages)} device pages for {len(host_pages)} host pages")
         if not device_pages:
             return
         t0 = time.perf_counter()
-        d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
-        h_idx = torch.tensor(host_pages, dtype=torch.long)
-        for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
-            for name, h in host.items():
-                as_bytes(h).index_copy_(0, h_idx, as_bytes(dev[name]).index_select(0, d_idx).to("cpu"))
+        if self.saver is not None:
+            self.saver.save(device_pages, host_pages)
+        else:
+            d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
+            h_idx = torch.tensor(host_pages, dtype=torch.long)
+            for dev, host in zip(self.device_pool.layers, self.layers, strict=True):
+                for name, h in host.items():
+                    as_bytes(h).index_copy_(0, h_idx, as_bytes(dev[name]).index_select(0, d_idx).to("cpu"))
+            self.stats.save_copy_seconds += time.perf_counter() - t0
         self.stats.saved_seconds += time.perf_counter() - t0
         self.stats.saved_pages += len(device_pages)
         self.stats.saved_bytes += len(device_pages) * self.bytes_per_page
@@ -132,6 +159,19 @@ class HostPool:
         self.stats.loaded_pages += len(host_pages)
         self.stats.loaded_bytes += len(host_pages) * self.bytes_per_page
 
+    def last_save(self) -> torch.cuda.Event | None:
+        """The newest save's end event while it is still in flight (CUDA), else None: what a
+        host-side reader of the pages it wrote waits for (synchronize, off the engine thread)."""
+        return None if self.saver is None else self.saver.log.last_inflight()
+
+    def guard_device_reuse(self) -> None:
+        """Device pages a save may still be reading were just freed: the next forward waits for
+        the saves in flight before it can rewrite them (KVPool.pending_save). No-op on the CPU and
+        when every save has finished (one event query)."""
+        last = self.last_save()
+        if last is not None:
+            self.device_pool.pending_save = last
+
     def _copy_in(self, host_pages: list[int], device_pages: list[int]) -> None:
         d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)
         h_idx = torch.tensor(host_pages, dtype=torch.long)
@@ -140,10 +180,12 @@ class HostPool:
                 as_bytes(dev[name]).index_copy_(0, d_idx, as_bytes(h).index_select(0, h_idx).to(self.device))
 
     def collect_timings(self) -> HostCopyStats:
-        """The stats, with the copy-stream time of every load finished by now added (CUDA: read
-        from the loads' events, never waiting for one still in flight)."""
+        """The stats, with the copy-stream time of every load and save finished by now added (CUDA:
+        read from their events, never waiting for one still in flight)."""
         if self.loader is not None:
             self.stats.load_copy_seconds += self.loader.collect_seconds()
+        if self.saver is not None:
+            self.stats.save_copy_seconds += self.saver.log.collect_seconds()
         return self.stats
 
 

@@ -22,10 +22,11 @@ Ordering, hazard by hazard:
   CUDA graph cannot hold per-layer waits: the runner waits for the whole load before the replay
   (a load comes with an admission, whose prompt tail makes the step an extend step: rare).
 - The host rows a load reads belong to a node that keeps them while it is on the device. A host
-  page can only be written again after the host pool hands it out anew (`HostPool.alloc`: a save
-  or an L3 adoption writes it on the host, outside any stream order), so alloc first waits on the
-  host for the last load's end event (`fence`): in practice already passed, since the step that
-  waited for the load was synchronized by the time results are published.
+  page can only be written again after the host pool hands it out anew (`HostPool.alloc`): an L3
+  adoption writes it on the host, outside any stream order, so alloc first waits on the host for
+  the last load's end event (`fence`): in practice already passed, since the step that waited for
+  the load was synchronized by the time results are published. A save (host_saver.py) writes it
+  on this same stream, after the load: no fence (`alloc(n, for_save=True)`).
 - Staging (the gather plan below): pinned blocks from torch's caching host allocator, which
   records an event on the copy stream for each asynchronous copy out of a block and hands the
   block out again only after that event completed: a staging buffer is never rewritten while

@@ -87,8 +87,9 @@ class HostTierStats:
     evicted_pages: int = 0  # host pages freed by host LRU eviction
     dropped_pages: int = 0  # device pages evicted with no host copy (gone from both tiers)
     loaded_seconds: float = 0.0  # host time in loads (CPU: the copies; CUDA: queueing them)
-    saved_seconds: float = 0.0
+    saved_seconds: float = 0.0  # host time in saves (CPU: the copies; CUDA: queueing them)
     load_copy_seconds: float = 0.0  # the copies' own time (CUDA: copy-stream events; bytes over it: GB/s)
+    save_copy_seconds: float = 0.0  # the same for device -> host
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,7 @@ class KVCacheManager(StorageReads):
         st = host.collect_timings()  # finished loads' GPU-measured copy time; never waits
         return HostTierStats(host.num_pages, host.num_free, st.loaded_bytes, st.saved_bytes,
                              self.tree.host_evicted_pages, self.tree.dropped_pages, st.loaded_seconds,
-                             st.saved_seconds, st.load_copy_seconds)
+                             st.saved_seconds, st.load_copy_seconds, st.save_copy_seconds)
 
     def usage(self) -> dict[str, TierUsage]:
         """Pages per tier, each count taken on its own (a check, and what /metrics will show).

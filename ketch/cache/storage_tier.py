@@ -1,10 +1,14 @@
 """L3: the storage tier under the host pool — pages written in the background, prefetched for a
 request before it is admitted, checked on the way in.
 
-    write   a page gets a host copy (HiRadixCache._copy_to_host) ─▶ its rows are snapshotted on
-            the engine thread ─▶ a bounded queue ─▶ the writer thread encodes (header + checksum,
-            page_codec.py) and `set`s it under `PageFormat.key(chained hash)`. A full queue drops
-            the write (counted): the engine never waits for storage.
+    write   a page gets a host copy (HiRadixCache._copy_to_host) ─▶ a bounded queue ─▶ the writer
+            thread takes the page's rows, encodes them (header + checksum, page_codec.py) and
+            `set`s it under `PageFormat.key(chained hash)`. A full queue drops the write (counted):
+            the engine never waits for storage. Where the rows are taken: on the CPU (saves are
+            synchronous) snapshotted on the engine thread at once; on CUDA the save is still on
+            the copy stream, so the writer thread waits for its end event, copies the rows, and
+            keeps them only if the host page was not handed out again meanwhile (its generation,
+            bumped by HostPool.alloc, unchanged: else the copy may be torn; dropped, counted).
     read    a request's prompt goes past what the device and host hold ─▶ `prefetch` starts a job
             on a fetch thread: `exists_prefix` on the keys of the pages after the cached prefix,
             then `get` + `decode_page` of the leading run, in order, appended to the job as they
@@ -61,6 +65,17 @@ class StorageTierStats:
     write_seconds: float = 0.0  # writer thread: encode + set
 
 
+@dataclass
+class WriteItem:
+    """One page queued for L3: its rows, or (CUDA) where and when to take them."""
+
+    key: str
+    page: int  # the host page
+    generation: int  # HostPool.generation[page] when queued
+    saved: Any  # the save's end event still in flight when queued (torch.cuda.Event), or None
+    rows: list[dict[str, torch.Tensor]] | None  # snapshotted at once (CPU), else taken by the writer
+
+
 @dataclass(eq=False)  # compared by identity: the pins list holds the jobs themselves
 class Prefetch:
     """One request's read: the pages after its cached prefix, fetched in order."""
@@ -84,26 +99,47 @@ class StorageTier:
         self.host_pool = host_pool
         self.prefetch_timeout = prefetch_timeout
         self.stats = StorageTierStats()
-        self._queue: queue.Queue[tuple[str, list[dict[str, torch.Tensor]]] | None] = queue.Queue(write_queue)
+        self._queue: queue.Queue[WriteItem | None] = queue.Queue(write_queue)
         self._writer = threading.Thread(target=self._write_loop, name="ketch-l3-writer", daemon=True)
         self._writer.start()
         self._fetch = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ketch-l3-fetch")
 
     # ---------------------------------------------------------------- writes
     def save(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> None:
-        """Queue these host pages (named by their chained hashes) for storage; never blocks."""
+        """Queue these host pages (named by their chained hashes) for storage; never blocks (on
+        CUDA not even for the save that is still writing them: the writer thread waits)."""
+        host, deferred = self.host_pool, self.host_pool.saver is not None
+        last = host.last_save() if deferred else None
         for page_hash, page in zip(hashes, host_pages, strict=True):
-            snapshot = [{name: t[page:page + 1].clone() for name, t in layer.items()} for layer in self.host_pool.layers]
+            rows = None if deferred else self._rows(page)
             try:
-                self._queue.put_nowait((self.format.key(page_hash), snapshot))
+                self._queue.put_nowait(WriteItem(self.format.key(page_hash), page, host.generation[page], last, rows))
             except queue.Full:
                 self.stats.dropped_writes += 1
 
+    def _rows(self, page: int) -> list[dict[str, torch.Tensor]]:
+        return [{name: t[page:page + 1].clone() for name, t in layer.items()} for layer in self.host_pool.layers]
+
+    def _take_rows(self, item: WriteItem) -> list[dict[str, torch.Tensor]] | None:
+        """The page's rows as saved (writer thread); None when the host page was handed out again."""
+        if item.rows is not None:
+            return item.rows
+        if item.saved is not None:
+            item.saved.synchronize()  # the DMA into the page has landed (this thread waits, not the engine)
+        rows = self._rows(item.page)
+        # seqlock: a new holder bumps the generation before it writes, so unchanged after the copy
+        # means nobody wrote the page while it was copied
+        return rows if self.host_pool.generation[item.page] == item.generation else None
+
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, snapshot = item
             t0 = time.perf_counter()
             try:
+                snapshot = self._take_rows(item)
+                if snapshot is None:
+                    self.stats.dropped_writes += 1
+                    continue
+                key = item.key
                 data = encode_page(snapshot, 0, self.format)
                 ok = self.backend.set(key, data)
                 self.stats.write_seconds += time.perf_counter() - t0

@@ -195,6 +195,7 @@ class Engine:
             host_loaded_seconds=host.loaded_seconds,
             host_saved_seconds=host.saved_seconds,
             host_load_copy_seconds=host.load_copy_seconds,
+            host_save_copy_seconds=host.save_copy_seconds,
             **self.kv.storage_stats(),
         )
 

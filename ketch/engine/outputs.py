@@ -77,6 +77,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_loaded_seconds: float = 0.0  # host time in loads (the copies on the CPU; CUDA: queueing only)
     host_saved_seconds: float = 0.0
     host_load_copy_seconds: float = 0.0  # the loads' copy time (CUDA: measured on the copy stream)
+    host_save_copy_seconds: float = 0.0  # the saves' copy time (CUDA: measured on the copy stream)
     # The storage tier (L3; all 0 when it is off): cache/storage_tier.py's counters
     storage_enabled: bool = False
     storage_hit_tokens: int = 0  # prompt tokens read from L3 for admitted requests

@@ -103,7 +103,11 @@ class _EngineCollector(Collector):
                 "ketch_hicache_load_copy_seconds": ("Time the host-to-device copies took where they ran (CUDA: "
                                                     "events on the copy stream; CPU: their wall time); loaded "
                                                     "bytes over it: the load bandwidth", s.host_load_copy_seconds),
-                "ketch_hicache_save_seconds": ("Wall time of device-to-host copies", s.host_saved_seconds),
+                "ketch_hicache_save_seconds": ("Host time spent saving to the host tier (on the CPU the copies "
+                                               "themselves, on CUDA only queueing them)", s.host_saved_seconds),
+                "ketch_hicache_save_copy_seconds": ("Time the device-to-host copies took where they ran (CUDA: "
+                                                    "events on the copy stream; CPU: their wall time); saved "
+                                                    "bytes over it: the save bandwidth", s.host_save_copy_seconds),
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
