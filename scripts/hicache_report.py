@@ -77,6 +77,8 @@ def row(name: str, bench: str, before: str, after: str, summary: str, timed_out:
     loaded, load_s = c("ketch_hicache_loaded_bytes_total"), c("ketch_hicache_load_seconds_total")
     copy_s = c("ketch_hicache_load_copy_seconds_total")  # the copies' own time (CUDA events on the copy stream)
     saved, save_s = c("ketch_hicache_saved_bytes_total"), c("ketch_hicache_save_seconds_total")
+    if "ketch_hicache_save_copy_seconds_total" in m1:  # the copies' own time (CUDA: copy-stream events)
+        save_s = c("ketch_hicache_save_copy_seconds_total")
     if "ketch_kv_host_pages_total" in m1:
         r |= {"host_pages": m1["ketch_kv_host_pages_total"],
               "h2d_loaded_gb": round(loaded / GB, 2), "h2d_load_seconds": round(load_s, 2),
@@ -144,8 +146,8 @@ def table(paths: list[str]) -> None:
     for line in (cols, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
     print("* h2d GB/s: loaded bytes over ketch_hicache_load_copy_seconds (the copies' own time: CUDA events on the "
-          "loader's copy stream; on the CPU the copies' wall time). d2h GB/s: saved bytes over the wall time of "
-          "HostPool.save (synchronous).")
+          "loader's copy stream; on the CPU the copies' wall time). d2h GB/s: saved bytes over "
+          "ketch_hicache_save_copy_seconds (the same, for saves) where the server exports it.")
     for n in order:
         r = configs[n]
         if r.get("note"):
