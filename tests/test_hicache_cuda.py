@@ -68,7 +68,7 @@ def test_save_then_side_stream_load_round_trips_every_byte(dtype: torch.dtype, l
     else:  # mostly runs of one page
         host_pages, targets = torch.randperm(48, generator=rng)[:20].tolist(), torch.randperm(64, generator=rng)[:20].tolist()
     host.save(saved, host_pages)
-    want = [{n: t[saved].view(torch.uint8).cpu() for n, t in layer.items()} for layer in pool.layers]
+    want = [{n: t[saved].view(torch.uint8).clone() for n, t in layer.items()} for layer in pool.layers]
     host.guard_device_reuse()  # the pool is rewritten next, as after an eviction: after the save
     saving = pool.take_pending_save()
     if saving is not None:
