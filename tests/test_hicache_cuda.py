@@ -11,7 +11,7 @@
    same run with the waits taken out reads the scribbles and must differ: the test's teeth.
 4. Saves on the copy stream (ketch/cache/host_saver.py), held back by torch.cuda._sleep: the
    device pages are rewritten on the compute stream right after the save, as write_back's
-   eviction lets the next step do, behind the forward's wait (`take_pending_save`); the host
+   eviction lets the next step do, behind the eviction's wait (`guard_device_reuse`); the host
    rows are the saved bytes (and without that wait they are not: the planted bug); the L3 writer
    thread encodes the saved bytes although it is handed the pages before the copy ran; the engine
    with write_back and delayed saves answers as with the hierarchy off.
@@ -70,9 +70,6 @@ def test_save_then_side_stream_load_round_trips_every_byte(dtype: torch.dtype, l
     host.save(saved, host_pages)
     want = [{n: t[saved].view(torch.uint8).clone() for n, t in layer.items()} for layer in pool.layers]
     host.guard_device_reuse()  # the pool is rewritten next, as after an eviction: after the save
-    saving = pool.take_pending_save()
-    if saving is not None:
-        saving.wait()  # as ModelRunner.forward does
     _random_bytes(pool, 2)  # on the compute stream: the copy stream must wait for it first
     assert (len(page_runs(host_pages, targets)) == 2) == (layout == "runs")
     assert copies_directly(page_runs(host_pages, targets), 20, host.loader.row_bytes) == (plan == "direct")
@@ -146,7 +143,7 @@ def _host_hit_run(path: str, new_tokens: int, monkeypatch: pytest.MonkeyPatch, d
     eng.kv.tree.evict(eng.allocator.num_pages)  # every cached device page goes to the host
     hit = eng.kv.match(prompt[:-1])
     assert hit.tier == "host" and hit.host_tokens == 40 and not hit.pages
-    torch.cuda.synchronize()  # the saves of the eviction have landed (a forward would wait: pending_save)
+    torch.cuda.synchronize()  # the saves of the eviction have landed (the eviction waited for them)
     for layer in eng.runner.pool.layers:
         for t in layer.values():
             t.normal_(0.0, 3.0)  # what a step reads if it does not wait for the load
@@ -198,9 +195,9 @@ def _delay_saves(monkeypatch: pytest.MonkeyPatch, cycles: int = SLEEP_CYCLES) ->
 
 
 def _saved_rows_after_reuse(plan: str, layout: str, monkeypatch: pytest.MonkeyPatch, wait: bool) -> bool:
-    """Save 20 pages on a delayed copy stream, free them (guard_device_reuse, as an eviction does)
-    and rewrite them on the compute stream at once, after the wait a forward makes unless `wait`
-    is False; True when the host rows hold the bytes the pages had at the save."""
+    """Save 20 pages on a delayed copy stream, free them (guard_device_reuse, as an eviction does,
+    unless `wait` is False) and rewrite them on the compute stream at once; True when the host rows
+    hold the bytes the pages had at the save."""
     monkeypatch.setattr(layer_loader, "DIRECT_MIN_RUN_BYTES", 1 if plan == "direct" else 1 << 60)
     pool = KVPool(KVSpec.mha(4, 2, 64), 64, 16, torch.bfloat16, "cuda")
     host = HostPool(pool, 48)
@@ -214,11 +211,9 @@ def _saved_rows_after_reuse(plan: str, layout: str, monkeypatch: pytest.MonkeyPa
     _delay_saves(monkeypatch)
     host.save(saved, host_pages)
     assert host.last_save() is not None  # still in flight: the engine thread did not wait
-    host.guard_device_reuse()
-    pending = pool.take_pending_save()
-    assert pending is not None and pool.take_pending_save() is None  # taken once
     if wait:
-        pending.wait()  # what ModelRunner.forward does first
+        host.guard_device_reuse()  # what an eviction does before the pages are freed: waits for the save
+        assert host.last_save() is None
     _random_bytes(pool, 1)  # the next step writing the freed pages
     host.saver.log.wait_pages(host_pages)  # as HostPool.alloc before a host-side writer
     assert host.last_save() is None
@@ -235,7 +230,7 @@ def test_a_delayed_save_keeps_the_bytes_of_pages_rewritten_after_it(plan: str, l
 
 
 def test_without_the_save_wait_the_next_step_overwrites_what_is_saved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted bug: the rewrite no longer waits for the delayed save, which then copies the
+    """The planted bug: the eviction no longer waits for the delayed save, which then copies the
     new bytes; what makes the test above able to fail."""
     assert not _saved_rows_after_reuse("gathered", "scattered", monkeypatch, wait=False)
 

@@ -93,8 +93,7 @@ def test_cpu_saves_are_synchronous_and_guard_nothing() -> None:
         for t in layer.values():
             t.copy_(torch.randn_like(t))
     host.save([3, 9], [0, 5])
-    host.guard_device_reuse()
-    assert pool.take_pending_save() is None
+    host.guard_device_reuse()  # nothing in flight on the CPU: returns at once
     for layer, hl in zip(pool.layers, host.layers, strict=True):
         for n, t in layer.items():
             assert torch.equal(hl[n][[0, 5]], t[[3, 9]])

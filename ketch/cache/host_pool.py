@@ -165,12 +165,15 @@ class HostPool:
         return None if self.saver is None else self.saver.log.last_inflight()
 
     def guard_device_reuse(self) -> None:
-        """Device pages a save may still be reading were just freed: the next forward waits for
-        the saves in flight before it can rewrite them (KVPool.pending_save). No-op on the CPU and
-        when every save has finished (one event query)."""
+        """Device pages a save may still be reading are about to be handed out again: wait for the
+        saves in flight. No-op on the CPU and when every save has finished (one event query)."""
         last = self.last_save()
         if last is not None:
-            self.device_pool.pending_save = last
+            # On the host, not deferred to the next forward: a deferred wait (the compute stream
+            # waiting for the save's event) failed the delayed-write_back engine test once in five
+            # H200 runs (2026-12-02, cause not found), so a write_back eviction waits here for its
+            # save (a pinned DMA, ~25 GB/s) until it is.
+            last.synchronize()
 
     def _copy_in(self, host_pages: list[int], device_pages: list[int]) -> None:
         d_idx = torch.tensor(device_pages, dtype=torch.long, device=self.device)

@@ -23,10 +23,12 @@ Ordering, hazard by hazard (the users of each rule are named):
   (`SaveLog.wait_pages`, per-page sequence numbers: no per-step stall). A page handed to another
   save is not waited for: the two DMAs are ordered on the stream.
 - Device pages freed after a save (device eviction) may be handed to the next step, which would
-  rewrite them on the compute stream while the copy stream still reads them: the eviction leaves
-  the last save's end event on the device pool (`KVPool.pending_save`) and the next forward makes
-  the compute stream wait for it (`ModelRunner.forward`, graph path included). write_through saves
-  free nothing, so a step after them never waits for them.
+  rewrite them on the compute stream while the copy stream still reads them: the eviction waits on
+  the host for the last save (`HostPool.guard_device_reuse`) before the pages are handed out.
+  A wait deferred to the next forward (compute stream waits for the save's event) failed the
+  delayed-write_back engine test once in five H200 runs (2026-12-02; cause not found), so the
+  simple, certain wait stands until it is. write_through saves free nothing and are never waited
+  for.
 - Scratch (the index tensor, the gathered staging) is allocated inside the copy stream's context,
   so torch's caching allocator hands those blocks out again only to later work on that stream
   (stream-ordered reuse): no record_stream needed. The pinned index buffer of `to_device` is kept

@@ -60,10 +60,6 @@ class KVPool:
         # CUDA: the host→device load (HostPool on its copy stream) the next forward must wait
         # for, layer by layer; None on every other step, and always on the CPU
         self.pending_load: PendingLoad | None = None
-        # CUDA: the end of the device→host saves that read pages freed since (device eviction):
-        # the next forward waits for it before it may rewrite them; None when nothing is freed
-        # under a save in flight, and always on the CPU (host_saver.py)
-        self.pending_save: torch.cuda.Event | None = None
         # the attention backends and kernels index these lists directly (MHA specs)
         for name in ("k", "v"):
             if name in dtypes:
@@ -72,11 +68,6 @@ class KVPool:
     def take_pending_load(self) -> PendingLoad | None:
         """The load the step about to run must wait for (None: nothing is being loaded), once."""
         pending, self.pending_load = self.pending_load, None
-        return pending
-
-    def take_pending_save(self) -> torch.cuda.Event | None:
-        """The save the step about to run must wait for before it writes any page (None: none), once."""
-        pending, self.pending_save = self.pending_save, None
         return pending
 
     def __getattr__(self, name: str) -> object:

@@ -143,9 +143,6 @@ class ModelRunner:
         """Run the step; returns logits [len(batch.sample_rows), vocab] in fp32, in sampling order."""
         # a host-tier load queued since the last step (CUDA; None otherwise: one read per step)
         pending = self.pool.take_pending_load()
-        saving = self.pool.take_pending_save()  # the second (and last) read per step
-        if saving is not None:
-            saving.wait()  # evicted pages a save still reads may be rewritten by this step (graphs too)
         if self.graphs is not None and self.graphs.can_run(batch):
             if pending is not None:
                 pending.wait_all()  # a captured graph holds no per-layer waits: the whole load first
