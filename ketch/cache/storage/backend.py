@@ -51,6 +51,26 @@ class StorageStats:
     read_errors: int = 0  # a get that failed for another reason than a missing key
     errors: int = 0  # a request to a storage server that failed (refused, timed out, an error reply)
 
+    def count_get(self, answer: "bytes | None | Failed") -> bytes | None:
+        """A get's answer from a store's server, counted: a failed request (None after it), a
+        missing key, or a hit of len(answer) bytes."""
+        self.gets += 1
+        if isinstance(answer, Failed):
+            self.read_errors += 1
+            return None
+        if answer is not None:
+            self.hits += 1
+            self.read_bytes += len(answer)
+        return answer
+
+
+class Failed:
+    """What a server-backed store's request returns instead of raising (None is a real answer:
+    a missing key)."""
+
+
+FAILED = Failed()
+
 
 def check_key(key: str) -> str:
     """`key` if it is a valid storage key, else ValueError naming it."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
-from ketch.cache.storage.backend import StorageStats, check_key
+from ketch.cache.storage.backend import FAILED, Failed, StorageStats, check_key
 from ketch.cache.storage.bounded_call import BoundedWorker, WorkerBusy
 
 log = logging.getLogger("ketch.cache.storage")
@@ -123,13 +123,6 @@ class _ErrorReply(Exception):
     """The client answered with an error code."""
 
 
-class _Failed:
-    """What `_call` returns instead of raising (None is a real answer: a missing key)."""
-
-
-FAILED = _Failed()
-
-
 class MooncakeStorage:
     def __init__(self, url: str = DEFAULT_URL, *, reconnect_s: float = 5.0) -> None:
         """Connects now, within the deadline; a master that is down does not stop the engine from
@@ -146,21 +139,12 @@ class MooncakeStorage:
 
     def get(self, key: str) -> bytes | None:
         check_key(key)
-        self.stats.gets += 1
-        data = self._call(lambda client: _read(client, key))
-        if isinstance(data, _Failed):
-            self.stats.read_errors += 1
-            return None
-        if data is None:
-            return None
-        self.stats.hits += 1
-        self.stats.read_bytes += len(data)
-        return data
+        return self.stats.count_get(self._call(lambda client: _read(client, key)))
 
     def set(self, key: str, value: bytes) -> bool:
         check_key(key)
         self.stats.sets += 1
-        if isinstance(self._call(lambda client: _ok(client.upsert(key, value), "upsert")), _Failed):
+        if isinstance(self._call(lambda client: _ok(client.upsert(key, value), "upsert")), Failed):
             self.stats.dropped_writes += 1
             return False
         self.stats.written_bytes += len(value)
@@ -175,7 +159,7 @@ class MooncakeStorage:
         if not names:
             return 0
         found = self._call(lambda client: client.batch_is_exist(names))
-        if isinstance(found, _Failed):
+        if isinstance(found, Failed):
             return 0
         count = 0
         for present in found:  # 1 present, 0 missing, negative an error for that key
@@ -198,7 +182,7 @@ class MooncakeStorage:
         if client is not None:
             client.close()
 
-    def _call(self, op: Callable[[Any], T]) -> T | _Failed:
+    def _call(self, op: Callable[[Any], T]) -> T | Failed:
         """op(client) on the worker within the deadline, or FAILED. A request that was made and
         failed counts in stats.errors; one not made (not connected, master unreachable, a late
         call still running) does not."""

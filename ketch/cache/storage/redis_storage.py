@@ -31,19 +31,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ketch.cache.storage.backend import StorageStats, check_key
+from ketch.cache.storage.backend import FAILED, Failed, StorageStats, check_key
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 NAMESPACE = "ketch:kv:"
 
 T = TypeVar("T")
-
-
-class _Failed:
-    """What `_request` returns instead of raising (None is a real answer: a missing key)."""
-
-
-FAILED = _Failed()
 
 
 def parse_url(url: str) -> tuple[str, int, int]:
@@ -84,21 +77,12 @@ class RedisStorage:
 
     def get(self, key: str) -> bytes | None:
         name = self.name(key)
-        self.stats.gets += 1
-        data = self._request(lambda: self._client.get(name))
-        if isinstance(data, _Failed):
-            self.stats.read_errors += 1
-            return None
-        if data is None:
-            return None
-        self.stats.hits += 1
-        self.stats.read_bytes += len(data)
-        return data
+        return self.stats.count_get(self._request(lambda: self._client.get(name)))
 
     def set(self, key: str, value: bytes) -> bool:
         name = self.name(key)
         self.stats.sets += 1
-        if isinstance(self._request(lambda: self._client.set(name, value)), _Failed):
+        if isinstance(self._request(lambda: self._client.set(name, value)), Failed):
             self.stats.dropped_writes += 1
             return False
         self.stats.written_bytes += len(value)
@@ -107,14 +91,14 @@ class RedisStorage:
     def exists(self, key: str) -> bool:
         name = self.name(key)
         found = self._request(lambda: self._client.exists(name))
-        return not isinstance(found, _Failed) and found == 1
+        return not isinstance(found, Failed) and found == 1
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         names = [self.name(k) for k in keys]  # every key checked before anything is sent
         if not names:
             return 0
         found = self._request(lambda: self._pipelined_exists(names))
-        if isinstance(found, _Failed):
+        if isinstance(found, Failed):
             return 0
         count = 0
         for present in found:
@@ -135,7 +119,7 @@ class RedisStorage:
             pipe.exists(name)
         return pipe.execute()
 
-    def _request(self, call: Callable[[], T]) -> T | _Failed:
+    def _request(self, call: Callable[[], T]) -> T | Failed:
         """`call()`, or FAILED when it raised a Redis error (counted) or Redis is cooling down."""
         if time.monotonic() < self._down_until:
             return FAILED
