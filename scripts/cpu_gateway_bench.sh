@@ -15,7 +15,7 @@
 #          runs the policies in turn, alternating the order) PORT (31100: the gateway; workers above it)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-$REPO/.venv/bin/python}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 LOG=${1:-/tmp/cpu_gateway_bench.log}
 WORKERS=${WORKERS:-3} KV_PAGES=${KV_PAGES:-448} NUM_GROUPS=${NUM_GROUPS:-16} PER_GROUP=${PER_GROUP:-8}

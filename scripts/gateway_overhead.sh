@@ -18,7 +18,7 @@
 #          POLICY (cache_aware) CLIENTS (1: --num-client-processes) PORT (31200: the gateway; fake PORT+1)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-/work/main/.venv/bin/python}
+PY=${PY:-$REPO/.venv/bin/python}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 LOG=${1:-/tmp/gateway_overhead.log}
 STEP_MS=${STEP_MS:-10} OUTPUT=${OUTPUT:-64} INPUT=${INPUT:-32} PROMPTS=${PROMPTS:-640} RATE=${RATE:-90}

@@ -85,14 +85,8 @@ class Forwarder:
         attempt, upstream = opened
         if upstream.status_code == 200:
             return opened
-        try:  # refused (a 4xx: the resume request itself; a 500): not worth another worker
-            text = (await upstream.aread()).decode("utf-8", "replace")
-        except httpx.TransportError:
-            text = ""
-        finally:
-            await upstream.aclose()
-            attempt.close()
-        return f"{attempt.worker.url} refused it: {upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}"
+        # refused (a 4xx: the resume request itself; a 500): not worth another worker
+        return f"{attempt.worker.url} refused it: {await _refused(attempt, upstream)}"
 
     def _picker(self, request: RoutedRequest) -> Callable[[Sequence[Worker]], Worker]:
         def pick(workers: Sequence[Worker]) -> Worker:
@@ -164,14 +158,7 @@ class Forwarder:
             raise
         attempt.answered(upstream.status_code)
         if upstream.status_code in RETRY_STATUSES:
-            try:
-                text = (await upstream.aread()).decode("utf-8", "replace")
-            except httpx.TransportError:
-                text = ""
-            finally:
-                await upstream.aclose()
-                attempt.close()
-            failures.append(f"{worker.url}: {upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}")
+            failures.append(f"{worker.url}: {await _refused(attempt, upstream)}")
             return None
         return upstream
 
@@ -185,3 +172,15 @@ class Forwarder:
         states = ", ".join(f"{w.url} ({'healthy' if w.health.healthy else 'unhealthy'}, breaker "
                            f"{w.breaker.state(now).name.lower()})" for w in workers)
         return unavailable(f"no worker is available: {states}")
+
+
+async def _refused(attempt: Attempt, upstream: httpx.Response) -> str:
+    """A refused answer as "status body-preview", read and closed, its attempt ended."""
+    try:
+        text = (await upstream.aread()).decode("utf-8", "replace")
+    except httpx.TransportError:
+        text = ""
+    finally:
+        await upstream.aclose()
+        attempt.close()
+    return f"{upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}"
