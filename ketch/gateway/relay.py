@@ -53,7 +53,9 @@ class Relay(Response):
         self.raw_headers = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower().decode() not in _DROPPED]
         self.raw_headers.append((WORKER_HEADER, attempt.worker.url.encode()))
         self.streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        self.transcript = StreamTranscript(keep_events=failover.keep_events)
+        # only a stream a failover could resume keeps its events (they are what it resumes from)
+        self.transcript = StreamTranscript(keep_events=failover.keep_events and request is not None
+                                           and request.fields is not None)
         self.strip_ids = request is not None and request.strip_ids
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
