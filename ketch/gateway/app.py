@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,42 +20,31 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from ketch.gateway.body import ClientGone, parse_object, read_body
 from ketch.gateway.errors import GatewayError, unavailable
+from ketch.gateway.forward import Forwarder
 from ketch.gateway.gateway import Gateway
+from ketch.gateway.generate import GENERATION_ROUTES, Generation
 from ketch.gateway.monitor import probe_health
 from ketch.gateway.registry import DuplicateWorker
-from ketch.gateway.routed import CHAT, COMPLETIONS, routed_request
 from ketch.gateway.worker_url import WorkerAddress, parse_worker_url
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
 
 
-async def read_json_object(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded as is) and its parsed object (read for routing)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"the request body is larger than {limit} bytes", "request_too_large")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     try:
-        parsed = json.loads(body)
-    except ValueError as e:  # UnicodeDecodeError is one
-        raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
-    if not isinstance(parsed, dict):
-        raise GatewayError(400, f"the request body must be a JSON object, got {type(parsed).__name__}",
-                           "invalid_json")
-    return body, parsed
+        return parse_object(await read_body(request.receive, limit))
+    except ClientGone:
+        raise GatewayError(400, "the client left before its request body was complete", "invalid_json") from None
 
 
 class FrontDoor:
-    """The outermost ASGI layer: the gateway's own API key on every route but /health. Pure ASGI
-    (not Starlette's BaseHTTPMiddleware), so relayed streams and the disconnect they watch for
-    pass through untouched."""
+    """The outermost ASGI layer: the gateway's own API key on every route but /health, then the
+    generation routes straight to their plain ASGI handler (generate.py), the rest to FastAPI."""
 
-    def __init__(self, app: Any, key: str | None) -> None:
-        self.app, self.key = app, key
+    def __init__(self, app: Any, key: str | None, generation: Generation) -> None:
+        self.app, self.key, self.generation = app, key, generation
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.key is not None and scope["path"] not in OPEN_PATHS:
@@ -66,6 +54,14 @@ class FrontDoor:
             except GatewayError as e:
                 await e.response()(scope, receive, send)
                 return
+        route = GENERATION_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is not None:
+            if scope["method"] == "POST":
+                await self.generation(scope, receive, send, route)
+            else:
+                error = GatewayError(405, f"{scope['path']} takes POST only", "method_not_allowed")
+                await error.response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -102,23 +98,6 @@ def build_app(gw: Gateway) -> FrontDoor:
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         return GatewayError(400, str(e), "invalid_value").response()
 
-    async def generate(request: Request, route: str) -> Response:
-        body, parsed = await read_json_object(request, gw.config.max_request_bytes)
-
-        async def until_disconnect() -> None:  # the body is read: what comes next is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        return await gw.forwarder.generation(routed_request(route, body, parsed), until_disconnect)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate(request, CHAT)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, COMPLETIONS)
-
     @app.get("/v1/models")
     async def models() -> Response:
         return await gw.forwarder.plain("GET", "/v1/models")
@@ -141,7 +120,7 @@ def build_app(gw: Gateway) -> FrontDoor:
 
     @app.post("/workers", status_code=201)
     async def add_worker(request: Request) -> JSONResponse:
-        _, parsed = await read_json_object(request, 64 * 1024)
+        parsed = await read_json_object(request, 64 * 1024)
         address = _address(parsed)
         if gw.registry.get(address.url) is not None:
             raise GatewayError(409, f"worker {address.url} is already registered", "worker_exists", param="url")
@@ -167,7 +146,11 @@ def build_app(gw: Gateway) -> FrontDoor:
                                param="url") from None
         return {"url": canonical, "removed": True}
 
-    return FrontDoor(app, gw.config.api_key)
+    def forwarder() -> Forwarder:
+        assert gw.forwarder is not None  # the lifespan started the gateway before any request
+        return gw.forwarder
+
+    return FrontDoor(app, gw.config.api_key, Generation(forwarder, gw.failover, gw.config.max_request_bytes))
 
 
 def _address(parsed: dict[str, Any]) -> WorkerAddress:

@@ -18,18 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-import anyio
-import httpx2 as httpx
-
 from ketch.gateway.attempt import Attempt
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.resume import Continuation, continuation, read_so_far
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.sse import DONE, lost_event, whole_events
+from ketch.gateway.upstream import Answer, UpstreamError, UpstreamTimeout
 from ketch.gateway.worker import Worker
 
 # (request, body, workers to avoid) -> the attempt and its 200 answer, or why there is none
-OpenContinuation = Callable[[RoutedRequest, bytes, set[str]], Awaitable[tuple[Attempt, httpx.Response] | str]]
+OpenContinuation = Callable[[RoutedRequest, bytes, set[str]], Awaitable[tuple[Attempt, Answer] | str]]
 
 
 @dataclass
@@ -90,23 +88,22 @@ class ResumeFailover:
             if isinstance(opened, str):
                 why = opened
                 break
-            attempt, upstream = opened
+            attempt, answer = opened
             tried.add(attempt.worker.url)
             rewrite = Continuation(so, plan, request.strip_ids)
             try:
-                async for block in whole_events(upstream):
+                async for block in whole_events(answer.chunks()):
                     kept, sent = rewrite(block)
                     if kept:
                         transcript.feed(kept)
                     if sent:
                         yield sent
-            except httpx.TransportError as e:
-                attempt.failed("timeout" if isinstance(e, httpx.TimeoutException) else "stream_cut")
+            except UpstreamError as e:
+                attempt.failed("timeout" if isinstance(e, UpstreamTimeout) else "stream_cut")
                 why = f"{attempt.worker.url} was lost too"
                 continue
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await upstream.aclose()
+            finally:  # also when the client leaves: closing the socket tells the worker
+                answer.close()
                 attempt.close()
             if transcript.done:
                 self.metrics.failovers.labels("resumed").inc()

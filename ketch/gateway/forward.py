@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Awaitable, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
-import anyio
-import httpx2 as httpx
 from starlette.responses import Response
 
 from ketch.gateway.attempt import Attempt
@@ -31,12 +29,14 @@ from ketch.gateway.failover import Failover
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.policies import RoutingPolicy
 from ketch.gateway.registry import WorkerRegistry
-from ketch.gateway.relay import Relay
+from ketch.gateway.relay import relayed_headers
 from ketch.gateway.routed import RoutedRequest
+from ketch.gateway.upstream import Answer, ConnectFailed, Upstream, UpstreamError, UpstreamTimeout
 from ketch.gateway.worker import Worker
 
+Opened = tuple[Attempt, Answer]  # a worker's answer (status and headers read, body not) and its attempt
+
 RETRY_STATUSES = frozenset({502, 503})
-CLIENT_GONE = 499  # what a request whose client left before any answer "gets" (nginx's code; nobody reads it)
 _ERROR_BODY_PREVIEW = 300  # characters of a refused answer quoted in the final 503
 
 
@@ -48,45 +48,29 @@ def backoff_seconds(retry: int, initial_ms: float, max_ms: float, multiplier: fl
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, registry: WorkerRegistry, policy: RoutingPolicy,
+    def __init__(self, upstream: Upstream, registry: WorkerRegistry, policy: RoutingPolicy,
                  metrics: GatewayMetrics, config: GatewayConfig, failover: Failover,
                  clock: Callable[[], float], rng: random.Random | None = None) -> None:
-        self.client, self.registry, self.policy, self.metrics = client, registry, policy, metrics
+        self.upstream, self.registry, self.policy, self.metrics = upstream, registry, policy, metrics
         self.config, self.failover, self.clock = config, failover, clock
         self.rng = rng or random.Random()
 
-    async def generation(self, request: RoutedRequest,
-                         until_disconnect: Callable[[], Awaitable[None]] | None = None) -> Response:
-        """`until_disconnect` returns when the client leaves: a request still waiting for a worker's
-        answer (a whole, non-streamed generation takes a while) is then given up, and closing its
-        connection makes the worker abort the generation instead of finishing it for nobody."""
-        pick = self._picker(request)
-        if until_disconnect is None:
-            return await self._forward(pick, "POST", request.path, request.body, request)
-        answer = Response(status_code=CLIENT_GONE)
-        async with anyio.create_task_group() as tasks:
-            async def watch() -> None:
-                await until_disconnect()
-                tasks.cancel_scope.cancel()
+    async def generation(self, request: RoutedRequest) -> Opened | GatewayError:
+        """The answer of the worker the policy picked (or the next one, retried), else why none.
+        The caller relays it; a client leaving meanwhile cancels this, which closes the attempt."""
+        return await self._forward(self._picker(request), "POST", request.path, request.body, request.route)
 
-            tasks.start_soon(watch)
-            answer = await self._forward(pick, "POST", request.path, request.body, request)
-            tasks.cancel_scope.cancel()  # the relay watches for the disconnect from here on
-        return answer
-
-    async def continuation(self, request: RoutedRequest, body: bytes,
-                           exclude: set[str]) -> tuple[Attempt, httpx.Response] | str:
+    async def continuation(self, request: RoutedRequest, body: bytes, exclude: set[str]) -> Opened | str:
         """A stream that goes on from a lost worker's (failover.py): `body` to a worker not in
         `exclude`, picked and retried as any request. Its 200 answer, still unread; or why not."""
-        opened = await self._forward(self._picker(request), "POST", request.path, body, request,
-                                     exclude=exclude, relay=False)
-        if not isinstance(opened, tuple):  # no worker took it (503), or one timed out (504)
-            return opened.body.decode("utf-8", "replace")
-        attempt, upstream = opened
-        if upstream.status_code == 200:
+        opened = await self._forward(self._picker(request), "POST", request.path, body, request.route, exclude)
+        if isinstance(opened, GatewayError):  # no worker took it (503), or one timed out (504)
+            return opened.message
+        attempt, answer = opened
+        if answer.status_code == 200:
             return opened
         # refused (a 4xx: the resume request itself; a 500): not worth another worker
-        return f"{attempt.worker.url} refused it: {await _refused(attempt, upstream)}"
+        return f"{attempt.worker.url} refused it: {await _refused(attempt, answer)}"
 
     def _picker(self, request: RoutedRequest) -> Callable[[Sequence[Worker]], Worker]:
         def pick(workers: Sequence[Worker]) -> Worker:
@@ -97,17 +81,30 @@ class Forwarder:
 
     async def plain(self, method: str, path: str) -> Response:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy
-        state untouched."""
-        return await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, None)
+        state untouched; the answer read whole and passed on."""
+        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, path)
+        if isinstance(opened, GatewayError):
+            return opened.response()
+        attempt, answer = opened
+        try:
+            body = await answer.read()
+        except UpstreamError as e:
+            attempt.failed("timeout" if isinstance(e, UpstreamTimeout) else "stream_cut")
+            return unavailable(f"the worker {attempt.worker.url} was lost while answering: {e}", "worker_lost").response()
+        finally:
+            answer.close()
+            attempt.close()
+        response = Response(body, status_code=answer.status_code)
+        response.raw_headers = [(b"content-length", str(len(body)).encode())] + [
+            (k, v) for k, v in relayed_headers(answer, attempt) if k != b"content-length"]
+        return response
 
     async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
-                       body: bytes | None, routed: RoutedRequest | None, exclude: Collection[str] = (),
-                       relay: bool = True) -> Any:
-        """The relayed answer (or, `relay` False, the attempt and its unread answer), else the error."""
+                       body: bytes | None, route: str, exclude: Collection[str] = ()) -> Opened | GatewayError:
+        """The first answer a worker gave (its attempt open: the caller closes both), else the error."""
         tried: set[str] = set(exclude)
         failures: list[str] = []
         retry = self.config.retry
-        route = routed.route if routed is not None else path
         for attempt_no in range(retry.attempts):
             workers = self.registry.available(exclude=tried)
             if not workers:
@@ -124,43 +121,41 @@ class Forwarder:
             tried.add(worker.url)
             attempt = Attempt(worker, route, self.metrics, self.clock)
             outcome = await self._try(attempt, method, path, body, failures)
-            if isinstance(outcome, httpx.Response):
-                return Relay(outcome, attempt, routed, self.failover) if relay else (attempt, outcome)
             if outcome is not None:
                 return outcome
         self.metrics.no_worker.inc()
-        return self._no_worker(failures).response()
+        return self._no_worker(failures)
 
     async def _try(self, attempt: Attempt, method: str, path: str, body: bytes | None,
-                   failures: list[str]) -> httpx.Response | Response | None:
+                   failures: list[str]) -> Opened | GatewayError | None:
         """The worker's answer (unread), a 504, or None (recorded in `failures`): try another worker."""
         worker = attempt.worker
         headers = {"content-type": "application/json", "accept-encoding": "identity", **worker.auth_headers()}
-        request = self.client.build_request(method, worker.url + path, content=body, headers=headers)
         try:
-            upstream = await self.client.send(request, stream=True)
-        except httpx.TimeoutException as e:
+            answer = await self.upstream.request(method, worker.url, path, body, headers)
+        except ConnectFailed as e:
             attempt.close()
-            if isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-                attempt.failed("connect")
-                failures.append(f"{worker.url}: connect timeout")
-                return None
+            attempt.failed("connect")
+            failures.append(f"{worker.url}: {e}")
+            return None
+        except UpstreamTimeout:
+            attempt.close()
             attempt.failed("timeout")
             return GatewayError(504, f"the worker {worker.url} did not answer within {self.config.request_timeout_secs} s",
-                                "worker_timeout", type="timeout").response()
-        except httpx.TransportError as e:
+                                "worker_timeout", type="timeout")
+        except UpstreamError as e:
             attempt.close()
-            attempt.failed("connect" if isinstance(e, httpx.ConnectError) else "reset")
-            failures.append(f"{worker.url}: {type(e).__name__}: {e}" if str(e) else f"{worker.url}: {type(e).__name__}")
+            attempt.failed("reset")
+            failures.append(f"{worker.url}: {e}")
             return None
         except BaseException:  # cancelled (the client left): nothing is the worker's fault
             attempt.close()
             raise
-        attempt.answered(upstream.status_code)
-        if upstream.status_code in RETRY_STATUSES:
-            failures.append(f"{worker.url}: {await _refused(attempt, upstream)}")
+        attempt.answered(answer.status_code)
+        if answer.status_code in RETRY_STATUSES:
+            failures.append(f"{worker.url}: {await _refused(attempt, answer)}")
             return None
-        return upstream
+        return attempt, answer
 
     def _no_worker(self, failures: list[str]) -> GatewayError:
         if failures:
@@ -174,13 +169,13 @@ class Forwarder:
         return unavailable(f"no worker is available: {states}")
 
 
-async def _refused(attempt: Attempt, upstream: httpx.Response) -> str:
+async def _refused(attempt: Attempt, answer: Answer) -> str:
     """A refused answer as "status body-preview", read and closed, its attempt ended."""
     try:
-        text = (await upstream.aread()).decode("utf-8", "replace")
-    except httpx.TransportError:
+        text = (await answer.read()).decode("utf-8", "replace")
+    except UpstreamError:
         text = ""
     finally:
-        await upstream.aclose()
+        answer.close()
         attempt.close()
-    return f"{upstream.status_code} {text[:_ERROR_BODY_PREVIEW]}"
+    return f"{answer.status_code} {text[:_ERROR_BODY_PREVIEW]}"

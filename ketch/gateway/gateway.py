@@ -17,9 +17,7 @@ from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.worker_url import parse_worker_url
 
-# uvicorn (the workers' server) closes an idle keep-alive connection after 5 s; the pool lets go
-# of its own first, or a request could be written onto a socket the worker is closing
-_KEEPALIVE_EXPIRY_S = 4.0
+from ketch.gateway.upstream import KEEPALIVE_S, Answer, Upstream
 
 
 class Gateway:
@@ -36,7 +34,8 @@ class Gateway:
             failover = ResumeFailover(self._continuation, self.metrics, config.retry.attempts) \
                 if config.enable_failover else NoFailover()
         self.failover = failover
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # the monitor's (health checks, load scrapes)
+        self.upstream: Upstream | None = None  # the requests' (forward.py)
         self.forwarder: Forwarder | None = None
         self.monitor: Monitor | None = None
 
@@ -44,17 +43,18 @@ class Gateway:
         c = self.config
         timeout = httpx.Timeout(connect=c.connect_timeout_secs, read=c.request_timeout_secs,
                                 write=c.request_timeout_secs, pool=c.connect_timeout_secs)
-        # no cap on connections: each worker has its own (--max-connections), and a cap here
-        # would queue requests in the gateway where no load figure sees them
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                              keepalive_expiry=_KEEPALIVE_EXPIRY_S)
+        # the monitor's: a health check and a scrape at a time per worker
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False, trust_env=False)
-        self.forwarder = Forwarder(self.client, self.registry, self.policy, self.metrics, c, self.failover, self.clock)
+        # the requests': no cap on connections (each worker has its own --max-connections, and a
+        # cap here would queue requests in the gateway where no load figure sees them)
+        self.upstream = Upstream(c.connect_timeout_secs, c.request_timeout_secs)
+        self.forwarder = Forwarder(self.upstream, self.registry, self.policy, self.metrics, c, self.failover, self.clock)
         self.monitor = Monitor(self.client, self.registry, self.policy, c)
         self.monitor.start()
 
     async def _continuation(self, request: RoutedRequest, body: bytes,
-                            exclude: set[str]) -> tuple[Attempt, httpx.Response] | str:
+                            exclude: set[str]) -> tuple[Attempt, Answer] | str:
         assert self.forwarder is not None  # failovers happen only while serving
         return await self.forwarder.continuation(request, body, exclude)
 
@@ -63,3 +63,5 @@ class Gateway:
             await self.monitor.stop()
         if self.client is not None:
             await self.client.aclose()
+        if self.upstream is not None:
+            self.upstream.close()

@@ -5,8 +5,6 @@ import json
 import re
 from typing import AsyncIterator
 
-import httpx2 as httpx
-
 DONE = b"data: [DONE]"
 
 # `, "token_ids": [...]` as ketch serve writes it (json.dumps: the last key of a choice). It cannot
@@ -20,11 +18,11 @@ def event_boundary(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-async def whole_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream body in blocks of whole events, each as soon as its blank line arrived; a tail
-    that never completes is dropped (a stream that ends there was cut)."""
+async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The body in blocks of whole events, each as soon as its blank line arrived; a tail that
+    never completes is dropped (a stream that ends there was cut)."""
     pending = b""
-    async for chunk in upstream.aiter_raw():
+    async for chunk in chunks:
         data = pending + chunk if pending else chunk
         cut = event_boundary(data)
         if cut:
