@@ -71,6 +71,16 @@ def test_repeated_calls_with_other_lists_and_counts() -> None:
     check_copy(src, dst, list(range(3, 13)), list(range(20, 30)))  # one run
 
 
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_fewer_programs_than_blocks_take_them_in_turn(programs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid is capped (COPY_PROGRAMS): each program strides over (page, block) items, here
+    rows of 3 blocks, so a program's items span pages and blocks."""
+    monkeypatch.setattr(page_copy, "COPY_PROGRAMS", programs)
+    gen = torch.Generator().manual_seed(5)
+    src, dst = random_rows(10, (24000,), torch.uint8, gen), random_rows(12, (24000,), torch.uint8, gen)
+    check_copy(src, dst, [9, 2, 4, 0, 7], [11, 0, 5, 3, 6])
+
+
 def test_page_lists_may_be_views_at_any_offset() -> None:
     """The loaders upload host and device ids as one tensor and pass its two halves: the second
     starts at an offset of n ids, any alignment."""
@@ -150,7 +160,8 @@ def test_rows_move_as_16_byte_vectors_on_sm90() -> None:
         pytest.skip("this triton build has no NVIDIA backend")
     script = ("import re\nfrom ketch.kernels.compile_check import _compile\n"
               "from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel as fn\n"
-              "sig = dict(Src='*i64', Dst='*i64', SrcPages='*i32', DstPages='*i32', row_words='i32')\n"
+              "sig = dict(Src='*i64', Dst='*i64', SrcPages='*i32', DstPages='*i32', row_words='i32',\n"
+              "           blocks_per_row='i32', total='i32')\n"
               "k = _compile(fn, sig, {'BLOCK': MAX_BLOCK_BYTES // 8}, 90, 4, 3)\n"
               "print(sorted(set(re.findall(r'\\b(?:ld|st)\\.global[.\\w]*', k.asm['ptx']))))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

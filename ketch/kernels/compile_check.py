@@ -83,7 +83,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
              "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
              "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv,
-             "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32"}
+             "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32",
+             "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)

@@ -5,14 +5,20 @@ pinned host pool seen by the GPU through unified virtual addressing (ketch/cache
 so the SMs read (load) or write (save) host memory over PCIe themselves, page row by page row,
 with no host gather, no staging and no scatter: the engine thread only enqueues the launches.
 
-Each program copies one BLOCK-word block of one row (grid: pages × blocks per row). Rows are
-moved as the widest words their byte size and both base pointers allow (int64, int32, else
-uint8): same bits whatever the element type (fp8, bf16, fp32), and Triton's divisibility
+Work items are BLOCK-word blocks of rows (pages × blocks per row); at most `COPY_PROGRAMS`
+programs take them in turn (a grid-stride loop). The cap is the point: the copies run on the
+copy stream beside the step's kernels, and a load waits on PCIe, not on the SMs, so a grid of
+one program per block would sit on every SM's warp slots for the whole transfer. A capped grid
+takes a few warps per SM and still keeps `COPY_PROGRAMS` × 8 KiB in flight (4 × 16 bytes per
+thread), far more than PCIe's latency × bandwidth (~2 us × 55 GB/s ≈ 110 KB).
+
+Rows are moved as the widest words their byte size and both base pointers allow (int64, int32,
+else uint8): same bits whatever the element type (fp8, bf16, fp32), and Triton's divisibility
 specialization of the row length and base pointers (constant per pool) lets it issue 16-byte
-vector accesses. The page lists may be views at any offset of one uploaded index tensor, so
-their alignment is not specialized on (a new offset must not compile a variant mid-run); the
-page count only sizes the grid. Ids are trusted: an id out of range is undefined (checking it
-would cost a host sync).
+vector accesses. Per-call values are not specialized on (a new value must not compile a variant
+mid-run): the work count (`do_not_specialize`), the page lists' alignment (they may be views at
+any offset of one uploaded index tensor). Ids are trusted: an id out of range is undefined
+(checking it would cost a host sync).
 """
 from __future__ import annotations
 
@@ -27,17 +33,21 @@ from ketch.kernels._common import pow2
 # Most words one program moves per row block: 8 KiB of int64 over 4 warps is 4 16-byte accesses
 # in flight per thread, what a PCIe read stream needs to hide its latency.
 MAX_BLOCK_BYTES = 8192
+# Most programs of one launch (the grid-stride loop takes the rest): a few warps per SM of an
+# H200's 132, 512 KiB in flight. A first guess, to be measured under load (benchmarks/).
+COPY_PROGRAMS = 64
 
 
-@triton.jit(do_not_specialize_on_alignment=["SrcPages", "DstPages"])
-def _copy_pages_kernel(Src, Dst, SrcPages, DstPages, row_words, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < row_words
-    s = tl.load(SrcPages + i).to(tl.int64)  # int64: page id x row length passes 2^31 words
-    d = tl.load(DstPages + i).to(tl.int64)
-    x = tl.load(Src + s * row_words + offs, mask=mask)
-    tl.store(Dst + d * row_words + offs, x, mask=mask)
+@triton.jit(do_not_specialize=["total"], do_not_specialize_on_alignment=["SrcPages", "DstPages"])
+def _copy_pages_kernel(Src, Dst, SrcPages, DstPages, row_words, blocks_per_row, total, BLOCK: tl.constexpr):
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):  # work item: (page i, block b)
+        i = w // blocks_per_row
+        offs = (w % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        s = tl.load(SrcPages + i).to(tl.int64)  # int64: page id x row length passes 2^31 words
+        d = tl.load(DstPages + i).to(tl.int64)
+        x = tl.load(Src + s * row_words + offs, mask=mask)
+        tl.store(Dst + d * row_words + offs, x, mask=mask)
 
 
 def _rows_as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
@@ -87,8 +97,11 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
     s, d = _rows_as_words(src, word), _rows_as_words(dst, word)
     row_words = s.shape[1]
     block = min(pow2(row_words), MAX_BLOCK_BYTES // s.element_size())
-    _copy_pages_kernel[(n, triton.cdiv(row_words, block))](
-        s, d, src_pages, dst_pages, row_words, BLOCK=block, num_warps=4 if block * s.element_size() >= 2048 else 1)
+    blocks_per_row = triton.cdiv(row_words, block)
+    total = n * blocks_per_row
+    _copy_pages_kernel[(min(total, COPY_PROGRAMS),)](
+        s, d, src_pages, dst_pages, row_words, blocks_per_row, total,
+        BLOCK=block, num_warps=4 if block * s.element_size() >= 2048 else 1)
 
 
 def copy_pages_ref(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
