@@ -109,6 +109,9 @@ def map_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     ptr = device_pointer(t.data_ptr(), device)
     raw = torch.as_tensor(_DeviceBytes(t, ptr, nbytes), device=device)
+    if raw.data_ptr() != ptr:  # torch copies when the pointer's device is not `device`: no alias then
+        raise HostMappingError(f"map_pinned: torch copied the memory instead of aliasing it (pinned for "
+                               f"another device than {device}?)")
     return raw.view(t.dtype).view(t.shape)
 
 
