@@ -16,8 +16,9 @@ is mapped at the host address only where the device reports
 is right in every case, for an address inside an allocation too (a tensor view, a block of
 torch's caching host allocator; cuMemHostGetDevicePointer is specified for the allocation's own
 start), and it fails for memory that is not pinned and mapped, where `data_ptr()` would fault
-inside a kernel. Triton's launcher asks the same question of every pointer argument. The driver API (libcuda, always present where CUDA
-runs) rather than the runtime's `cudaHostGetDevicePointer`: torch may link its own libcudart
+inside a kernel. Triton's launcher asks the same question of every pointer argument. The driver
+API (libcuda, always present where CUDA runs) rather than the runtime's
+`cudaHostGetDevicePointer`: torch may link its own libcudart
 statically or under a versioned name, while libcuda.so.1 is one library per machine.
 
 The CUDA tensor keeps the CPU tensor alive (the interface object holds it, and torch holds the

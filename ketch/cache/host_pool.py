@@ -15,10 +15,12 @@ host→device copy needs).
 Loads: on the CPU a plain copy, done before the step that reads the pages is launched. On CUDA
 a side-stream loader (layer_loader.py): the copies are queued on a copy stream layer by layer,
 and the device pool's next forward waits, before each layer's attention, for that layer's copies
-only. How fragmented page lists are copied is the IO backend's, chosen at init
-(`hicache_io_backend`: host gather + DMA, or page-copy kernels over the pool mapped onto the GPU). Saves: on the CPU a plain copy; on CUDA queued on the same copy stream (host_saver.py),
+only. Saves: on the CPU a plain copy; on CUDA queued on the same copy stream (host_saver.py),
 never waited for on the engine thread; the hazards that leaves (host readers, reused host pages,
-device pages freed right after) are listed there.
+device pages freed right after) are listed there. How CUDA copies fragmented page lists is the
+IO backend's, chosen at init (`hicache_io_backend`): "direct" gathers (on the host for loads, on
+the device for saves) around DMAs, "kernel" runs page-copy kernels over the pinned pool mapped
+onto the GPU (kernel_io.py).
 
 The layout is the device's (layer-first, a tensor per layer and name). A page-first layout
 (one contiguous object per page, zero-copy to an L3 store) is a later step (issue 15).
