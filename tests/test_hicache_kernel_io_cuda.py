@@ -9,6 +9,7 @@
 2. copy_pages between a device pool and a mapped pinned pool, both directions, bit for bit.
 3. Loads and saves through HostPools of each plan (direct runs, host gather, kernel) from the same
    bytes leave identical device and host pools.
+4. A kernel-backend host pool compiles its kernels when built: loads and saves compile nothing.
 The ordering tests with this backend (held-back copy stream, per-layer waits, saves before
 reuse, engine output) are tests/test_hicache_cuda.py's, run with both backends.
 """
@@ -116,3 +117,22 @@ def test_every_plan_leaves_the_same_pools(dtype: torch.dtype, monkeypatch: pytes
     for plan, (dev, host) in results.items():
         for a, b in zip(dev + host, dev_ref + host_ref, strict=True):
             assert all(torch.equal(a[n], b[n]) for n in a), plan
+
+
+def test_loads_and_saves_compile_nothing_after_init() -> None:
+    """The kernel variants are compiled when the host pool is built (KernelIO._warm_up), not by
+    the first load or save of a running server."""
+    from ketch.kernels import page_copy
+
+    def variants() -> int:
+        return sum(len(c[0]) for c in page_copy._copy_pages_kernel.device_caches.values())
+
+    pool = KVPool(KVSpec.mha(2, 2, 64), 32, 16, torch.bfloat16, "cuda")
+    host = HostPool(pool, 16, io_backend="kernel")
+    before = variants()
+    host.save([3, 9, 4], [7, 1, 12])  # scattered: the kernel plan
+    host.guard_device_reuse()
+    host.load([12, 1], [30, 5])
+    pool.take_pending_load().wait_all()
+    torch.cuda.synchronize()
+    assert variants() == before

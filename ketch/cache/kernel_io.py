@@ -6,9 +6,11 @@ host pool as the GPU addresses it (`EngineConfig.hicache_io_backend="kernel"`).
 
 The loader (layer_loader.py) and the saver (host_saver.py) own the stream order; this only
 uploads a copy's page ids (one small DMA) and launches one kernel per layer and tensor on the
-current stream (their copy stream). The pinned pool is mapped once, here, at init. On the CPU
-nothing is mapped: the host layers are used as they are, which is how the CPU tests run these
-plans under Triton's interpreter.
+current stream (their copy stream). The pinned pool is mapped once, here, at init, and every
+kernel variant the copies need is compiled here too (a first load must not compile mid-run): each
+host page 0 is copied onto itself through the mapping, which also proves the mapping works
+before the first request needs it. On the CPU nothing is mapped: the host layers are used as they
+are, which is how the CPU tests run these plans under Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ class KernelIO:
         self.copy_pages = copy_pages
         self.device_layers, self.device = device_layers, device
         self.host_layers = map_layers(host_layers, device) if device.type == "cuda" else host_layers
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the variants loads and saves use (same word type, row length and alignments:
+        the device pool's rows are the host pool's) by copying each host page 0 onto itself."""
+        zero, _ = self.page_ids([0], [0])
+        for layer in self.host_layers:
+            for h in layer.values():
+                self.copy_pages(h, h, zero, zero)
 
     def page_ids(self, src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Both lists on the device in one upload (call it on the stream the kernels run on: the
