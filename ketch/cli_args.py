@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ketch.config import HICACHE_STORAGE_BACKENDS
+from ketch.config import HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS
 from ketch.sampling.params import SamplingParams
 
 
@@ -55,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-size", type=float, default=None, help="host pool size in GB (overrides --hicache-ratio)")
     g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
                    help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
+    g.add_argument("--hicache-io-backend", default="direct", choices=list(HICACHE_IO_BACKENDS),
+                   help="fragmented host<->device page copies: direct (gather, then DMA) or kernel "
+                        "(GPU kernels over the pinned host pool, no host gather)")
     g.add_argument("--hicache-storage-backend", default=None, choices=list(HICACHE_STORAGE_BACKENDS),
                    help="L3 storage below the host pool: pages written in the background, prefetched at admission")
     g.add_argument("--hicache-storage-url", default=None,
@@ -81,6 +84,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
         tensor_parallel_size=a.tensor_parallel_size, enable_hierarchical_cache=a.enable_hierarchical_cache,
         hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
+        hicache_io_backend=a.hicache_io_backend,
         hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,
         hicache_prefetch_timeout=a.hicache_prefetch_timeout, hicache_storage_write_queue=a.hicache_storage_write_queue,
     )

@@ -14,6 +14,8 @@ KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
+HiCacheIOBackend = Literal["direct", "kernel"]
+HICACHE_IO_BACKENDS: tuple[str, ...] = ("direct", "kernel")  # SGLang's --hicache-io-backend names
 HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
 # the URL scheme each backend takes, and the form its error message shows
 _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
@@ -230,6 +232,11 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float | None = None  # GB (10^9 bytes); takes precedence over the ratio
     hicache_write_policy: HiCacheWritePolicy = "write_through"
+    # How a CUDA load / save copies page lists too fragmented for one DMA per run
+    # (ketch/cache/layer_loader.py): "direct" gathers on the host (loads) or the device (saves)
+    # and DMAs; "kernel" runs page-copy kernels that read / write the pinned host pool through
+    # the GPU's mapping of it (no host gather on the engine thread). The CPU ignores it.
+    hicache_io_backend: HiCacheIOBackend = "direct"
     # L3 storage below the host pool (ketch/cache/storage_tier.py): pages that get a host copy are
     # also written to it in the background (a bounded queue of hicache_storage_write_queue pages; a
     # full queue drops the write, counted), and a request whose prompt continues past the cached
@@ -323,6 +330,8 @@ def _check_hicache(c: EngineConfig) -> None:
     """The hierarchical-cache fields; a size, ratio or policy without the switch is a mistake."""
     if c.hicache_write_policy not in HICACHE_WRITE_POLICIES:
         raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
+    if c.hicache_io_backend not in HICACHE_IO_BACKENDS:
+        raise ValueError(f"hicache_io_backend must be {'|'.join(HICACHE_IO_BACKENDS)}, got {c.hicache_io_backend!r}")
     if not c.hicache_ratio > 1.0:
         raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
     if c.hicache_size is not None and not c.hicache_size > 0:
@@ -338,7 +347,8 @@ def _check_hicache(c: EngineConfig) -> None:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) needs an L3 tier: add --hicache-storage-backend")
     if not c.enable_hierarchical_cache:
         for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
-                              ("hicache_storage_backend", None), ("hicache_storage_url", None)):
+                              ("hicache_io_backend", "direct"), ("hicache_storage_backend", None),
+                              ("hicache_storage_url", None)):
             if getattr(c, name) != default:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "
                                  f"add --enable-hierarchical-cache (enable_hierarchical_cache=True)")

@@ -119,6 +119,7 @@ def test_abort_while_holding_pages_loaded_from_the_host(tiny_config_path: str) -
     (dict(hicache_size=4.0), "hicache_size"),
     (dict(hicache_ratio=3.0), "hicache_ratio"),
     (dict(hicache_write_policy="write_back"), "hicache_write_policy"),
+    (dict(hicache_io_backend="kernel"), "hicache_io_backend"),
 ])
 def test_a_hicache_option_without_the_switch_says_to_add_it(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field} .*add --enable-hierarchical-cache"):
@@ -128,6 +129,7 @@ def test_a_hicache_option_without_the_switch_says_to_add_it(kw: dict, field: str
 
 @pytest.mark.parametrize("kw,field", [
     (dict(hicache_write_policy="write_around"), "hicache_write_policy"),
+    (dict(hicache_io_backend="kernels"), "hicache_io_backend"),
     (dict(hicache_ratio=1.0), "hicache_ratio"),
     (dict(hicache_size=0.0), "hicache_size"),
     (dict(enable_prefix_cache=False), "enable_hierarchical_cache"),
@@ -140,19 +142,24 @@ def test_bad_hicache_values_name_the_field(kw: dict, field: str) -> None:
 
 def test_cli_flags_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
-    flags = ["--enable-hierarchical-cache", "--hicache-size", "0.5", "--hicache-write-policy", "write_back"]
+    flags = ["--enable-hierarchical-cache", "--hicache-size", "0.5", "--hicache-write-policy", "write_back",
+             "--hicache-io-backend", "kernel"]
     for argv in (["serve", *flags], ["generate", "hi", *flags], ["bench", "offline", *flags]):
         cfg = EngineConfig(**engine_kwargs(parser.parse_args(argv)))
-        assert (cfg.enable_hierarchical_cache, cfg.hicache_size, cfg.hicache_write_policy) == (True, 0.5, "write_back")
-    assert EngineConfig(**engine_kwargs(parser.parse_args(["serve"]))).enable_hierarchical_cache is False
+        assert (cfg.enable_hierarchical_cache, cfg.hicache_size, cfg.hicache_write_policy, cfg.hicache_io_backend) \
+            == (True, 0.5, "write_back", "kernel")
+    default = EngineConfig(**engine_kwargs(parser.parse_args(["serve"])))
+    assert default.enable_hierarchical_cache is False and default.hicache_io_backend == "direct"
     assert main(["generate", "hi", "--hicache-size", "4"]) == 2  # before any model loads
     assert "add --enable-hierarchical-cache" in capsys.readouterr().err
 
 
 def test_llm_takes_the_options(tiny_config_path: str) -> None:
     llm = LLM(tiny_config_path, load_format="dummy", dtype="float32", kv_cache_memory=8 * 2048, page_size=PS,
-              enable_hierarchical_cache=True, hicache_ratio=3.0, hicache_write_policy="write_back")
+              enable_hierarchical_cache=True, hicache_ratio=3.0, hicache_write_policy="write_back",
+              hicache_io_backend="kernel")  # the CPU copies in place: accepted, no kernels
     assert llm.engine.kv.host_pool is not None and llm.engine.kv.host_pool.num_pages == 24
+    assert llm.config.hicache_io_backend == "kernel" and llm.engine.kv.host_pool.loader is None
     assert llm.engine.kv.tree.write_policy == "write_back"  # type: ignore[attr-defined]
 
 

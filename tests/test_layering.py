@@ -7,7 +7,7 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
 (the list only shrinks); the packages may not import each other in a cycle.
 
     cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package)
-         ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache
+         ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache ──────────────────────▶ kernels (page copy)
          │   (parsers)     │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
     bench┘                 │            └──▶ attention ──────────────▶ kernels
                      sampling: below engine, scheduler and runner
@@ -44,7 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
     "models": frozenset({"attention", "layers", "parallel"}) | LEAVES,  # a model calls the attention contract
     "attention": frozenset({"cache", "kernels"}) | LOW_LEAVES,  # the backends read the KV pool
-    "cache": LOW_LEAVES,
+    "cache": frozenset({"kernels"}) | LOW_LEAVES,  # the host tier's page-copy kernel (IO backend "kernel")
     "layers": frozenset({"kernels", "parallel"}) | LOW_LEAVES,  # ops.py picks kernel or torch
     "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above

@@ -17,7 +17,10 @@ a side-stream loader (layer_loader.py): the copies are queued on a copy stream l
 and the device pool's next forward waits, before each layer's attention, for that layer's copies
 only. Saves: on the CPU a plain copy; on CUDA queued on the same copy stream (host_saver.py),
 never waited for on the engine thread; the hazards that leaves (host readers, reused host pages,
-device pages freed right after) are listed there.
+device pages freed right after) are listed there. How CUDA copies fragmented page lists is the
+IO backend's, chosen at init (`hicache_io_backend`): "direct" gathers (on the host for loads, on
+the device for saves) around DMAs, "kernel" runs page-copy kernels over the pinned pool mapped
+onto the GPU (kernel_io.py).
 
 The layout is the device's (layer-first, a tensor per layer and name). A page-first layout
 (one contiguous object per page, zero-copy to an L3 store) is a later step (issue 15).
@@ -56,8 +59,12 @@ class HostCopyStats:
 
 
 class HostPool:
-    def __init__(self, device_pool: KVPool, num_pages: int, pin_memory: bool | None = None) -> None:
-        """pin_memory: None pins when the device pool is on CUDA."""
+    def __init__(self, device_pool: KVPool, num_pages: int, pin_memory: bool | None = None,
+                 io_backend: str = "direct") -> None:
+        """pin_memory: None pins when the device pool is on CUDA. io_backend: how the CUDA loads
+        and saves copy fragmented page lists ("direct": gathers and DMAs, "kernel": page-copy
+        kernels over the pinned pool mapped onto the device; layer_loader.py); the CPU copies in
+        place either way."""
         if num_pages < 1:
             raise ValueError(f"hicache_size: the host pool must hold at least one page of "
                              f"{device_pool.bytes_per_page} bytes, got {num_pages} pages")
@@ -75,11 +82,12 @@ class HostPool:
         self.bytes_per_page = device_pool.bytes_per_page
         self.stats = HostCopyStats()
         # CUDA: loads go on a side stream, layer by layer; None on the CPU (plain copies)
-        self.loader = SideStreamLoader(self.layers, device_pool.layers, self.device) \
+        self.loader = SideStreamLoader(self.layers, device_pool.layers, self.device, io_backend) \
             if self.device.type == "cuda" else None
-        # CUDA: saves on the loader's stream (ordered with the loads); None on the CPU
+        # CUDA: saves on the loader's stream (ordered with the loads), with its kernels; None on the CPU
         self.saver = None if self.loader is None else SideStreamSaver(
-            self.loader.stream, self.layers, device_pool.layers, self.device, self.loader.row_bytes)
+            self.loader.stream, self.layers, device_pool.layers, self.device, self.loader.row_bytes,
+            self.loader.kernel_io)
         # bumped each time a host page is handed out: a reader off the engine thread (the L3
         # writer) checks it did not change while it copied the page (else the copy may be torn)
         self.generation = [0] * num_pages

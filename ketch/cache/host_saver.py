@@ -6,7 +6,7 @@ write_through at insert, write_back at device eviction). Done synchronously (ind
 on an H200 and held the engine thread for 27 s of a 36 s multi-turn run. Here it is queued on
 the copy stream of the loads (layer_loader.py) and returns at once:
 
-    copy stream     ─ wait(compute now) ─ start ─ L0 gather, DMA per host run ─ L1 ... ─ end(seq)
+    copy stream     ─ wait(compute now) ─ start ─ L0 copies ─ L1 copies ─ ... ─ end(seq)
     compute stream  ─ step in flight ─ ... ─ [wait(end) before a step that may rewrite freed pages]
 
 Ordering, hazard by hazard (the users of each rule are named):
@@ -29,7 +29,7 @@ Ordering, hazard by hazard (the users of each rule are named):
   delayed-write_back engine test once in five H200 runs (2026-12-02; cause not found), so the
   simple, certain wait stands until it is. write_through saves free nothing and are never waited
   for.
-- Scratch (the index tensor, the gathered staging) is allocated inside the copy stream's context,
+- Scratch (the index tensors, the gathered staging) is allocated inside the copy stream's context,
   so torch's caching allocator hands those blocks out again only to later work on that stream
   (stream-ordered reuse): no record_stream needed. The pinned index buffer of `to_device` is kept
   by torch's caching host allocator until its copy completed.
@@ -37,14 +37,22 @@ Ordering, hazard by hazard (the users of each rule are named):
 Copy plan per save (`page_runs`):
 - direct: runs contiguous on both sides and long enough (`copies_directly`, the loads' H200
   threshold, 1 MiB per DMA) go straight from the pool slice into the pinned pool slice;
-- else gathered: per layer and tensor, index_select of the device rows into a contiguous device
-  staging tensor on the copy stream (a device-bandwidth kernel), then one DMA per *host* run from
-  the staging slice into the pinned pool slice. The host allocator hands out contiguous runs when
-  it can (`HostPool.alloc` sorts what it takes: a freed node's pages come back as one run), so
-  a save is usually one run. Scattered host pages cost one DMA (~13 us of host time to issue,
-  measured for loads) per run, layer and tensor; a pinned bounce buffer with a host-side scatter
-  after the copy would need every host-side reader and every later load to wait for that
-  scatter too, so it is not done (yet): per-run copies keep every hazard a stream order.
+- else by the IO backend chosen at init (`EngineConfig.hicache_io_backend`, as the loads):
+  - "direct", gathered: per layer and tensor, index_select of the device rows into a contiguous
+    device staging tensor on the copy stream (a device-bandwidth kernel), then one DMA per *host*
+    run from the staging slice into the pinned pool slice. The host allocator hands out
+    contiguous runs when it can (`HostPool.alloc` sorts what it takes: a freed node's pages come
+    back as one run), so a save is usually one run. Scattered host pages cost one DMA (~13 us of
+    host time to issue, measured for loads) per run, layer and tensor; a pinned bounce buffer
+    with a host-side scatter after the copy would need every host-side reader and every later
+    load to wait for that scatter too, so it is not done: per-run copies keep every hazard a
+    stream order.
+  - "kernel": the page ids go up once, then one page-copy launch per layer and tensor
+    (ketch/kernels/page_copy.py) reads the device rows and writes them straight into the pinned
+    pool through its device mapping (host_mapping.py, the loader's, mapped once): no staging,
+    one launch whatever the host runs. Its writes to host memory are complete, and visible to
+    the host, once the save's end event has passed (kernel completion), so every host-side
+    wait above is unchanged.
 
 Timing: an event pair per save, read lazily (`SaveLog.collect_seconds`, `query`, never a sync):
 saved bytes over those seconds is the device→host rate.
@@ -57,6 +65,7 @@ from typing import Protocol
 
 import torch
 
+from ketch.cache.kernel_io import KernelIO
 from ketch.cache.layer_loader import as_bytes, copies_directly, page_runs
 from ketch.host_copy import to_device
 
@@ -124,12 +133,17 @@ class SaveLog:
 
 
 class SideStreamSaver:
-    """Queues a HostPool's saves on the loader's copy stream (CUDA only)."""
+    """Queues a HostPool's saves on the loader's copy stream (CUDA only).
+
+    kernel_io: the loader's page-copy kernels over the mapped host pool ("kernel" IO backend): a
+    fragmented save is then one kernel per layer and tensor into it; None ("direct"): gathered."""
 
     def __init__(self, stream: torch.cuda.Stream, host_layers: list[dict[str, torch.Tensor]],
-                 device_layers: list[dict[str, torch.Tensor]], device: torch.device, row_bytes: int) -> None:
+                 device_layers: list[dict[str, torch.Tensor]], device: torch.device, row_bytes: int,
+                 kernel_io: KernelIO | None = None) -> None:
         self.stream, self.host_layers, self.device_layers = stream, host_layers, device_layers
-        self.device, self.row_bytes = device, row_bytes
+        self.device, self.row_bytes, self.kernel_io = device, row_bytes, kernel_io
+        self._fragmented = self._gathered if kernel_io is None else self._kernel
         self.log = SaveLog(len(next(iter(host_layers[0].values()))))
 
     def save(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> torch.cuda.Event:
@@ -142,7 +156,7 @@ class SideStreamSaver:
             if copies_directly(runs, len(device_pages), self.row_bytes):
                 self._direct(runs)
             else:
-                self._gathered(device_pages, host_pages)
+                self._fragmented(device_pages, host_pages)
             end.record()
         self.log.add(host_pages, start, end)
         return end
@@ -166,3 +180,12 @@ class SideStreamSaver:
                 hb = as_bytes(h)
                 for i, t, n in host_runs:
                     hb[t:t + n].copy_(stage[i:i + n], non_blocking=True)
+
+    def _kernel(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> None:
+        """Per layer and tensor: one page-copy kernel from the pool into the mapped pinned pool.
+        Runs inside the copy stream's context (the ids' upload and reuse are ordered on it)."""
+        io = self.kernel_io
+        assert io is not None
+        d_idx, h_idx = io.page_ids(device_pages, host_pages)
+        for layer in range(len(self.device_layers)):
+            io.save_layer(layer, d_idx, h_idx)

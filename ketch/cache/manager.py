@@ -141,7 +141,8 @@ class KVCacheManager(StorageReads):
     def from_config(cls, pool: KVPool, config: EngineConfig, fingerprint: str = "") -> KVCacheManager:
         """The manager the engine's config asks for (prefix cache, hierarchical cache, L3 storage:
         `fingerprint` names the model whose pages it stores; page_format.py)."""
-        host = HostPool(pool, host_pages_for(pool, config)) if config.enable_hierarchical_cache else None
+        host = HostPool(pool, host_pages_for(pool, config), io_backend=config.hicache_io_backend) \
+            if config.enable_hierarchical_cache else None
         storage = None
         if host is not None and config.hicache_storage_backend is not None:
             backend = open_backend(config.hicache_storage_backend, config.hicache_storage_url)

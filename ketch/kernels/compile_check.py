@@ -30,6 +30,7 @@ from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel
+from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
 from ketch.kernels.rmsnorm import _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
 
@@ -49,7 +50,7 @@ def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, nu
     sig = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
     # pointers are 16-byte aligned and strides / page sizes multiples of 16, as the JIT infers on a GPU
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or n.startswith("stride") or n == "page_size"}
+                 if sig[n].startswith("*") or n.startswith("stride") or n in ("page_size", "row_words")}
     return triton.compile(ASTSource(fn, sig, consts, divisible), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -81,7 +82,9 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
              "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
-             "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv}
+             "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv,
+             "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32",
+             "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
@@ -105,6 +108,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if min(1024, pow2(inter)) >= 512 else 1, 3),
         ("gemv_m1", _gemv_kernel, {**gemv_consts, "BLOCK_M": 1, **fma.kwargs}, fma.num_warps, fma.num_stages),
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
+        ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
     out = []
     for name, fn, consts, warps, stages in cases:
