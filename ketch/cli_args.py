@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-size", type=float, default=None, help="host pool size in GB (overrides --hicache-ratio)")
     g.add_argument("--hicache-write-policy", default="write_through", choices=["write_through", "write_back"],
                    help="copy pages to the host when cached (write_through) or when evicted from the device (write_back)")
-    g.add_argument("--hicache-io-backend", default="direct", choices=list(HICACHE_IO_BACKENDS),
+    g.add_argument("--hicache-io-backend", default="kernel", choices=list(HICACHE_IO_BACKENDS),
                    help="fragmented host<->device page copies: direct (gather, then DMA) or kernel "
                         "(GPU kernels over the pinned host pool, no host gather)")
     g.add_argument("--hicache-storage-backend", default=None, choices=list(HICACHE_STORAGE_BACKENDS),

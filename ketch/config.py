@@ -236,7 +236,7 @@ class EngineConfig:
     # (ketch/cache/layer_loader.py): "direct" gathers on the host (loads) or the device (saves)
     # and DMAs; "kernel" runs page-copy kernels that read / write the pinned host pool through
     # the GPU's mapping of it (no host gather on the engine thread). The CPU ignores it.
-    hicache_io_backend: HiCacheIOBackend = "direct"
+    hicache_io_backend: HiCacheIOBackend = "kernel"
     # L3 storage below the host pool (ketch/cache/storage_tier.py): pages that get a host copy are
     # also written to it in the background (a bounded queue of hicache_storage_write_queue pages; a
     # full queue drops the write, counted), and a request whose prompt continues past the cached
@@ -347,7 +347,7 @@ def _check_hicache(c: EngineConfig) -> None:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) needs an L3 tier: add --hicache-storage-backend")
     if not c.enable_hierarchical_cache:
         for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
-                              ("hicache_io_backend", "direct"), ("hicache_storage_backend", None),
+                              ("hicache_io_backend", "kernel"), ("hicache_storage_backend", None),
                               ("hicache_storage_url", None)):
             if getattr(c, name) != default:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "

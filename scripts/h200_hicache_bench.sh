@@ -10,8 +10,8 @@
 # /metrics are scraped (counters as after - before); scripts/pcie_peak.py runs first and gives the
 # PCIe peak that the host->device figure is set against.
 #
-#   usage: bash scripts/h200_hicache_bench.sh [radix] [l2] [l2k] [l3]  (default: radix l2 l3, in that order;
-#                                                                       l2k: l2 with --hicache-io-backend kernel)
+#   usage: bash scripts/h200_hicache_bench.sh [radix] [l2] [l2d] [l3]  (default: radix l2 l3, in that order;
+#                                                                       l2d: l2 with --hicache-io-backend direct)
 #   e.g. (one device call each; each call has at most 600 s):
 #          bash scripts/h200_hicache_bench.sh radix
 #          SKIP_PEAK=1 bash scripts/h200_hicache_bench.sh l2
@@ -132,7 +132,7 @@ run_config() {  # run_config NAME
   case $name in
     radix) ;;
     l2) flags=(--enable-hierarchical-cache --hicache-size "$HOST_GB") ;;
-    l2k) flags=(--enable-hierarchical-cache --hicache-size "$HOST_GB" --hicache-io-backend kernel) ;;
+    l2d) flags=(--enable-hierarchical-cache --hicache-size "$HOST_GB" --hicache-io-backend direct) ;;
     l3) flags=(--enable-hierarchical-cache --hicache-size "$HOST_GB" --hicache-storage-backend file
                --hicache-storage-url "file://$L3_DIR")
         rm -rf "$L3_DIR"; mkdir -p "$L3_DIR"
@@ -141,7 +141,7 @@ run_config() {  # run_config NAME
         if [ "${L3_MAX_GB%.*}" != 0 ]; then
           "${REPORT[@]}" l3cap "$L3_DIR" "$L3_MAX_GB" "$WORK/l3cap.txt" & guard=$!
         fi ;;
-    *) log "unknown config $name (radix | l2 | l2k | l3)"; return ;;
+    *) log "unknown config $name (radix | l2 | l2d | l3)"; return ;;
   esac
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 120 ]; then

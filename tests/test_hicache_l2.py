@@ -119,7 +119,7 @@ def test_abort_while_holding_pages_loaded_from_the_host(tiny_config_path: str) -
     (dict(hicache_size=4.0), "hicache_size"),
     (dict(hicache_ratio=3.0), "hicache_ratio"),
     (dict(hicache_write_policy="write_back"), "hicache_write_policy"),
-    (dict(hicache_io_backend="kernel"), "hicache_io_backend"),
+    (dict(hicache_io_backend="direct"), "hicache_io_backend"),
 ])
 def test_a_hicache_option_without_the_switch_says_to_add_it(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field} .*add --enable-hierarchical-cache"):
@@ -143,13 +143,13 @@ def test_bad_hicache_values_name_the_field(kw: dict, field: str) -> None:
 def test_cli_flags_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     flags = ["--enable-hierarchical-cache", "--hicache-size", "0.5", "--hicache-write-policy", "write_back",
-             "--hicache-io-backend", "kernel"]
+             "--hicache-io-backend", "direct"]
     for argv in (["serve", *flags], ["generate", "hi", *flags], ["bench", "offline", *flags]):
         cfg = EngineConfig(**engine_kwargs(parser.parse_args(argv)))
         assert (cfg.enable_hierarchical_cache, cfg.hicache_size, cfg.hicache_write_policy, cfg.hicache_io_backend) \
-            == (True, 0.5, "write_back", "kernel")
+            == (True, 0.5, "write_back", "direct")
     default = EngineConfig(**engine_kwargs(parser.parse_args(["serve"])))
-    assert default.enable_hierarchical_cache is False and default.hicache_io_backend == "direct"
+    assert default.enable_hierarchical_cache is False and default.hicache_io_backend == "kernel"
     assert main(["generate", "hi", "--hicache-size", "4"]) == 2  # before any model loads
     assert "add --enable-hierarchical-cache" in capsys.readouterr().err
 

@@ -106,4 +106,5 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, ds
 
 def copy_pages_ref(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
     """The same copy in torch (the tests' reference)."""
-    dst.view(torch.uint8).index_copy_(0, dst_pages.long(), src.view(torch.uint8).index_select(0, src_pages.long()))
+    rows = src.view(torch.uint8).index_select(0, src_pages.long().to(src.device))
+    dst.view(torch.uint8).index_copy_(0, dst_pages.long().to(dst.device), rows.to(dst.device))
