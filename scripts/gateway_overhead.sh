@@ -16,6 +16,8 @@
 #   usage: bash scripts/gateway_overhead.sh [LOG]
 #   env:   STEP_MS (10) OUTPUT (64 tokens) INPUT (32) PROMPTS (640 per run) RATE (90) ROUNDS (3)
 #          POLICY (cache_aware) CLIENTS (1: --num-client-processes) PORT (31200: the gateway; fake PORT+1)
+#          PIN (unset; 1: the gateway alone on the last CPU, the fake and the client on the others, as a
+#               gateway with a core of its own; the same CPUs for fake and client with both targets)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$REPO/.venv/bin/python}
@@ -24,6 +26,11 @@ LOG=${1:-/tmp/gateway_overhead.log}
 STEP_MS=${STEP_MS:-10} OUTPUT=${OUTPUT:-64} INPUT=${INPUT:-32} PROMPTS=${PROMPTS:-640} RATE=${RATE:-90}
 ROUNDS=${ROUNDS:-3} POLICY=${POLICY:-cache_aware} CLIENTS=${CLIENTS:-1} PORT=${PORT:-31200}
 GW=http://127.0.0.1:$PORT FAKE=http://127.0.0.1:$((PORT + 1))
+GW_PIN=() REST_PIN=()
+if [ -n "${PIN:-}" ]; then
+  last=$(($(nproc) - 1))
+  GW_PIN=(taskset -c "$last") REST_PIN=(taskset -c "0-$((last - 1))")
+fi
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
@@ -39,13 +46,14 @@ wait_up() { for _ in $(seq 300); do curl -sf "$1/health" >/dev/null && return 0;
 
 { echo "date $(date -u +'%F %T UTC'); commit $(git -C "$REPO" rev-parse --short HEAD); $(nproc) cpus; $(lscpu | grep 'Model name' | sed 's/  */ /g')"
   echo "fake: --step-ms $STEP_MS, 1 worker; gateway --policy $POLICY; $PROMPTS prompts of $INPUT tokens, $OUTPUT out," \
-       "max concurrency 64; poisson rate $RATE req/s; $ROUNDS rounds; $CLIENTS client process(es)"
+       "max concurrency 64; poisson rate $RATE req/s; $ROUNDS rounds; $CLIENTS client process(es)" \
+       "${PIN:+; pinned: gateway on ${GW_PIN[*]}, fake and client on ${REST_PIN[*]}}"
 } | tee -a "$LOG"
-"$PY" "$REPO/ketch/bench/fake_server.py" --host 127.0.0.1 --port $((PORT + 1)) --step-ms "$STEP_MS" \
+"${REST_PIN[@]}" "$PY" "$REPO/ketch/bench/fake_server.py" --host 127.0.0.1 --port $((PORT + 1)) --step-ms "$STEP_MS" \
   > "$WORK/fake.log" 2>&1 &
 PIDS+=($!)
 wait_up "$FAKE"
-"$PY" -m ketch.cli gateway --host 127.0.0.1 --port "$PORT" --policy "$POLICY" --worker-urls "$FAKE" \
+"${GW_PIN[@]}" "$PY" -m ketch.cli gateway --host 127.0.0.1 --port "$PORT" --policy "$POLICY" --worker-urls "$FAKE" \
   > "$WORK/gateway.log" 2>&1 &
 PIDS+=($!)
 wait_up "$GW"
@@ -54,7 +62,7 @@ bench() {  # bench TARGET_NAME URL SHAPE ROUND
   local rate=inf
   [ "$3" = poisson ] && rate=$RATE
   echo "=== $1 $3 round $4 ($(date +%T); load average $(cut -d" " -f1-3 /proc/loadavg))" >> "$LOG"
-  "$PY" -m ketch.cli bench serve --base-url "$2" --num-prompts "$PROMPTS" --random-input-len "$INPUT" \
+  "${REST_PIN[@]}" "$PY" -m ketch.cli bench serve --base-url "$2" --num-prompts "$PROMPTS" --random-input-len "$INPUT" \
     --random-output-len "$OUTPUT" --random-range-ratio 1 --max-concurrency 64 --request-rate "$rate" \
     --num-client-processes "$CLIENTS" --warmup-requests 8 --seed "$4" --disable-tqdm \
     --output-file "$WORK/$3-$1-$4.json" >> "$LOG" 2>&1

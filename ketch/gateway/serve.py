@@ -6,6 +6,7 @@ the connection pool closes (the lifespan's exit).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 
@@ -24,5 +25,12 @@ def run(config: GatewayConfig) -> int:
         timeout_graceful_shutdown=config.shutdown_timeout))
     print(f"ketch gateway on http://{config.host}:{config.port} ({config.policy}, "
           f"{len(config.worker_urls)} workers)", file=sys.stderr, flush=True)
+    # Relaying allocates a few small objects per SSE event, none of them in a cycle, and the
+    # default collector then runs a young-generation pass every 700 of them. Start-up objects
+    # (modules, the app) are frozen out of every pass, and passes come every 20,000: ~15 % less
+    # gateway CPU at 64 streams (docs/performance.md, "Gateway overhead").
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
     server.run()
     return 0 if server.started else 1  # not started: the port was taken, or the lifespan failed
