@@ -43,12 +43,13 @@ class KVLayout(msgspec.Struct, frozen=True):
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
-    def difference(self, other: KVLayout) -> str | None:
-        """None when the layouts match; else what differs first, for a failure reason."""
+    def difference(self, other: KVLayout, mine: str = "here", theirs: str = "at the peer") -> str | None:
+        """None when the layouts match; else what differs first, for a failure reason (both
+        sides read it, so the caller names the sides: "at the prefill side")."""
         for field in ("model", "page_size", "num_layers", "tensors"):
-            mine, theirs = getattr(self, field), getattr(other, field)
-            if mine != theirs:
-                return f"layout mismatch: {field} is {_short(mine)} here, {_short(theirs)} at the peer"
+            a, b = getattr(self, field), getattr(other, field)
+            if a != b:
+                return f"layout mismatch: {field} is {_short(a)} {mine}, {_short(b)} {theirs}"
         return None
 
 

@@ -205,7 +205,7 @@ class TcpPrefillTransport(IOLoop, KVTransport):
         if msg.room in self.refused:  # aborted here before the decode side registered
             self._send(peer, Abort(msg.room, self.refused[msg.room][0]))
             return
-        problem = self.layout.difference(msg.layout)
+        problem = self.layout.difference(msg.layout, "at the prefill side", "at the decode side")
         if problem is None and msg.room in self.regs:
             problem = f"room {msg.room} is registered already (by another decode request)"
         if problem is not None:
