@@ -107,7 +107,7 @@ def test_a_byte_flipped_on_the_wire_fails_both_sides_with_the_checksum(spawn):
         assert receiver.failure.startswith("checksum mismatch in chunk 1"), receiver.failure
         assert receiver.aux is None
         _, state, reason = expect(out, "final")
-        assert (state, reason) == ("Failed", f"peer aborted: {receiver.failure}")
+        assert (state, reason) == ("Failed", f"peer failed: {receiver.failure}")
         src = make_layers(1, POOL)
         untouched = torch.ones(POOL, dtype=torch.bool)
         untouched[DST] = False

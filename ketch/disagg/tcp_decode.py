@@ -236,13 +236,15 @@ class TcpDecodeTransport(IOLoop, KVTransport):
             pass
 
     def _fail(self, r: TcpReceiver, reason: str, tell: bool) -> None:
+        """Fail `r` here; with `tell`, its prefill peer records "peer failed: <reason>" (an
+        Abort's reason is what the other side records, verbatim)."""
         with r.state.lock:
             failed = r.state.fail(reason)
         conn = self.conns.get(r.addr)
         if conn is not None and conn.rooms.get(r.room) is r:
             conn.rooms.pop(r.room)
             if failed and tell:
-                self._send(conn, Abort(r.room, reason))
+                self._send(conn, Abort(r.room, f"peer failed: {reason}"))
 
     def close_sockets(self) -> None:
         for conn in self.conns.values():

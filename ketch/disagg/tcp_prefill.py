@@ -197,9 +197,9 @@ class TcpPrefillTransport(IOLoop, KVTransport):
             self.regs.pop(msg.room, None)
             s = self.senders.pop(msg.room, None)
             if s is not None:
-                self._fail(s, f"peer aborted: {msg.reason}", tell=None)
+                self._fail(s, msg.reason, tell=None)
             else:
-                self.refused[msg.room] = (f"peer aborted: {msg.reason}", time.monotonic() + self.config.bootstrap_timeout_s)
+                self.refused[msg.room] = (msg.reason, time.monotonic() + self.config.bootstrap_timeout_s)
 
     def _hello(self, peer: bytes, msg: Hello) -> None:
         if msg.room in self.refused:  # aborted here before the decode side registered
@@ -225,8 +225,9 @@ class TcpPrefillTransport(IOLoop, KVTransport):
         if reg is None or reg.dst_pages is None or s.num_pages == 0 or s.out is not None:
             return
         if len(reg.dst_pages) != s.num_pages:
-            self._fail(s, f"page count mismatch: the prefill sends {s.num_pages} pages, "
-                          f"the decode side posted {len(reg.dst_pages)}", tell=reg.peer)
+            reason = (f"page count mismatch: the prefill sends {s.num_pages} pages, "
+                      f"the decode side posted {len(reg.dst_pages)}")
+            self._fail(s, reason, tell=reg.peer, peer_reason=reason)
             return
         with s.state.lock:
             if s.src is None:
@@ -301,13 +302,15 @@ class TcpPrefillTransport(IOLoop, KVTransport):
         self.heard = {p: t for p, t in self.heard.items() if p in live}
         self.prune()
 
-    def _fail(self, s: TcpSender, reason: str, tell: bytes | None) -> None:
+    def _fail(self, s: TcpSender, reason: str, tell: bytes | None, peer_reason: str | None = None) -> None:
+        """Fail `s` here; tell its decode peer (when known) with `peer_reason`, by default
+        "peer failed: <reason>" (an Abort's reason is what the other side records, verbatim)."""
         with s.state.lock:
             failed = s.state.fail(reason)
         self.senders.pop(s.room, None)
         self.regs.pop(s.room, None)
         if failed and tell is not None:
-            self._send(tell, Abort(s.room, reason))
+            self._send(tell, Abort(s.room, peer_reason or f"peer failed: {reason}"))
 
     def close_sockets(self) -> None:
         self.sock.close(0)

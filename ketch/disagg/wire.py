@@ -63,7 +63,7 @@ class Received(msgspec.Struct, tag=True, frozen=True):
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
     room: int
-    reason: str
+    reason: str  # what the receiving side records as its failure, verbatim ("peer aborted: ...")
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):
