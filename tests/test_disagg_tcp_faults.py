@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+import zmq
 
 from disagg_peer import make_layers, wait_until
 from ketch.disagg import Aux, DisaggConfig, KVPoll
@@ -205,12 +206,56 @@ def test_closing_a_transport_fails_its_open_rooms_and_refuses_new_ones(pair):
     assert "silent" in sender.failure, sender.failure
 
 
+def test_a_second_decode_request_for_a_room_is_refused_and_the_first_goes_on(pair):
+    prefill, decode = pair
+    other = TcpDecodeTransport(DisaggConfig("decode", **FAST), make_layers(3, POOL))
+    try:
+        first = decode.receiver(15, prefill.bootstrap_addr)
+        first.init()
+        first.post_buffers([0, 1])
+        wait_until(lambda: first.poll() == KVPoll.WaitingForInput, 5, "the first registration")
+        second = other.receiver(15, prefill.bootstrap_addr)
+        second.init()
+        second.post_buffers([2, 3])
+        wait_until(lambda: ended(second), 5, "the refusal")
+        assert second.failure == "room 15 is registered already by another decode request"
+        sender = prefill.sender(15)
+        sender.init(2)
+        sender.send([4, 5], Aux(3))
+        wait_until(lambda: ended(first) and ended(sender), 5, "the first room's transfer")
+        assert first.poll() == sender.poll() == KVPoll.Success
+    finally:
+        other.close()
+
+
+def test_garbage_on_the_bootstrap_port_is_dropped_and_the_server_stays_up(pair, caplog):
+    prefill, decode = pair
+    ctx = zmq.Context()
+    try:
+        stray = ctx.socket(zmq.DEALER)
+        stray.setsockopt(zmq.LINGER, 0)
+        stray.connect(f"tcp://{prefill.bootstrap_addr}")
+        stray.send(b"\x93not msgpack of ours")
+        stray.send_multipart([b"two", b"frames"])
+        wait_until(lambda: "dropped a message of 3 frames" in caplog.text, 5, "the server to drop the garbage")
+        assert "dropped a malformed message" in caplog.text
+        sender, receiver = start(prefill, decode, 16, [0, 1], [2, 3])
+        wait_until(lambda: ended(sender) and ended(receiver), 5, "a transfer after the garbage")
+        assert sender.poll() == receiver.poll() == KVPoll.Success
+        stray.close(0)
+    finally:
+        ctx.term()
+
+
 def test_bad_page_lists_are_refused_at_the_call():
     config = {**FAST}
     prefill = TcpPrefillTransport(DisaggConfig("prefill", **config), make_layers(1, POOL))
     decode = TcpDecodeTransport(DisaggConfig("decode", **config), make_layers(2, POOL))
     try:
         receiver = decode.receiver(13, prefill.bootstrap_addr)
+        with pytest.raises(RuntimeError, match="post_buffers before init"):
+            receiver.post_buffers([1])
+        receiver.init()
         with pytest.raises(ValueError, match="dst_pages: page ids must be distinct"):
             receiver.post_buffers([1, 1])
         sender = prefill.sender(13)

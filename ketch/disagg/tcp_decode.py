@@ -13,9 +13,11 @@ bootstrap timeout.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -27,6 +29,8 @@ from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
 from ketch.disagg.state import KVPoll, TransferState
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
 from ketch.disagg.wire import Abort, Chunk, Credit, Done, Heartbeat, Hello, Post, Received, Welcome, decode_to_decode, encode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,11 +53,15 @@ class TcpReceiver(KVReceiver):
         self.welcomed = False  # loop thread only
         self.written = 0  # chunks written (loop thread only)
         self._aux: Aux | None = None
+        self._initialised = False
 
     def init(self) -> None:
+        self._initialised = True
         self._transport.submit(self, self._transport._on_init)
 
     def post_buffers(self, dst_pages: list[int]) -> None:
+        if not self._initialised:
+            raise RuntimeError(f"room {self.room}: post_buffers before init")
         if self.dst is not None:
             raise RuntimeError(f"room {self.room}: post_buffers called twice")
         check_pages(dst_pages, self._transport.pool_pages, "dst_pages")
@@ -161,7 +169,12 @@ class TcpDecodeTransport(IOLoop, KVTransport):
                 except zmq.Again:
                     break
                 conn.heard = time.monotonic()
-                self._handle(conn, decode_to_decode(parts[0].bytes), [p.buffer for p in parts[1:]])
+                try:
+                    msg = decode_to_decode(parts[0].bytes)
+                except msgspec.DecodeError as e:  # drop it; the room it was meant for times out if it matters
+                    log.warning("disagg decode side: dropped a malformed message from %s (%s)", conn.addr, e)
+                    continue
+                self._handle(conn, msg, [p.buffer for p in parts[1:]])
 
     def _handle(self, conn: Connection, msg: object, frames: list) -> None:
         if isinstance(msg, Heartbeat):
@@ -180,6 +193,8 @@ class TcpDecodeTransport(IOLoop, KVTransport):
             if r.written != msg.num_chunks:
                 self._fail(r, f"done after {r.written} of {msg.num_chunks} chunks", tell=True)
                 return
+            if self.device.type == "cuda":  # the rows were written on this thread's stream: done before Success
+                torch.cuda.current_stream(self.device).synchronize()
             with r.state.lock:
                 r._aux = msg.aux
                 ok = r.state.advance(KVPoll.Success)

@@ -13,10 +13,12 @@ to a vanished decode process into an error (its room fails at once) instead of a
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -28,6 +30,8 @@ from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
 from ketch.disagg.state import KVPoll, TransferState
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
 from ketch.disagg.wire import Abort, Chunk, Credit, Done, Heartbeat, Hello, Post, Received, Welcome, decode_to_prefill, encode
+
+log = logging.getLogger(__name__)
 
 # (seq, frames) -> frames: what goes on the wire. Tests put a fault here (a flipped byte); None in serving.
 WireHook = Callable[[int, list], list]
@@ -168,49 +172,63 @@ class TcpPrefillTransport(IOLoop, KVTransport):
     def on_ready(self, ready: dict) -> None:
         while True:
             try:
-                peer, data = self.sock.recv_multipart(zmq.NOBLOCK)
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(parts) != 2:
+                log.warning("disagg bootstrap server: dropped a message of %d frames", len(parts))
+                continue
+            peer, data = parts
             self.heard[peer] = time.monotonic()
-            self._handle(peer, decode_to_prefill(data))
+            try:
+                msg = decode_to_prefill(data)
+            except msgspec.DecodeError as e:  # a stray or newer client: drop it, keep the server up
+                log.warning("disagg bootstrap server: dropped a malformed message (%s)", e)
+                continue
+            self._handle(peer, msg)
 
     def _handle(self, peer: bytes, msg: object) -> None:
+        if isinstance(msg, Heartbeat):
+            return
         if isinstance(msg, Hello):
             self._hello(peer, msg)
-        elif isinstance(msg, Post):
-            reg = self.regs.get(msg.room)
-            if reg is not None and reg.peer == peer:
+            return
+        reg = self.regs.get(msg.room)
+        if reg is not None and reg.peer != peer:
+            return  # about a room another decode side holds: not this peer's to change
+        s = self.senders.get(msg.room)
+        if isinstance(msg, Post):
+            if reg is not None:
                 reg.dst_pages = list(msg.dst_pages)
-                if msg.room in self.senders:
-                    self._attach(self.senders[msg.room])
+                if s is not None:
+                    self._attach(s)
         elif isinstance(msg, Credit):
-            s = self.senders.get(msg.room)
             if s is not None and s.out is not None:
                 s.out.credited += 1
         elif isinstance(msg, Received):
-            s = self.senders.pop(msg.room, None)
             self.regs.pop(msg.room, None)
+            self.senders.pop(msg.room, None)
             if s is not None and s.out is not None and s.out.done_sent:
                 with s.state.lock:
                     s.state.advance(KVPoll.Success)
         elif isinstance(msg, Abort):
             self.regs.pop(msg.room, None)
-            s = self.senders.pop(msg.room, None)
             if s is not None:
                 self._fail(s, msg.reason, tell=None)
             else:
                 self.refused[msg.room] = (msg.reason, time.monotonic() + self.config.bootstrap_timeout_s)
 
     def _hello(self, peer: bytes, msg: Hello) -> None:
-        if msg.room in self.refused:  # aborted here before the decode side registered
+        if msg.room in self.regs:  # a second decode request for a room: refuse it, leave the first alone
+            self._send(peer, Abort(msg.room, f"room {msg.room} is registered already by another decode request"))
+            return
+        if msg.room in self.refused:  # aborted or refused here before this decode side registered
             self._send(peer, Abort(msg.room, self.refused[msg.room][0]))
             return
         problem = self.layout.difference(msg.layout, "at the prefill side", "at the decode side")
-        if problem is None and msg.room in self.regs:
-            problem = f"room {msg.room} is registered already (by another decode request)"
         if problem is not None:
             self._send(peer, Abort(msg.room, problem))
-            s = self.senders.pop(msg.room, None)
+            s = self.senders.get(msg.room)
             if s is not None:
                 self._fail(s, problem, tell=None)
             else:
