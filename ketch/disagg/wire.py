@@ -12,6 +12,12 @@ as raw bytes.
                                                ◀──Done(room, num_chunks, aux)──
     decode ──Received(room)──▶      (every byte written: the sender's Success, its pages free)
     either ──Abort(room, reason)──▶ ;  either ──Heartbeat()──▶ (every interval while rooms live)
+
+The nixl backend keeps this control plane and moves the bytes itself: Welcome carries the
+prefill's NIXL agent (metadata, where each tensor starts); `send` becomes Ready(room, src_pages,
+aux); the decode side READs the rows and answers Received. A decode side that stops a READ it
+had started (an abort from either side) says Released once the READ can no longer touch the
+prefill's pages: only then may the prefill side free them.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from ketch.disagg.transport import Aux
 class Hello(msgspec.Struct, tag=True, frozen=True):
     room: int
     layout: KVLayout
+    backend: str  # "tcp" | "nixl": a decode side of another backend is refused by name
 
 
 class Post(msgspec.Struct, tag=True, frozen=True):
@@ -31,8 +38,18 @@ class Post(msgspec.Struct, tag=True, frozen=True):
     dst_pages: list[int]
 
 
+class NixlPeer(msgspec.Struct, frozen=True):
+    """A prefill side's NIXL agent, as a decode side needs it to READ from it."""
+
+    agent: str  # its name, unique per process
+    metadata: bytes  # nixl_agent.get_agent_metadata(): how to reach it and its registered memory
+    bases: list[int]  # the address of each (layer, tensor) in layout order; page p's row at base + p * row bytes
+    device_id: int
+
+
 class Welcome(msgspec.Struct, tag=True, frozen=True):
     room: int
+    nixl: NixlPeer | None = None
 
 
 class Chunk(msgspec.Struct, tag=True, frozen=True):
@@ -57,7 +74,21 @@ class Done(msgspec.Struct, tag=True, frozen=True):
     aux: Aux
 
 
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    """nixl: the prefill's KV is in src_pages (rows in the transfer's order); read them."""
+
+    room: int
+    src_pages: list[int]
+    aux: Aux
+
+
 class Received(msgspec.Struct, tag=True, frozen=True):
+    room: int
+
+
+class Released(msgspec.Struct, tag=True, frozen=True):
+    """nixl: the decode side's READ of this room is over (cancelled or finished) after an abort."""
+
     room: int
 
 
@@ -70,8 +101,8 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-ToPrefill = Hello | Post | Credit | Received | Abort | Heartbeat
-ToDecode = Welcome | Chunk | Done | Abort | Heartbeat
+ToPrefill = Hello | Post | Credit | Received | Released | Abort | Heartbeat
+ToDecode = Welcome | Chunk | Done | Ready | Abort | Heartbeat
 
 # the module functions, not shared Encoder/Decoder objects: two transports of one process (a test,
 # or prefill and decode beside each other) run their threads at once
