@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ketch.disagg import Aux, DisaggConfig, KVPoll
+from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport
 
 
 def make_layers(seed: int, num_pages: int, *, num_layers: int = 2, page_size: int = 4, heads: int = 2,
@@ -57,8 +57,11 @@ def wire_fault(spec: str | None, out):
 def prefill_main(config: dict, seed: int, num_pages: int, room: int, src_pages: list[int], first_token: int,
                  fault: str | None, out) -> None:
     from ketch.disagg.tcp_prefill import TcpPrefillTransport
-    transport = TcpPrefillTransport(DisaggConfig("prefill", **config), make_layers(seed, num_pages),
-                                    wire_hook=wire_fault(fault, out))
+    layers = make_layers(seed, num_pages)
+    if fault is None:  # any backend (config's transfer_backend, tcp by default)
+        transport = make_transport(DisaggConfig("prefill", **config), layers)
+    else:  # a wire fault is a tcp one
+        transport = TcpPrefillTransport(DisaggConfig("prefill", **config), layers, wire_hook=wire_fault(fault, out))
     out.put(("addr", transport.bootstrap_addr))
     sender = transport.sender(room)
     sender.init(len(src_pages))
@@ -69,8 +72,7 @@ def prefill_main(config: dict, seed: int, num_pages: int, room: int, src_pages: 
 
 
 def decode_main(config: dict, seed: int, num_pages: int, room: int, addr: str, dst_pages: list[int], out) -> None:
-    from ketch.disagg.tcp_decode import TcpDecodeTransport
-    transport = TcpDecodeTransport(DisaggConfig("decode", **config), make_layers(seed, num_pages))
+    transport = make_transport(DisaggConfig("decode", **config), make_layers(seed, num_pages))
     receiver = transport.receiver(room, addr)
     receiver.init()
     receiver.post_buffers(dst_pages)

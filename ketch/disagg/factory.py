@@ -21,4 +21,10 @@ def make_transport(config: DisaggConfig, layers: list[dict[str, torch.Tensor]], 
             return TcpPrefillTransport(config, layers, model)
         from ketch.disagg.tcp_decode import TcpDecodeTransport
         return TcpDecodeTransport(config, layers, model)
+    if config.transfer_backend == "nixl":
+        if config.mode == "prefill":
+            from ketch.disagg.nixl_prefill import NixlPrefillTransport
+            return NixlPrefillTransport(config, layers, model)
+        from ketch.disagg.nixl_decode import NixlDecodeTransport
+        return NixlDecodeTransport(config, layers, model)
     raise ValueError(f"transfer_backend: {config.transfer_backend!r} has no transport yet")

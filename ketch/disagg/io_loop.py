@@ -21,6 +21,8 @@ from ketch.disagg.state import TransferState
 
 log = logging.getLogger(__name__)
 
+_BUSY_POLL_MS = 1.0  # how often pump() checks operations in flight (nixl READs) that no socket reports
+
 
 class IOLoop:
     def __init__(self, name: str, tick_s: float) -> None:
@@ -92,7 +94,11 @@ class IOLoop:
         raise NotImplementedError
 
     def pump(self) -> None:
-        """Send what may be sent now (data chunks under their window)."""
+        """Send what may be sent now (data chunks under their window); check operations in flight."""
+
+    def busy(self) -> bool:
+        """Whether an operation in flight needs pump() soon although no socket will wake the loop."""
+        return False
 
     def on_tick(self, now: float) -> None:
         """Heartbeats, deadlines, silent peers."""
@@ -108,6 +114,8 @@ class IOLoop:
             next_tick = time.monotonic()
             while not self._stopping:
                 timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                if self.busy():
+                    timeout_ms = min(timeout_ms, _BUSY_POLL_MS)
                 ready = dict(self.poller.poll(timeout_ms))
                 if self._wake_r in ready:
                     ready.pop(self._wake_r)

@@ -44,6 +44,7 @@ class NixlPeer(msgspec.Struct, frozen=True):
     agent: str  # its name, unique per process
     metadata: bytes  # nixl_agent.get_agent_metadata(): how to reach it and its registered memory
     bases: list[int]  # the address of each (layer, tensor) in layout order; page p's row at base + p * row bytes
+    mem_type: str  # "DRAM" (a CPU pool) or "VRAM"
     device_id: int
 
 
