@@ -24,10 +24,9 @@ import torch
 import zmq
 
 from ketch.disagg.config import DisaggConfig
-from ketch.disagg.fake import timeouts_of
 from ketch.disagg.io_loop import IOLoop
 from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
-from ketch.disagg.state import KVPoll, TransferState
+from ketch.disagg.state import KVPoll, TransferState, timeouts_of
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
 from ketch.disagg.wire import Abort, Heartbeat, Hello, Post, Released, Welcome, decode_to_decode, encode
 

@@ -14,13 +14,8 @@ import threading
 import time
 
 from ketch.disagg.config import DisaggConfig
-from ketch.disagg.state import KVPoll, TransferState
+from ketch.disagg.state import KVPoll, TransferState, timeouts_of
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
-
-
-def timeouts_of(config: DisaggConfig) -> dict[KVPoll, float]:
-    return {KVPoll.Bootstrapping: config.bootstrap_timeout_s, KVPoll.WaitingForInput: config.waiting_timeout_s,
-            KVPoll.Transferring: config.transfer_timeout_s}
 
 
 class FakeHub:
@@ -66,6 +61,7 @@ class _FakeSide:
 class FakeSender(_FakeSide, KVSender):
     def __init__(self, room: int, config: DisaggConfig, hub: FakeHub | None) -> None:
         super().__init__(room, config, hub)
+        self.num_pages = 0  # 0: init not called yet
         self.sent: Aux | None = None
 
     def _peer(self) -> FakeReceiver | None:
@@ -124,7 +120,7 @@ class FakeReceiver(_FakeSide, KVReceiver):
 
 def _match(sender: FakeSender | None, receiver: FakeReceiver | None) -> None:
     """Both sides ready: WaitingForInput; the KV sent as well: Success on both (hub lock held)."""
-    if sender is None or receiver is None or receiver.dst_pages is None or not hasattr(sender, "num_pages"):
+    if sender is None or receiver is None or receiver.dst_pages is None or sender.num_pages == 0:
         return
     with sender.state.lock, receiver.state.lock:
         if sender.state.terminal or receiver.state.terminal:

@@ -19,6 +19,10 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ketch.disagg.config import DisaggConfig
 
 
 class KVPoll(enum.IntEnum):
@@ -76,3 +80,9 @@ class TransferState:
         if self.terminal or now <= self.deadline:
             return None
         return f"{self.state.name} timed out after {self._timeouts[self.state]:g} s"
+
+
+def timeouts_of(config: DisaggConfig) -> dict[KVPoll, float]:
+    """The limit of each non-terminal state, from the config."""
+    return {KVPoll.Bootstrapping: config.bootstrap_timeout_s, KVPoll.WaitingForInput: config.waiting_timeout_s,
+            KVPoll.Transferring: config.transfer_timeout_s}

@@ -10,10 +10,12 @@ side, one receiver per room on the decode side, one transport object per process
       poll: Transferring → Success (decode confirmed: now free src_pages)
 
 Every method returns at once: the network work runs on the transport's background thread, and
-`poll` is an attribute read. `abort` on either side fails the other side too. After a side
-reaches Failed or Success, its pages are no longer touched by the transport: the engine may free
-them. A sender reaches Success only after the receiver confirmed every byte written, so the
-prefill side never frees pages a decode side still needs (PRIOR_ART known failure 5).
+`poll` is an attribute read. `abort` on either side fails the other side too. The engine frees
+a room's pages when poll() says Failed or Success, never earlier (not on `abort` itself): from
+then on the transport touches none of them. That is at once after an abort for tcp and fake;
+for nixl, once a READ that may still touch the pages is cancelled or over. A sender reaches
+Success only after the receiver confirmed every byte written, so the prefill side never frees
+pages a decode side still needs (PRIOR_ART known failure 5).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class KVSender(ABC):
 
     @abstractmethod
     def abort(self, reason: str) -> None:
-        """Fail this room here and at the peer; no page of it is read after this returns."""
+        """Fail this room here ("aborted: reason") and at the peer ("peer aborted: reason");
+        poll() is Failed once no page of it is read any more."""
 
     @property
     @abstractmethod
@@ -74,7 +77,7 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def abort(self, reason: str) -> None:
-        """Fail this room here and at the peer; no page of it is written after this returns."""
+        """Fail this room here and at the peer; poll() is Failed once no page of it is written any more."""
 
     @property
     @abstractmethod
