@@ -82,3 +82,14 @@ def decode_main(config: dict, seed: int, num_pages: int, room: int, addr: str, d
     wait_until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 60, "the receiver to end")
     out.put(("final", receiver.poll().name, receiver.failure))
     transport.close()
+
+
+def nixl_pool_main(seed: int, num_pages: int, out) -> None:
+    """A NIXL agent holding a registered pool and nothing else: the test describes it to a decode
+    side by hand, then stops or kills this process (a READ from it then cannot complete)."""
+    from ketch.disagg.nixl_agent import describe, new_agent, pool_tensors
+    layers = make_layers(seed, num_pages)
+    agent = new_agent("pool")
+    agent.register_memory(pool_tensors(layers))
+    out.put(("peer", describe(agent, layers)))
+    threading.Event().wait()

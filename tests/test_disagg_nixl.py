@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 
 import pytest
 import torch
@@ -15,10 +16,11 @@ import zmq
 pytest.importorskip("nixl")
 os.environ.setdefault("UCX_TLS", "tcp")  # before any agent starts UCX; spawned children inherit it
 
-from disagg_peer import make_layers, prefill_main, wait_until  # noqa: E402
+from disagg_peer import make_layers, nixl_pool_main, prefill_main, wait_until  # noqa: E402
 from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport  # noqa: E402
 from ketch.disagg.layout import layout_of  # noqa: E402
-from ketch.disagg.wire import Abort, Hello, Post, Ready, Released, Welcome, decode_to_decode, encode  # noqa: E402
+from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Released, Welcome, decode_to_decode,  # noqa: E402
+                               decode_to_prefill, encode)
 
 POOL = 16
 SRC = [5, 0, 11, 3, 7, 2]
@@ -153,3 +155,59 @@ def test_an_aborted_sender_keeps_its_pages_until_the_reader_stopped(answer):
     finally:
         reader.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("cause", ["abort", "timeout"])
+def test_a_read_in_flight_is_stopped_before_the_receiver_fails(cause):
+    """The prefill's NIXL agent lives in a process the test has stopped (SIGSTOP), so the decode
+    side's READ cannot complete; the control plane is spoken by hand from here. The receiver may
+    fail only once the READ can no longer write its pages, and the prefill side hears of it only then."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    pool = ctx.Process(target=nixl_pool_main, args=(1, POOL, out), daemon=True)
+    pool.start()
+    zctx = zmq.Context()
+    router = zctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    layers = make_layers(2, POOL)
+    before = [{k: t.clone() for k, t in layer.items()} for layer in layers]
+    limit = 0.5 if cause == "timeout" else 30.0
+    config = {**CONFIG, "heartbeat_interval_s": 30.0, "transfer_timeout_s": limit}  # the READ hangs; no heartbeat verdict
+    decode = make_transport(DisaggConfig("decode", **config), layers)
+    try:
+        kind, peer = out.get(timeout=60)
+        os.kill(pool.pid, signal.SIGSTOP)
+        receiver = receive(decode, f"127.0.0.1:{port}", 5, [1, 2])
+
+        def next_message():
+            while True:
+                assert router.poll(10_000), "the decode side said nothing"
+                ident, data = router.recv_multipart()
+                msg = decode_to_prefill(data)
+                if not isinstance(msg, Heartbeat):
+                    return ident, msg
+
+        ident, hello = next_message()
+        assert isinstance(hello, Hello) and isinstance(next_message()[1], Post)
+        router.send_multipart([ident, encode(Welcome(5, peer))])
+        router.send_multipart([ident, encode(Ready(5, [3, 4], Aux(1)))])
+        wait_until(lambda: receiver.poll() == KVPoll.Transferring, 10, "the READ to start")
+        if cause == "abort":
+            receiver.abort("client went away")
+        _, told = next_message()
+        assert receiver.poll() == KVPoll.Failed  # the prefill side is told only once the pages are quiet
+        if cause == "abort":
+            assert (receiver.failure, told) == ("aborted: client went away", Abort(5, "peer aborted: client went away"))
+        else:
+            assert (receiver.failure, told) == ("Transferring timed out after 0.5 s",
+                                                Abort(5, "peer failed: Transferring timed out after 0.5 s"))
+        for layer in range(2):
+            for name in ("k", "v"):
+                assert torch.equal(layers[layer][name], before[layer][name])
+    finally:
+        pool.kill()
+        pool.join(10)
+        decode.close()
+        router.close(0)
+        zctx.term()
