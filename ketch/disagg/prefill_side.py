@@ -178,10 +178,12 @@ class PrefillSide(IOLoop, KVTransport):
             self._send(reg.peer, Abort(s.room, reason))
         else:  # the decode side has not registered yet: refuse it when it does
             self.refused[s.room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
-        if s.aborting is not None and reg is not None:
-            s.abort_deadline = time.monotonic() + self.config.peer_silence_s
-        else:
+        if s.aborting is None:
             self._forget(s)
+        elif reg is None:  # nobody can be reading the pages
+            self._quiesced(s)
+        else:
+            s.abort_deadline = time.monotonic() + self.config.peer_silence_s
 
     # ------------------------------------------------------------ the bootstrap server
     def on_ready(self, ready: dict) -> None:
@@ -209,8 +211,8 @@ class PrefillSide(IOLoop, KVTransport):
             self._hello(peer, msg)
             return
         reg = self.regs.get(msg.room)
-        if reg is not None and reg.peer != peer:
-            return  # about a room another decode side holds: not this peer's to change
+        if reg is None or reg.peer != peer:
+            return  # a room this peer has not registered (or no longer holds): not its to change
         s = self.senders.get(msg.room)
         if s is not None and s.aborting is not None and isinstance(msg, (Received, Released, Abort)):
             self._quiesced(s)  # the peer has stopped reading: the pages may go
@@ -220,15 +222,19 @@ class PrefillSide(IOLoop, KVTransport):
                 if s is not None:
                     self._attach(s)
         elif isinstance(msg, Received):
+            if s is None or not self._may_succeed(s):
+                if s is not None:
+                    self._fail(s, "the decode side confirmed a transfer this side had not finished", tell=reg.peer)
+                self._forget_room(msg.room)
+                return
+            with s.state.lock:
+                s.state.advance(KVPoll.Success)
             self._forget_room(msg.room)
-            if s is not None and self._may_succeed(s):
-                with s.state.lock:
-                    s.state.advance(KVPoll.Success)
         elif isinstance(msg, Abort):
             self.regs.pop(msg.room, None)
             if s is not None:
                 self._fail(s, msg.reason, tell=None)
-            else:
+            else:  # the decode side gave up before this side's request came: refuse the sender then
                 self.refused[msg.room] = (msg.reason, time.monotonic() + self.config.bootstrap_timeout_s)
         elif not isinstance(msg, Released):
             self._on_data(peer, s, msg)

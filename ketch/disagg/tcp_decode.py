@@ -49,7 +49,7 @@ class TcpDecodeTransport(DecodeSide):
         self._send(conn, Credit(r.room, msg.seq))
 
     def _done(self, conn: Connection, r: DecodeReceiver, msg: Done) -> None:
-        if r.written != msg.num_chunks:
+        if r.written != msg.num_chunks or msg.num_chunks < 1:
             self._fail(r, f"done after {r.written} of {msg.num_chunks} chunks", tell=True)
             return
         if self.device.type == "cuda":  # the rows were written on this thread's stream: done before Success
