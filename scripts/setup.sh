@@ -50,4 +50,8 @@ if [ -n "$extras" ]; then
   install_libibverbs || echo "setup.sh: could not install libibverbs1: the Mooncake tests will skip" >&2
   "${pip[@]}" --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1 \
     || echo "setup.sh: could not install mooncake-transfer-engine-non-cuda: the Mooncake tests will skip" >&2
+  # NIXL (UCX inside) for the PD transfer tests (tests/test_disagg_nixl.py): --no-deps, its host
+  # memory path needs no CUDA; pinned as measured. Without it those tests skip.
+  "${pip[@]}" --no-deps nixl==1.5.2 nixl-cu12==1.5.1 \
+    || echo "setup.sh: could not install nixl: the NIXL transfer tests will skip" >&2
 fi

@@ -8,7 +8,8 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
 
     cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package)
          ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache ──────────────────────▶ kernels (page copy)
-         │   (parsers)     │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
+         │   (parsers)     │ ├──────▶ disagg (PD KV transport)
+         │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
     bench┘                 │            └──▶ attention ──────────────▶ kernels
                      sampling: below engine, scheduler and runner
     leaves anything may import: config, forward_batch, weights, text, host_copy (low packages:
@@ -38,7 +39,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": frozenset({"engine", "parsers", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
     # models: the config; parallel: the engine starts the TP ranks and hands each its context
-    "engine": frozenset({"cache", "models", "parallel", "runner", "sampling", "scheduler"}) | LEAVES,
+    "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler"}) | LEAVES,
+    "disagg": LOW_LEAVES,  # PD transport: moves the pool's tensors it is handed; no scheduler, no cache code
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
     "sampling": LEAVES,
     "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
@@ -217,7 +219,8 @@ def test_the_rules_of_the_issue_are_in_the_table():
     assert "weights" not in ALLOWED["layers"] and "layers" in ALLOWED["weights"]
     for low, high in [("cache", "scheduler"), ("scheduler", "engine"), ("engine", "server"), ("kernels", "layers"),
                       ("layers", "models"), ("parallel", "layers"), ("parallel", "models"), ("models", "runner"), ("runner", "engine"), ("sampling", "engine"),
-                      ("sampling", "runner"), ("text", "server"), ("parsers", "server")]:
+                      ("sampling", "runner"), ("text", "server"), ("parsers", "server"),
+                      ("disagg", "engine"), ("scheduler", "disagg"), ("cache", "disagg")]:
         assert high not in ALLOWED[low], f"{low} may import {high}, the layer above it"
     assert [p for p, bs in ALLOWED.items() if "bench" in bs] == ["cli"]
 

@@ -1,0 +1,50 @@
+"""The nixl backend, prefill side: the pool is registered with a NIXL agent and described in
+every Welcome; `send` becomes Ready(src pages, Aux) and the decode side READs the rows itself.
+
+From the Ready on, the decode side may be reading the pages without this side knowing, so a
+failure here waits for its word (prefill_side.py, "peer_reads"): the pages are not handed back
+to the engine while a READ may still take them. The control plane is prefill_side.py's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ketch.disagg.config import DisaggConfig
+from ketch.disagg.nixl_agent import describe, new_agent, pool_tensors
+from ketch.disagg.prefill_side import PrefillSender, PrefillSide, Registration
+from ketch.disagg.wire import Ready, Welcome
+
+
+class NixlPrefillTransport(PrefillSide):
+    backend = "nixl"
+
+    def __init__(self, config: DisaggConfig, layers: list[dict[str, torch.Tensor]], model: str = "") -> None:
+        super().__init__(config, layers, model)
+        self.agent = new_agent("prefill")
+        self.registered = self.agent.register_memory(pool_tensors(layers))
+        self.peer_info = describe(self.agent, layers)
+        self.start()
+
+    def _welcome(self, room: int) -> Welcome:
+        return Welcome(room, self.peer_info)
+
+    def _start(self, s: PrefillSender, reg: Registration) -> None:
+        with s.state.lock:  # first: an abort from now on waits for the decode side's word
+            if s.state.terminal:
+                return
+            s.peer_reads = True
+        s.out = reg.peer
+        if self._send(reg.peer, Ready(s.room, s.src_pages, s.aux), s):
+            return
+        with s.state.lock:  # the Ready never left: nobody reads the pages
+            s.peer_reads = False
+            if s.aborting is not None:
+                s.state.fail(s.aborting)
+        if not s.state.terminal:
+            self._fail(s, "decode peer not taking messages (its queue is full)", tell=reg.peer)
+
+    def close(self) -> None:
+        super().close()
+        if self.registered is not None:  # once: close may be called again
+            self.agent.deregister_memory(self.registered)
+            self.registered = None

@@ -1,0 +1,359 @@
+"""The prefill side of a PD pair, whatever moves the bytes: the bootstrap server and the senders'
+states, on one background thread (io_loop.py). tcp_prefill.py and nixl_prefill.py add the data.
+
+The bootstrap server is a ZMQ ROUTER on `bootstrap_port`. A decode side registers a room there
+(Hello with its KV layout and backend, then Post with its pre-allocated pages); the prefill
+engine's sender for that room looks the registration up when it is created, or is attached when
+it arrives (the gateway sends a request to both servers at once: either may come first). The
+sender's Success is the decode side's Received: every byte is there.
+
+A registration nobody claims within bootstrap_timeout_s is refused (Abort) and dropped, so a
+decode side never waits for a prefill request that will not come. ROUTER_MANDATORY turns a send
+to a vanished decode process into an error (its room fails at once) instead of a silent drop.
+
+While a decode side may be reading this side's pages by itself (nixl: after Ready), failing the
+room is deferred: the peer is told to stop, and the room reaches Failed (its pages free) when the
+peer says Released, Received or Abort, or falls silent past the heartbeat.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from ketch.disagg.config import DisaggConfig
+from ketch.disagg.io_loop import IOLoop
+from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
+from ketch.disagg.state import KVPoll, TransferState, timeouts_of
+from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
+from ketch.disagg.wire import Abort, Heartbeat, Hello, Post, Received, Released, Welcome, decode_to_prefill, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Registration:
+    """A decode side's claim on a room: who it is, its pages."""
+
+    peer: bytes  # its ROUTER identity
+    since: float
+    dst_pages: list[int] | None = None
+
+
+class PrefillSender(KVSender):
+    def __init__(self, room: int, transport: PrefillSide) -> None:
+        self.room = room
+        self.state = TransferState(timeouts_of(transport.config))
+        self._transport = transport
+        self.num_pages = 0
+        self.src_pages: list[int] | None = None
+        self.src: torch.Tensor | None = None  # src_pages on the pool's device
+        self.aux: Aux | None = None
+        self.out: object | None = None  # the data plane's progress, once the transfer starts (loop thread)
+        self.peer_reads = False  # the decode side may be reading the pages by itself now (under state.lock)
+        self.aborting: str | None = None  # the Failed reason waiting for the peer to stop reading (under state.lock)
+        self.abort_deadline = float("inf")  # loop thread
+
+    def init(self, num_pages: int) -> None:
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages: an int >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._transport.submit(self, self._transport._on_init)
+
+    def send(self, src_pages: list[int], aux: Aux) -> None:
+        if self.src is not None:
+            raise RuntimeError(f"room {self.room}: send called twice")
+        check_pages(src_pages, self._transport.pool_pages, "src_pages")
+        if len(src_pages) != self.num_pages:
+            raise ValueError(f"src_pages: {len(src_pages)} pages, init said {self.num_pages}")
+        self.aux = aux
+        self.src_pages = list(src_pages)
+        self.src = torch.tensor(src_pages, dtype=torch.int64, device=self._transport.device)
+        self._transport.submit(self, self._transport._on_send)
+
+    def poll(self) -> KVPoll:
+        return self.state.state
+
+    def abort(self, reason: str) -> None:
+        """Failed at once, unless the decode side may be reading the pages: then once it stopped."""
+        with self.state.lock:
+            if self.state.terminal or self.aborting is not None:
+                return
+            if self.peer_reads:
+                self.aborting = f"aborted: {reason}"
+            else:
+                self.state.fail(f"aborted: {reason}")
+        self._transport.submit(self, self._transport._tell_abort, f"peer aborted: {reason}")
+
+    @property
+    def failure(self) -> str | None:
+        return self.state.reason
+
+
+class PrefillSide(IOLoop, KVTransport):
+    backend = ""  # the data plane's name, as decode sides must name it in their Hello
+
+    def __init__(self, config: DisaggConfig, layers: list[dict[str, torch.Tensor]], model: str = "") -> None:
+        if config.mode != "prefill":
+            raise ValueError(f"mode: a prefill transport needs mode 'prefill', got {config.mode!r}")
+        super().__init__(f"disagg-{self.backend}-prefill", tick_s=min(0.1, config.heartbeat_interval_s / 2))
+        self.config = config
+        self.layers = layers
+        self.layout: KVLayout = layout_of(layers, model)
+        self.pool_pages = num_pages_of(layers)
+        self.device = next(iter(layers[0].values())).device
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        host = config.bootstrap_host
+        if config.bootstrap_port == 0:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            port = config.bootstrap_port
+            self.sock.bind(f"tcp://{host}:{port}")
+        self._addr = f"{host}:{port}"
+        self.poller.register(self.sock, zmq.POLLIN)
+        # loop thread only, from here on
+        self.senders: dict[int, PrefillSender] = {}
+        self.regs: dict[int, Registration] = {}
+        self.refused: dict[int, tuple[str, float]] = {}  # room -> (reason, until): for a sender that comes later
+        self.heard: dict[bytes, float] = {}  # peer -> when it last said anything
+        self.next_beat = 0.0
+
+    # ------------------------------------------------------------ what a data plane implements
+    def _start(self, s: PrefillSender, reg: Registration) -> None:
+        """Start moving s's pages to reg's (s is Transferring, s.src set)."""
+        raise NotImplementedError
+
+    def _welcome(self, room: int) -> Welcome:
+        return Welcome(room)
+
+    def _on_data(self, peer: bytes, s: PrefillSender | None, msg: object) -> None:
+        """A data-plane message about a room of `peer` (s: its sender, if any)."""
+
+    def _may_succeed(self, s: PrefillSender) -> bool:
+        """Whether a Received for s confirms a whole transfer (not one this side never finished)."""
+        return s.out is not None
+
+    # ------------------------------------------------------------ the engine's side
+    @property
+    def bootstrap_addr(self) -> str:
+        return self._addr
+
+    def sender(self, room: int) -> PrefillSender:
+        return PrefillSender(room, self)
+
+    def receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
+        raise RuntimeError("a prefill transport only sends: receivers live on a decode transport")
+
+    def submit(self, sender: PrefillSender, fn: Callable[..., None], *args: object) -> None:
+        self.track(sender.state)
+        if not self.call(fn, sender, *args):
+            with sender.state.lock:
+                sender.state.fail(sender.aborting or "transport closed")
+
+    def close(self) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ commands (loop thread)
+    def _on_init(self, s: PrefillSender) -> None:
+        self.senders[s.room] = s
+        refused = self.refused.pop(s.room, None)
+        if refused is not None:
+            self._fail(s, refused[0], tell=None)
+        else:
+            self._attach(s)
+
+    def _on_send(self, s: PrefillSender) -> None:
+        self._attach(s)
+
+    def _tell_abort(self, s: PrefillSender, reason: str) -> None:
+        reg = self.regs.get(s.room)
+        if reg is not None:
+            self._send(reg.peer, Abort(s.room, reason))
+        else:  # the decode side has not registered yet: refuse it when it does
+            self.refused[s.room] = (reason, time.monotonic() + self.config.bootstrap_timeout_s)
+        if s.aborting is None:
+            self._forget(s)
+        elif reg is None:  # nobody can be reading the pages
+            self._quiesced(s)
+        else:
+            s.abort_deadline = time.monotonic() + self.config.peer_silence_s
+
+    # ------------------------------------------------------------ the bootstrap server
+    def on_ready(self, ready: dict) -> None:
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                log.warning("disagg bootstrap server: dropped a message of %d frames", len(parts))
+                continue
+            peer, data = parts
+            self.heard[peer] = time.monotonic()
+            try:
+                msg = decode_to_prefill(data)
+            except msgspec.DecodeError as e:  # a stray or newer client: drop it, keep the server up
+                log.warning("disagg bootstrap server: dropped a malformed message (%s)", e)
+                continue
+            self._handle(peer, msg)
+
+    def _handle(self, peer: bytes, msg: object) -> None:
+        if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, Hello):
+            self._hello(peer, msg)
+            return
+        reg = self.regs.get(msg.room)
+        if reg is None or reg.peer != peer:
+            return  # a room this peer has not registered (or no longer holds): not its to change
+        s = self.senders.get(msg.room)
+        if s is not None and s.aborting is not None and isinstance(msg, (Received, Released, Abort)):
+            self._quiesced(s)  # the peer has stopped reading: the pages may go
+        elif isinstance(msg, Post):
+            if reg is not None:
+                reg.dst_pages = list(msg.dst_pages)
+                if s is not None:
+                    self._attach(s)
+        elif isinstance(msg, Received):
+            if s is None or not self._may_succeed(s):
+                if s is not None:
+                    self._fail(s, "the decode side confirmed a transfer this side had not finished", tell=reg.peer)
+                self._forget_room(msg.room)
+                return
+            with s.state.lock:
+                s.state.advance(KVPoll.Success)
+            self._forget_room(msg.room)
+        elif isinstance(msg, Abort):
+            self.regs.pop(msg.room, None)
+            if s is not None:
+                self._fail(s, msg.reason, tell=None)
+            else:  # the decode side gave up before this side's request came: refuse the sender then
+                self.refused[msg.room] = (msg.reason, time.monotonic() + self.config.bootstrap_timeout_s)
+        elif not isinstance(msg, Released):
+            self._on_data(peer, s, msg)
+
+    def _hello(self, peer: bytes, msg: Hello) -> None:
+        if msg.room in self.regs:  # a second decode request for a room: refuse it, leave the first alone
+            self._send(peer, Abort(msg.room, f"room {msg.room} is registered already by another decode request"))
+            return
+        if msg.room in self.refused:  # aborted or refused here before this decode side registered
+            self._send(peer, Abort(msg.room, self.refused[msg.room][0]))
+            return
+        problem = self.layout.difference(msg.layout, "at the prefill side", "at the decode side")
+        if msg.backend != self.backend:
+            problem = f"backend mismatch: {self.backend!r} at the prefill side, {msg.backend!r} at the decode side"
+        if problem is not None:
+            self._send(peer, Abort(msg.room, problem))
+            s = self.senders.get(msg.room)
+            if s is not None:
+                self._fail(s, problem, tell=None)
+            else:
+                self.refused[msg.room] = (problem, time.monotonic() + self.config.bootstrap_timeout_s)
+            return
+        self.regs[msg.room] = Registration(peer, time.monotonic())
+        self._send(peer, self._welcome(msg.room))
+
+    def _attach(self, s: PrefillSender) -> None:
+        """The sender meets its registration: WaitingForInput, or the transfer starts."""
+        reg = self.regs.get(s.room)
+        if reg is None or reg.dst_pages is None or s.num_pages == 0 or s.out is not None:
+            return
+        if len(reg.dst_pages) != s.num_pages:
+            reason = (f"page count mismatch: the prefill sends {s.num_pages} pages, "
+                      f"the decode side posted {len(reg.dst_pages)}")
+            self._fail(s, reason, tell=reg.peer, peer_reason=reason)
+            return
+        with s.state.lock:
+            if s.src is None:
+                s.state.advance(KVPoll.WaitingForInput)
+                return
+            if not s.state.advance(KVPoll.Transferring):
+                return
+        self._start(s, reg)
+
+    def _send(self, peer: bytes, msg: object, s: PrefillSender | None = None, frames: list | None = None) -> bool:
+        """Send to a decode peer; False when it cannot take it now (its queue is full) or is gone
+        (then `s`, if given, fails)."""
+        try:
+            self.sock.send_multipart([peer, encode(msg), *(frames or [])], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if s is not None:
+                self._fail(s, f"decode peer unreachable: {e}", tell=None, peer_gone=True)
+            return False
+
+    # ------------------------------------------------------------ time
+    def on_tick(self, now: float) -> None:
+        for s in list(self.senders.values()):
+            reg = self.regs.get(s.room)
+            silent = reg is not None and now - self.heard.get(reg.peer, now) > self.config.peer_silence_s
+            if s.aborting is not None:
+                if silent or now > s.abort_deadline:
+                    self._quiesced(s)
+                continue
+            reason = s.state.expired(now)
+            if reason is None and silent:
+                reason = f"decode peer silent for over {self.config.peer_silence_s:g} s (heartbeat)"
+            if reason is not None:
+                self._fail(s, reason, tell=reg.peer if reg is not None else None, peer_gone=silent)
+            elif s.state.terminal:
+                self._forget(s)
+        for room, reg in list(self.regs.items()):
+            if room not in self.senders and now - reg.since > self.config.bootstrap_timeout_s:
+                self.regs.pop(room)
+                self._send(reg.peer, Abort(room, f"no prefill request for room {room} within "
+                                                 f"{self.config.bootstrap_timeout_s:g} s"))
+        self.refused = {r: v for r, v in self.refused.items() if v[1] > now}
+        if now >= self.next_beat:
+            self.next_beat = now + self.config.heartbeat_interval_s
+            for peer in {reg.peer for reg in self.regs.values()}:
+                self._send(peer, Heartbeat())
+        live = {reg.peer for reg in self.regs.values()}
+        self.heard = {p: t for p, t in self.heard.items() if p in live}
+        self.prune()
+
+    def _fail(self, s: PrefillSender, reason: str, tell: bytes | None, peer_reason: str | None = None,
+              peer_gone: bool = False) -> None:
+        """Fail `s` here; tell its decode peer (when known) with `peer_reason`, by default
+        "peer failed: <reason>" (an Abort's reason is what the other side records, verbatim).
+        While the peer may read the pages (and is not gone), Failed waits for it to stop."""
+        with s.state.lock:
+            if s.state.terminal or s.aborting is not None:
+                return
+            wait = s.peer_reads and tell is not None and not peer_gone
+            if wait:
+                s.aborting = reason
+            else:
+                s.state.fail(reason)
+        if tell is not None:
+            self._send(tell, Abort(s.room, peer_reason or f"peer failed: {reason}"))
+        if wait:
+            s.abort_deadline = time.monotonic() + self.config.peer_silence_s
+        else:
+            self._forget(s)
+
+    def _quiesced(self, s: PrefillSender) -> None:
+        """The peer no longer reads s's pages (or is presumed dead): the deferred failure lands."""
+        with s.state.lock:
+            s.state.fail(s.aborting or "aborted")
+        self._forget(s)
+
+    def _forget(self, s: PrefillSender) -> None:
+        if self.senders.get(s.room) is s:
+            self._forget_room(s.room)
+
+    def _forget_room(self, room: int) -> None:
+        self.senders.pop(room, None)
+        self.regs.pop(room, None)
+
+    def close_sockets(self) -> None:
+        self.sock.close(0)
