@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import openai
 import pytest
@@ -261,3 +262,21 @@ def test_models_workers_and_health(pd: PD):
 def test_cli_errors(args: list[str], message: str, capsys):
     assert cli_main(["gateway", "--port", "0", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_workers_join_with_a_role_in_pd_mode(pd: PD):
+    with fakes("prefill") as (new,):
+        for body, param in [({"url": new.url}, "role"), ({"url": new.url, "role": "normal"}, "role"),
+                            ({"url": new.url, "role": "decode", "bootstrap_port": 1}, "bootstrap_port"),
+                            ({"url": new.url, "role": "prefill", "bootstrap_port": "1"}, "bootstrap_port")]:
+            status, _, got = request(pd.base, "POST", "/workers", body)
+            assert (status, json.loads(got)["error"]["param"]) == (400, param), got
+        status, _, got = request(pd.base, "POST", "/workers", {"url": new.url, "role": "prefill", "bootstrap_port": 9300})
+        assert status == 201 and (json.loads(got)["role"], json.loads(got)["bootstrap_port"]) == ("prefill", 9300)
+        try:
+            assert workers(pd.base)[new.url]["role"] == "prefill"
+            status, _, got = request(pd.base, "GET", "/health")
+            assert json.loads(got)["prefill_available"] == 3
+        finally:
+            status, _, _ = request(pd.base, "DELETE", f"/workers/{quote(new.url, safe='')}")
+            assert status == 200

@@ -113,8 +113,10 @@ class PDForwarder:
             keep_prefill = whole and opened.status_code < 400 and not p_task.done()
         finally:
             d_task.cancel()
-            if d_task.done() and not d_task.cancelled() and isinstance(d_task.result(), Answer):
-                d_task.result().close()  # not relayed (the prefill failed first): the decode server aborts
+            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                decoded = d_task.result()
+                if isinstance(decoded, Answer):  # not relayed (the prefill failed first): the decode server aborts
+                    decoded.close()  # (a relayed one is closed already: this does nothing)
             d_attempt.close()
             if keep_prefill:
                 self._draining.add(p_task)
