@@ -280,3 +280,15 @@ def test_workers_join_with_a_role_in_pd_mode(pd: PD):
         finally:
             status, _, _ = request(pd.base, "DELETE", f"/workers/{quote(new.url, safe='')}")
             assert status == 200
+
+
+def test_the_bootstrap_fields_replace_a_clients_own():
+    from ketch.gateway.config import BreakerConfig, HealthConfig
+    from ketch.gateway.pd import with_bootstrap
+    from ketch.gateway.worker import Worker
+    from ketch.gateway.worker_url import parse_worker_url
+
+    worker = Worker(parse_worker_url("http://[::1]:30001"), None, BreakerConfig(), HealthConfig(), "prefill", 8998)
+    body = json.dumps({"prompt": "x", "bootstrap_room": 5, "bootstrap_host": "evil"}).encode()
+    assert json.loads(with_bootstrap(body, worker, 7)) == {"prompt": "x", "bootstrap_room": 7, "bootstrap_host": "::1",
+                                                           "bootstrap_port": 8998}
