@@ -40,12 +40,11 @@ def relayed_headers(answer: Answer, attempt: Attempt) -> list[tuple[bytes, bytes
     return headers
 
 
-def whole_response(answer: Answer, attempt: Attempt, body: bytes,
-                   extra: Sequence[tuple[bytes, bytes]] = ()) -> Response:
+def whole_response(answer: Answer, attempt: Attempt, body: bytes) -> Response:
     """An answer read whole (`body`), passed on with its status and headers."""
     response = Response(body, status_code=answer.status_code)
     response.raw_headers = [(b"content-length", str(len(body)).encode())] + [
-        (k, v) for k, v in relayed_headers(answer, attempt) if k != b"content-length"] + list(extra)
+        (k, v) for k, v in relayed_headers(answer, attempt) if k != b"content-length"]
     return response
 
 
