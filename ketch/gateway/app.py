@@ -6,7 +6,8 @@ the worker admin routes.
     GET  /health                                 200 while a worker is available, else 503 (no key)
     GET  /metrics                                the gateway's own Prometheus metrics
     GET  /workers                                every worker's state
-    POST /workers {"url": ..., "api_key"?: ...}  add one (it must answer /health first)
+    POST /workers {"url": ..., "api_key"?: ...}  add one (it must answer /health first); PD mode:
+                  + "role": "prefill"|"decode", "bootstrap_port"? (prefill, default 8998)
     DELETE /workers/{url}                        remove one (the URL percent-encoded)
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from ketch.gateway.body import ClientGone, parse_object, read_body
+from ketch.gateway.config import DEFAULT_BOOTSTRAP_PORT
 from ketch.gateway.errors import GatewayError, unavailable
-from ketch.gateway.forward import Forwarder
 from ketch.gateway.gateway import Gateway
 from ketch.gateway.generate import GENERATION_ROUTES, Generation
 from ketch.gateway.monitor import probe_health
@@ -104,10 +105,17 @@ def build_app(gw: Gateway) -> FrontDoor:
 
     @app.get("/health")
     async def health() -> Response:
-        available = len(gw.registry.available())
-        if not available:
-            return unavailable(f"no worker is available ({len(gw.registry.all())} registered)").response()
-        return JSONResponse({"status": "ok", "workers_available": available, "workers": len(gw.registry.all())})
+        # a request needs one worker of each role (PD mode: a prefill and a decode worker)
+        available = {role: len(gw.registry.available(role=role)) for role in gw.config.roles}
+        missing = [role for role, n in available.items() if not n]
+        if missing:
+            kind = "".join(f"{role} " for role in missing if role != "normal")
+            return unavailable(f"no {kind}worker is available ({len(gw.registry.all())} registered)").response()
+        body: dict[str, Any] = {"status": "ok", "workers_available": sum(available.values()),
+                                "workers": len(gw.registry.all())}
+        if gw.config.pd_disaggregation:
+            body.update(prefill_available=available["prefill"], decode_available=available["decode"])
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -121,7 +129,8 @@ def build_app(gw: Gateway) -> FrontDoor:
     @app.post("/workers", status_code=201)
     async def add_worker(request: Request) -> JSONResponse:
         parsed = await read_json_object(request, 64 * 1024)
-        address = _address(parsed)
+        address = _address(parsed, gw.config.pd_disaggregation)
+        role, bootstrap_port = _role(parsed) if gw.config.pd_disaggregation else ("normal", None)
         if gw.registry.get(address.url) is not None:
             raise GatewayError(409, f"worker {address.url} is already registered", "worker_exists", param="url")
         key = address.api_key or gw.config.worker_api_key
@@ -131,7 +140,7 @@ def build_app(gw: Gateway) -> FrontDoor:
             raise GatewayError(400, f"worker {address.url} did not pass its health check: {problem}",
                                "worker_unreachable", param="url")
         try:  # checked again: another POST may have added it while this one probed
-            worker = gw.registry.add(address)
+            worker = gw.registry.add(address, role, bootstrap_port)
         except DuplicateWorker as e:
             raise GatewayError(409, str(e), "worker_exists", param="url") from None
         return JSONResponse(worker.describe(gw.clock()), status_code=201)
@@ -146,18 +155,17 @@ def build_app(gw: Gateway) -> FrontDoor:
                                param="url") from None
         return {"url": canonical, "removed": True}
 
-    def forwarder() -> Forwarder:
-        assert gw.forwarder is not None  # the lifespan started the gateway before any request
-        return gw.forwarder
-
-    return FrontDoor(app, gw.config.api_key, Generation(forwarder, gw.failover, gw.config.max_request_bytes))
+    generation = Generation(lambda: gw.responder, gw.config.max_request_bytes,
+                            resumable=not gw.config.pd_disaggregation)
+    return FrontDoor(app, gw.config.api_key, generation)
 
 
-def _address(parsed: dict[str, Any]) -> WorkerAddress:
-    unknown = sorted(set(parsed) - {"url", "api_key"})
+def _address(parsed: dict[str, Any], pd: bool) -> WorkerAddress:
+    known = {"url", "api_key", "role", "bootstrap_port"} if pd else {"url", "api_key"}
+    unknown = sorted(set(parsed) - known)
     if unknown:
-        raise GatewayError(400, f"{unknown[0]}: unknown field (expected 'url' and optionally 'api_key')",
-                           "invalid_value", param=unknown[0])
+        expected = "'url', 'role' and optionally 'api_key', 'bootstrap_port'" if pd else "'url' and optionally 'api_key'"
+        raise GatewayError(400, f"{unknown[0]}: unknown field (expected {expected})", "invalid_value", param=unknown[0])
     key = parsed.get("api_key")
     if key is not None and (not isinstance(key, str) or not key):
         raise GatewayError(400, "api_key: must be a non-empty string", "invalid_value", param="api_key")
@@ -166,3 +174,20 @@ def _address(parsed: dict[str, Any]) -> WorkerAddress:
     except ValueError as e:
         raise GatewayError(400, str(e), "invalid_value", param="url") from None
     return WorkerAddress(address.url, key or address.api_key)
+
+
+def _role(parsed: dict[str, Any]) -> tuple[str, int | None]:
+    """PD mode: a joining worker's role, and a prefill worker's bootstrap port."""
+    role, port = parsed.get("role"), parsed.get("bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+    if role not in ("prefill", "decode"):
+        raise GatewayError(400, f"role: must be 'prefill' or 'decode' in PD mode, got {role!r}", "invalid_value",
+                           param="role")
+    if role == "decode":
+        if "bootstrap_port" in parsed:
+            raise GatewayError(400, "bootstrap_port: only a prefill worker has one", "invalid_value",
+                               param="bootstrap_port")
+        return role, None
+    if type(port) is not int or not 0 < port < 65536:
+        raise GatewayError(400, f"bootstrap_port: must be an integer in [1, 65535], got {port!r}", "invalid_value",
+                           param="bootstrap_port")
+    return role, port

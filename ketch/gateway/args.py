@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ketch.gateway.config import (POLICIES, BreakerConfig, CacheAwareConfig, GatewayConfig, HealthConfig,
-                                  RetryConfig)
+from ketch.gateway.config import (DEFAULT_BOOTSTRAP_PORT, POLICIES, BreakerConfig, CacheAwareConfig, GatewayConfig,
+                                  HealthConfig, PrefillWorker, RetryConfig)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
                    help="workers (`ketch serve`), e.g. http://127.0.0.1:30001; a worker's own API key as the "
                         "URL's password: http://:KEY@host:port. More can join with POST /workers")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES)
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="in PD mode: the policy over the prefill workers (decode workers: least load)")
+    g = p.add_argument_group("PD disaggregation")
+    g.add_argument("--pd-disaggregation", action="store_true",
+                   help="send each request to a prefill and a decode worker at once (not with --worker-urls)")
+    g.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                   help=f"a prefill worker and its KV bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}); repeat the flag "
+                        "for more")
+    g.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeat for more")
     p.add_argument("--api-key", default=os.environ.get("KETCH_GATEWAY_API_KEY"),
                    help="require 'Authorization: Bearer <key>' at the gateway on every route but /health "
                         "(default: $KETCH_GATEWAY_API_KEY)")
@@ -57,6 +65,20 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds open requests get to finish")
 
 
+def prefill_worker(values: list[str]) -> PrefillWorker:
+    """`--prefill URL [BOOTSTRAP_PORT]` -> PrefillWorker, or a ValueError saying what is wrong."""
+    if len(values) > 2:
+        raise ValueError(f"--prefill takes a URL and optionally a bootstrap port, got {' '.join(values)!r} "
+                         "(repeat --prefill for each prefill worker)")
+    if len(values) == 1:
+        return PrefillWorker(values[0])
+    try:
+        port = int(values[1])
+    except ValueError:
+        raise ValueError(f"--prefill {values[0]}: the bootstrap port must be a number, got {values[1]!r}") from None
+    return PrefillWorker(values[0], port)
+
+
 def gateway_config(a: argparse.Namespace) -> GatewayConfig:
     """ValueError naming the field for a bad value."""
     return GatewayConfig(
@@ -73,4 +95,6 @@ def gateway_config(a: argparse.Namespace) -> GatewayConfig:
         load_interval_secs=a.load_interval_secs, request_timeout_secs=a.request_timeout_secs,
         connect_timeout_secs=a.connect_timeout_secs, max_request_bytes=a.max_request_bytes,
         shutdown_timeout=a.shutdown_timeout, enable_failover=not a.disable_failover,
+        pd_disaggregation=a.pd_disaggregation, prefill_workers=tuple(prefill_worker(v) for v in a.prefill),
+        decode_urls=tuple(a.decode),
     )

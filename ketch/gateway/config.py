@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 POLICIES = ("cache_aware", "round_robin", "least_load", "power_of_two")
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
 
 def _positive(name: str, value: float) -> None:
@@ -98,6 +99,18 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class PrefillWorker:
+    """A prefill worker of PD mode: its URL and the port of its KV bootstrap server (on the URL's
+    host), which the decode worker dials to fetch the prompt's KV."""
+    url: str
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bootstrap_port < 65536:
+            raise ValueError(f"--prefill {self.url}: the bootstrap port must be in [1, 65535], got {self.bootstrap_port}")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     worker_urls: tuple[str, ...] = ()  # may be empty: workers can join with POST /workers
     host: str = "127.0.0.1"
@@ -117,6 +130,10 @@ class GatewayConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     shutdown_timeout: float = 30.0  # SIGTERM: seconds open streams get to finish
     enable_failover: bool = True  # a stream whose worker is lost goes on on another (failover.py)
+    # PD mode (pd.py): each request goes to a prefill and a decode worker at once
+    pd_disaggregation: bool = False
+    prefill_workers: tuple[PrefillWorker, ...] = ()
+    decode_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -129,3 +146,21 @@ class GatewayConfig:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
         if not 0 <= self.shutdown_timeout < math.inf:
             raise ValueError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        self._check_pd()
+
+    def _check_pd(self) -> None:
+        if not self.pd_disaggregation:
+            if self.prefill_workers or self.decode_urls:
+                raise ValueError("--prefill / --decode: only with --pd-disaggregation")
+            return
+        if self.worker_urls:
+            raise ValueError("--worker-urls and --pd-disaggregation are mutually exclusive: in PD mode name the "
+                             "workers with --prefill URL [BOOTSTRAP_PORT] and --decode URL")
+        if not self.prefill_workers or not self.decode_urls:
+            raise ValueError("--pd-disaggregation: needs at least one --prefill URL [BOOTSTRAP_PORT] and one "
+                             "--decode URL")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The kinds of worker a generation request needs one of each of."""
+        return ("prefill", "decode") if self.pd_disaggregation else ("normal",)

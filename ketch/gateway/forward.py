@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from starlette.responses import Response
 
 from ketch.gateway.attempt import Attempt
+from ketch.gateway.body import Receive
 from ketch.gateway.config import GatewayConfig
 from ketch.gateway.errors import GatewayError, unavailable
 from ketch.gateway.failover import Failover
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.policies import RoutingPolicy
 from ketch.gateway.registry import WorkerRegistry
-from ketch.gateway.relay import relayed_headers
+from ketch.gateway.relay import Send, relay, whole_response
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.upstream import Answer, ConnectFailed, Upstream, UpstreamError, UpstreamTimeout
 from ketch.gateway.worker import Worker
@@ -50,10 +51,19 @@ def backoff_seconds(retry: int, initial_ms: float, max_ms: float, multiplier: fl
 class Forwarder:
     def __init__(self, upstream: Upstream, registry: WorkerRegistry, policy: RoutingPolicy,
                  metrics: GatewayMetrics, config: GatewayConfig, failover: Failover,
-                 clock: Callable[[], float], rng: random.Random | None = None) -> None:
+                 clock: Callable[[], float], rng: random.Random | None = None, role: str | None = None) -> None:
         self.upstream, self.registry, self.policy, self.metrics = upstream, registry, policy, metrics
+        self.role = role  # the workers it sends to (PD mode: "decode", for GET /v1/models); None: all
         self.config, self.failover, self.clock = config, failover, clock
         self.rng = rng or random.Random()
+
+    async def respond(self, request: RoutedRequest, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """Answer one generation request (generate.py): a worker's answer relayed, or the error."""
+        opened = await self.generation(request)
+        if isinstance(opened, GatewayError):
+            await opened.response()(scope, receive, send)
+        else:
+            await relay(send, *opened, request, self.failover)
 
     async def generation(self, request: RoutedRequest) -> Opened | GatewayError:
         """The answer of the worker the policy picked (or the next one, retried), else why none.
@@ -94,10 +104,7 @@ class Forwarder:
         finally:
             answer.close()
             attempt.close()
-        response = Response(body, status_code=answer.status_code)
-        response.raw_headers = [(b"content-length", str(len(body)).encode())] + [
-            (k, v) for k, v in relayed_headers(answer, attempt) if k != b"content-length"]
-        return response
+        return whole_response(answer, attempt, body)
 
     async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
                        body: bytes | None, route: str, exclude: Collection[str] = ()) -> Opened | GatewayError:
@@ -106,7 +113,7 @@ class Forwarder:
         failures: list[str] = []
         retry = self.config.retry
         for attempt_no in range(retry.attempts):
-            workers = self.registry.available(exclude=tried)
+            workers = self.registry.available(exclude=tried, role=self.role)
             if not workers:
                 break
             if attempt_no:
@@ -114,7 +121,7 @@ class Forwarder:
                 await asyncio.sleep(backoff_seconds(attempt_no, retry.initial_backoff_ms, retry.max_backoff_ms,
                                                     retry.backoff_multiplier, retry.jitter_factor, self.rng))
                 # a worker may have left or failed meanwhile: pick among those still available
-                workers = self.registry.available(exclude=tried)
+                workers = self.registry.available(exclude=tried, role=self.role)
                 if not workers:
                     break
             worker = pick(workers)

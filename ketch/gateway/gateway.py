@@ -12,6 +12,7 @@ from ketch.gateway.failover import Failover, NoFailover, ResumeFailover
 from ketch.gateway.forward import Forwarder
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.monitor import Monitor
+from ketch.gateway.pd import PDForwarder
 from ketch.gateway.policies import make_policy
 from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.routed import RoutedRequest
@@ -25,18 +26,24 @@ class Gateway:
         self.config = config
         self.clock = time.monotonic
         self.registry = WorkerRegistry(config.breaker, config.health, config.worker_api_key, self.clock)
-        for url in config.worker_urls:  # a bad or repeated URL fails the start with a ValueError
+        # a bad or repeated URL (a worker cannot be both prefill and decode) fails the start: ValueError
+        for url in config.worker_urls:
             self.registry.add(parse_worker_url(url))
+        for prefill in config.prefill_workers:
+            self.registry.add(parse_worker_url(prefill.url), "prefill", prefill.bootstrap_port)
+        for url in config.decode_urls:
+            self.registry.add(parse_worker_url(url), "decode")
         self.policy = make_policy(config.policy, config.cache_aware)
         self.registry.on_removed.append(self.policy.forget)
         self.metrics = GatewayMetrics(self.registry, self.policy, self.clock)
-        if failover is None:
+        if failover is None:  # PD mode: none (pd.py says why)
             failover = ResumeFailover(self._continuation, self.metrics, config.retry.attempts) \
-                if config.enable_failover else NoFailover()
+                if config.enable_failover and not config.pd_disaggregation else NoFailover()
         self.failover = failover
         self.client: httpx.AsyncClient | None = None  # the monitor's (health checks, load scrapes)
         self.upstream: Upstream | None = None  # the requests' (forward.py)
         self.forwarder: Forwarder | None = None
+        self.pd: PDForwarder | None = None  # PD mode's generation requests
         self.monitor: Monitor | None = None
 
     async def start(self) -> None:
@@ -49,7 +56,11 @@ class Gateway:
         # the requests': no cap on connections (each worker has its own --max-connections, and a
         # cap here would queue requests in the gateway where no load figure sees them)
         self.upstream = Upstream(c.connect_timeout_secs, c.request_timeout_secs)
-        self.forwarder = Forwarder(self.upstream, self.registry, self.policy, self.metrics, c, self.failover, self.clock)
+        # PD mode: the plain routes (GET /v1/models) go to a decode worker, generation to a pair
+        self.forwarder = Forwarder(self.upstream, self.registry, self.policy, self.metrics, c, self.failover, self.clock,
+                                   role="decode" if c.pd_disaggregation else None)
+        if c.pd_disaggregation:
+            self.pd = PDForwarder(self.forwarder, self.upstream, self.registry, self.policy, self.metrics, self.clock)
         self.monitor = Monitor(self.client, self.registry, self.policy, c)
         self.monitor.start()
 
@@ -58,7 +69,15 @@ class Gateway:
         assert self.forwarder is not None  # failovers happen only while serving
         return await self.forwarder.continuation(request, body, exclude)
 
+    @property
+    def responder(self) -> Forwarder | PDForwarder:
+        """What answers generation requests (generate.py)."""
+        assert self.forwarder is not None  # the lifespan started the gateway before any request
+        return self.pd or self.forwarder
+
     async def stop(self) -> None:
+        if self.pd is not None:
+            await self.pd.stop()
         if self.monitor is not None:
             await self.monitor.stop()
         if self.client is not None:

@@ -6,7 +6,8 @@ framework: no middleware stack wrapping every `send`, no task group per response
 
     read the body (413 past the limit, 400 if not a JSON object) ─ route it (routed.py)
     ─ a watcher task waits for the client's disconnect ─ open a worker's answer (forward.py:
-      policy, retries) ─ relay it (relay.py: failover for a cut stream) ─ the watcher goes
+      policy, retries; pd.py: a prefill and a decode worker) ─ relay it (relay.py: failover for a
+      cut stream) ─ the watcher goes
 
 The client leaving, at any point after its body arrived, makes the watcher cancel the request's
 task: a wait for a worker's answer is given up, a relay stops, and either way the worker's
@@ -16,27 +17,31 @@ finishing it for nobody. Nothing of that is the worker's fault.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from ketch.gateway.body import ClientGone, Receive, parse_object, read_body
 from ketch.gateway.errors import GatewayError
-from ketch.gateway.failover import Failover
-from ketch.gateway.forward import Forwarder
-from ketch.gateway.relay import relay
-from ketch.gateway.routed import CHAT, COMPLETIONS, ROUTE_PATHS, routed_request
+from ketch.gateway.routed import CHAT, COMPLETIONS, ROUTE_PATHS, RoutedRequest, routed_request
 
 GENERATION_ROUTES = {ROUTE_PATHS[CHAT]: CHAT, ROUTE_PATHS[COMPLETIONS]: COMPLETIONS}
 Send = Callable[[dict], Awaitable[None]]
 
 
+class Responder(Protocol):
+    """Answers a routed generation request: forward.Forwarder (one worker), pd.PDForwarder (a pair)."""
+
+    async def respond(self, request: RoutedRequest, scope: dict[str, Any], receive: Receive, send: Send) -> None: ...
+
+
 class Generation:
-    def __init__(self, forwarder: Callable[[], Forwarder], failover: Failover, max_request_bytes: int) -> None:
+    def __init__(self, forwarder: Callable[[], Responder], max_request_bytes: int, resumable: bool = True) -> None:
         # the forwarder exists once the gateway started (inside the server's event loop)
-        self.forwarder, self.failover, self.limit = forwarder, failover, max_request_bytes
+        self.forwarder, self.limit, self.resumable = forwarder, max_request_bytes, resumable
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send, route: str) -> None:
         try:
-            request = routed_request(route, *_with_parsed(await read_body(receive, self.limit)))
+            body = await read_body(receive, self.limit)
+            request = routed_request(route, body, parse_object(body), self.resumable)
         except ClientGone:
             return
         except GatewayError as e:
@@ -55,18 +60,10 @@ class Generation:
 
         watcher = asyncio.ensure_future(watch())
         try:
-            opened = await self.forwarder().generation(request)
-            if isinstance(opened, GatewayError):
-                await opened.response()(scope, receive, send)
-            else:
-                await relay(send, *opened, request, self.failover)
+            await self.forwarder().respond(request, scope, receive, send)
         except asyncio.CancelledError:
             if not gone:  # not ours: the server is stopping
                 raise
             task.uncancel()
         finally:
             watcher.cancel()
-
-
-def _with_parsed(body: bytes) -> tuple[bytes, dict[str, Any]]:
-    return body, parse_object(body)

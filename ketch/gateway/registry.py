@@ -24,10 +24,11 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self.on_removed: list[Callable[[str], None]] = []  # e.g. the cache-aware policy drops its tree
 
-    def add(self, address: WorkerAddress) -> Worker:
+    def add(self, address: WorkerAddress, role: str = "normal", bootstrap_port: int | None = None) -> Worker:
         if address.url in self._workers:
             raise DuplicateWorker(f"worker {address.url} is already registered")
-        worker = Worker(address, address.api_key or self.default_api_key, self.breaker, self.health)
+        worker = Worker(address, address.api_key or self.default_api_key, self.breaker, self.health, role,
+                        bootstrap_port)
         self._workers[address.url] = worker
         return worker
 
@@ -44,7 +45,9 @@ class WorkerRegistry:
     def all(self) -> list[Worker]:
         return list(self._workers.values())
 
-    def available(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Worker]:
-        """Healthy workers whose breaker lets a request through, in the order they joined."""
+    def available(self, exclude: frozenset[str] | set[str] = frozenset(), role: str | None = None) -> list[Worker]:
+        """Healthy workers (of `role`, if given) whose breaker lets a request through, in the order
+        they joined."""
         now = self.clock()
-        return [w for w in self._workers.values() if w.url not in exclude and w.available(now)]
+        return [w for w in self._workers.values()
+                if w.url not in exclude and (role is None or w.role == role) and w.available(now)]

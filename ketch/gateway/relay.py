@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
+
+from starlette.responses import Response
 
 from ketch.gateway.attempt import Attempt
 from ketch.gateway.failover import Failover, StreamTranscript
@@ -38,32 +40,43 @@ def relayed_headers(answer: Answer, attempt: Attempt) -> list[tuple[bytes, bytes
     return headers
 
 
+def whole_response(answer: Answer, attempt: Attempt, body: bytes) -> Response:
+    """An answer read whole (`body`), passed on with its status and headers."""
+    response = Response(body, status_code=answer.status_code)
+    response.raw_headers = [(b"content-length", str(len(body)).encode())] + [
+        (k, v) for k, v in relayed_headers(answer, attempt) if k != b"content-length"]
+    return response
+
+
 async def relay(send: Send, attempt: Attempt, answer: Answer, request: RoutedRequest | None,
-                failover: Failover) -> None:
-    """Send `answer` (status, headers, body) to the client; closes the answer and the attempt."""
+                failover: Failover, extra: Sequence[tuple[bytes, bytes]] = ()) -> bool:
+    """Send `answer` (status, headers and `extra` ones, body) to the client; closes the answer and
+    the attempt. True if the worker's answer (or its continuation) reached the client whole."""
     try:
         await send({"type": "http.response.start", "status": answer.status_code,
-                    "headers": relayed_headers(answer, attempt)})
+                    "headers": relayed_headers(answer, attempt) + list(extra)})
         if answer.content_type.startswith("text/event-stream"):
-            await _stream(send, attempt, answer, request, failover)
-        else:
-            await _whole(send, attempt, answer)
+            return await _stream(send, attempt, answer, request, failover)
+        return await _whole(send, attempt, answer)
     finally:
         answer.close()
         attempt.close()
 
 
-async def _whole(send: Send, attempt: Attempt, answer: Answer) -> None:
+async def _whole(send: Send, attempt: Attempt, answer: Answer) -> bool:
+    whole = True
     try:
         async for chunk in answer.chunks():
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as e:  # the client has part of a body: nothing to add but the end
         attempt.failed("timeout" if isinstance(e, UpstreamTimeout) else "stream_cut")
+        whole = False
     await send(_END)
+    return whole
 
 
 async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedRequest | None,
-                  failover: Failover) -> None:
+                  failover: Failover) -> bool:
     # only a stream a failover could resume keeps its events (they are what it resumes from)
     transcript = StreamTranscript(keep_events=failover.keep_events and request is not None
                                   and request.fields is not None)
@@ -94,6 +107,7 @@ async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedR
     elif pending:  # bytes after [DONE] that never became an event: passed on as they came
         await send({"type": "http.response.body", "body": pending, "more_body": True})
     await send(_END)
+    return transcript.done
 
 
 async def _after_cut(send: Send, attempt: Attempt, request: RoutedRequest | None, failover: Failover,

@@ -38,10 +38,11 @@ class RoutedRequest:
         return ROUTE_PATHS[self.route]
 
 
-def routed_request(route: str, body: bytes, parsed: dict[str, Any]) -> RoutedRequest:
+def routed_request(route: str, body: bytes, parsed: dict[str, Any], resumable: bool = True) -> RoutedRequest:
+    """`resumable=False` (PD mode: no failover) forwards every body untouched."""
     text = chat_text(parsed) if route == CHAT else prompt_text(parsed.get("prompt"))
     stream = parsed.get("stream") is True
-    if not (stream and _one_sample(route, parsed)):
+    if not (resumable and stream and _one_sample(route, parsed)):
         return RoutedRequest(route=route, text=text, stream=stream, body=body)
     fields = {**parsed, "return_token_ids": True}
     if fields.get("seed") is None:

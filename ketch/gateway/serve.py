@@ -23,8 +23,10 @@ def run(config: GatewayConfig) -> int:
     server = uvicorn.Server(uvicorn.Config(
         build_app(gateway), host=config.host, port=config.port, log_level="warning", lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout))
-    print(f"ketch gateway on http://{config.host}:{config.port} ({config.policy}, "
-          f"{len(config.worker_urls)} workers)", file=sys.stderr, flush=True)
+    workers = (f"PD: {len(config.prefill_workers)} prefill, {len(config.decode_urls)} decode workers"
+               if config.pd_disaggregation else f"{len(config.worker_urls)} workers")
+    print(f"ketch gateway on http://{config.host}:{config.port} ({config.policy}, {workers})", file=sys.stderr,
+          flush=True)
     # Relaying allocates a few small objects per SSE event, none of them in a cycle, and the
     # default collector then runs a young-generation pass every 700 of them. Start-up objects
     # (modules, the app) are frozen out of every pass, and passes come every 20,000: ~15 % less

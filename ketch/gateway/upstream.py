@@ -213,6 +213,14 @@ class Answer:
             await self._waiter
             self._waiter = None
 
+    async def began(self) -> None:
+        """Returns once some of the body has arrived, or the answer ended (whole or not); reads
+        nothing (PD mode waits for this before the client is given the decode worker's answer)."""
+        while not (self._body or self._complete or self._error is not None):
+            self._waiter = self.conn.loop.create_future()
+            await self._waiter
+            self._waiter = None
+
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 

@@ -39,8 +39,10 @@ class HealthTracker:
 
 class Worker:
     def __init__(self, address: WorkerAddress, api_key: str | None, breaker: BreakerConfig,
-                 health: HealthConfig) -> None:
+                 health: HealthConfig, role: str = "normal", bootstrap_port: int | None = None) -> None:
         self.url = address.url
+        self.role = role  # normal | prefill | decode (PD mode, pd.py)
+        self.bootstrap_port = bootstrap_port  # a prefill worker's KV bootstrap server
         self.api_key = api_key  # the URL's own key, else the gateway's --worker-api-key
         self.breaker = CircuitBreaker(breaker)
         self.health = HealthTracker(health)
@@ -73,6 +75,9 @@ class Worker:
     def describe(self, now: float) -> dict[str, Any]:
         """GET /workers: one worker's state (never its key)."""
         state = self.breaker.state(now) if self.breaker.config.enabled else BreakerState.CLOSED
-        return {"url": self.url, "available": self.available(now), "healthy": self.health.healthy,
+        described = {"url": self.url, "role": self.role, "available": self.available(now), "healthy": self.health.healthy,
                 "breaker": state.name.lower(), "in_flight": self.in_flight, "load": self.load,
                 "scraped_load": self.scraped, "last_health_error": self.health.last_error}
+        if self.bootstrap_port is not None:
+            described["bootstrap_port"] = self.bootstrap_port
+        return described
