@@ -45,7 +45,7 @@ class KVArrivalGate:
         req = samples[0]  # a PD request has one sample (engine validation)
         pages = self.kv.pages_for(len(req.prompt_ids))
         if not self.kv.make_room(pages):
-            error = f"bootstrap_room: no room for the prompt's {pages} KV pages on this decode server"
+            error = f"bootstrap_room: KV transfer failed: no room for the prompt's {pages} KV pages on this decode server"
             self.parked.append(_Parked(list(samples), None, PageHold(), error))
             return
         hold = PageHold(self.kv.allocator.alloc(pages))
