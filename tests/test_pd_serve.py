@@ -6,6 +6,7 @@ completions and chat, over tcp and nixl. A decode request whose prefill never co
 the timeout, all its pages come back, and the server keeps serving."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -24,11 +25,7 @@ _rooms = itertools.count(1000)
 
 
 def _nixl_ready() -> bool:
-    try:
-        import nixl  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("nixl") is not None
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
@@ -37,7 +34,8 @@ def servers(request):
     backend = request.param
     if backend == "nixl" and not _nixl_ready():
         pytest.skip("nixl is not installed")
-    os.environ.setdefault("UCX_TLS", "tcp")  # nixl's UCX: loopback tcp (inherited by the servers)
+    saved = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = "tcp"  # nixl's UCX over loopback tcp (the servers inherit it)
     boot = free_port()
     started = [start_replica(free_port()),
                start_replica(free_port(), "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
@@ -51,6 +49,10 @@ def servers(request):
     finally:
         for r in started:
             stop(r.proc)
+        if saved is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = saved
 
 
 def call(base: str, path: str, body: dict) -> tuple[int, dict]:
