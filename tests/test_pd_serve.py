@@ -112,9 +112,12 @@ def bodies() -> list[tuple[str, dict]]:
     return out
 
 
-def test_greedy_answers_match_colocated(servers):
+def test_greedy_answers_match_colocated(servers, request):
     colocated, prefill, decode, boot = servers
-    for path, body in bodies():
+    every = bodies()
+    # tcp takes every shape; nixl (slower per room over UCX tcp) one of each route and mode
+    chosen = every if "tcp" in request.node.name else [every[0], every[-1]]
+    for path, body in chosen:
         want = answer(*call(colocated, path, body))
         pre, dec = pd_call(prefill, decode, boot, path, body)
         assert answer(*dec) == want, (path, body)
@@ -143,19 +146,19 @@ def test_bootstrap_fields_checked(servers):
     assert status == 400 and err["error"]["param"] == "bootstrap_room", err
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_decode_whose_prefill_never_comes(servers, stream):
+def test_decode_whose_prefill_never_comes(servers):
     colocated, prefill, decode, boot = servers
     lost = free_port()  # nothing listens there: the decode side never finds its prefill server
-    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stream": stream,
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
             "bootstrap_host": "127.0.0.1", "bootstrap_port": lost, "bootstrap_room": next(_rooms)}
     t0 = time.monotonic()
     status, err = call(decode, "/v1/completions", body)
     assert time.monotonic() - t0 < DECODE_TIMEOUT_S + 10
     assert status != 200 and "KV transfer failed" in json.dumps(err), err
     wait_for(lambda: pages_all_back(metrics(decode)), "the decode server's pages back")
-    # a room the prefill server never hears of fails the same way
-    status, err = call(decode, "/v1/completions", {**body, "bootstrap_port": boot, "bootstrap_room": next(_rooms)})
+    # a room the prefill server never hears of fails the same way (here in a stream: an error event)
+    status, err = call(decode, "/v1/completions", {**body, "bootstrap_port": boot, "bootstrap_room": next(_rooms),
+                                                   "stream": True})
     assert status != 200 and "KV transfer failed" in json.dumps(err), err
     wait_for(lambda: pages_all_back(metrics(decode)), "the decode server's pages back")
     # and it keeps serving

@@ -240,7 +240,7 @@ class Engine:
         if launched is not None:
             outputs += self._process(launched)
         elif not chunks and not outputs and self._in_flight is None:
-            self.scheduler.wait_at_gates(GATE_WAIT_S)  # only parked requests are left: don't spin
+            pd.idle(self, GATE_WAIT_S)  # only parked requests (or PD transfers) are left: don't spin
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ketch.engine.kv_arrival_gate import POLL_WAIT_S
 from ketch.engine.messages import Bootstrap
 from ketch.engine.outputs import EngineOutput, TokenLogprob
 from ketch.engine.pd_prefill import PageHold
@@ -74,6 +75,15 @@ def outputs(engine: Engine) -> list[EngineOutput]:
             if req.is_finished:
                 engine._forget(req)
     return out
+
+
+def idle(engine: Engine, timeout: float) -> None:
+    """Nothing to run this step: sleep at the gates, or, on a prefill engine whose only work is
+    transfers in flight, a moment before the next poll (the transport has no event to wait on)."""
+    if engine.scheduler.has_parked() or engine.pd_sends is None or not engine.pd_sends.has_work():
+        engine.scheduler.wait_at_gates(timeout)
+    else:
+        time.sleep(min(timeout, POLL_WAIT_S))
 
 
 def holds(engine: Engine) -> list[PageHold]:
