@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ketch.config import HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS
+from ketch.config import DISAGGREGATION_MODES, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS
 from ketch.sampling.params import SamplingParams
 
 
@@ -70,6 +70,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-storage-write-queue", type=int, default=1024,
                    help="pages waiting to be written to L3 at most (a full queue drops writes, counted)")
 
+    pd = p.add_argument_group("PD disaggregation (ketch/disagg/README.md; SGLang's flags)")
+    pd.add_argument("--disaggregation-mode", default="null", choices=list(DISAGGREGATION_MODES),
+                    help="null: colocated; prefill: run prompts and send their KV + first token to a decode "
+                         "server; decode: receive them and decode (requests carry bootstrap_host/port/room)")
+    pd.add_argument("--disaggregation-transfer-backend", default="tcp", choices=["tcp", "nixl", "fake"],
+                    help="how KV pages move: tcp (the reference, no extra package), nixl (NIXL over UCX), "
+                         "fake (moves no bytes: flow tests and warm-up only)")
+    pd.add_argument("--disaggregation-bootstrap-host", default="127.0.0.1",
+                    help="prefill: the address its bootstrap server binds (decode servers reach it there)")
+    pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                    help="prefill: its bootstrap server's port (0: any free port)")
+    pd.add_argument("--disaggregation-timeout", type=float, default=300.0,
+                    help="seconds for each of: the two sides finding each other, the KV starting to move, all of it there")
+
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
@@ -87,6 +101,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         hicache_io_backend=a.hicache_io_backend,
         hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,
         hicache_prefetch_timeout=a.hicache_prefetch_timeout, hicache_storage_write_queue=a.hicache_storage_write_queue,
+        disaggregation_mode=a.disaggregation_mode, disaggregation_transfer_backend=a.disaggregation_transfer_backend,
+        disaggregation_bootstrap_host=a.disaggregation_bootstrap_host,
+        disaggregation_bootstrap_port=a.disaggregation_bootstrap_port, disaggregation_timeout=a.disaggregation_timeout,
     )
 
 

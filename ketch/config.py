@@ -17,6 +17,7 @@ HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGL
 HiCacheIOBackend = Literal["direct", "kernel"]
 HICACHE_IO_BACKENDS: tuple[str, ...] = ("direct", "kernel")  # SGLang's --hicache-io-backend names
 HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
+DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")  # null: colocated (SGLang's name)
 # the URL scheme each backend takes, and the form its error message shows
 _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
                                                   "redis": ("redis://", "redis://host:port[/db]"),
@@ -75,30 +76,19 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
         if rope_type == "llama3":
-            scaling = RopeScaling(
-                rope_type="llama3",
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
-            )
+            scaling = RopeScaling("llama3", float(rope["factor"]), float(rope.get("low_freq_factor", 1.0)),
+                                  float(rope.get("high_freq_factor", 4.0)),
+                                  int(rope.get("original_max_position_embeddings", 8192)))
         elif rope_type not in ("default", None):
             raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r}")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=archs[0],
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"], num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
@@ -247,17 +237,21 @@ class EngineConfig:
     hicache_storage_url: str | None = None
     hicache_prefetch_timeout: float = 1.0
     hicache_storage_write_queue: int = 1024
+    # PD disaggregation (ketch/disagg/README.md): prefill sends prompts' KV + first token, decode receives them
+    disaggregation_mode: str = "null"  # null: colocated | prefill | decode (SGLang's flags)
+    disaggregation_transfer_backend: str = "tcp"  # fake (moves no bytes) | tcp | nixl
+    disaggregation_bootstrap_host: str = "127.0.0.1"  # prefill: where its bootstrap server binds
+    disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap server's port (0: any free one)
+    disaggregation_timeout: float = 300.0  # s, each: the sides finding each other, KV starting, KV all there
 
     def __post_init__(self) -> None:
         _check_hicache(self)
+        _check_disaggregation(self)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -272,8 +266,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph and self.torch_device.type != "cuda":
             raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -373,6 +365,18 @@ def _check_hicache_storage(c: EngineConfig) -> None:
         if not url.startswith(prefix):
             raise ValueError(f"hicache_storage_url: the {backend} backend takes {form}, got {url!r}")
 
+
+def _check_disaggregation(c: EngineConfig) -> None:
+    if c.disaggregation_mode not in DISAGGREGATION_MODES:
+        raise ValueError(f"disaggregation_mode must be {'|'.join(DISAGGREGATION_MODES)}, got {c.disaggregation_mode!r}")
+    if c.disaggregation_transfer_backend not in ("fake", "tcp", "nixl"):
+        raise ValueError(f"disaggregation_transfer_backend must be fake|tcp|nixl, got {c.disaggregation_transfer_backend!r}")
+    if not isinstance(c.disaggregation_bootstrap_port, int) or not 0 <= c.disaggregation_bootstrap_port <= 65535:
+        raise ValueError(f"disaggregation_bootstrap_port must be an int in [0, 65535], got {c.disaggregation_bootstrap_port!r}")
+    if not 0 < c.disaggregation_timeout < float("inf"):
+        raise ValueError(f"disaggregation_timeout must be a number of seconds > 0, got {c.disaggregation_timeout!r}")
+    if c.disaggregation_mode != "null" and c.tensor_parallel_size > 1:
+        raise ValueError("disaggregation_mode: not supported with tensor_parallel_size > 1 yet")
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}

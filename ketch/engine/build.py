@@ -8,6 +8,8 @@
            ─▶ KVCacheManager over that pool (prefix cache, host tier, L3 storage named by the
               model's fingerprint: model_fingerprint.py)
            ─▶ Scheduler over the manager ─▶ gates (grammar compilation, storage prefetch)
+           ─▶ PD (--disaggregation-mode prefill|decode): the KV transport over the pool, and the
+              prefill side's sends or the decode side's KV arrival gate
 
 Nothing below the engine builds a part of another layer, and nothing else builds these: the
 `Engine` takes what `build_engine` returns. A rank-0 failure after the other ranks started
@@ -22,7 +24,11 @@ from typing import Any
 
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
+from ketch.disagg import DisaggConfig, KVTransport, make_transport
+from ketch.disagg.fake import FakeHub
 from ketch.engine.grammar_gate import GrammarGate
+from ketch.engine.kv_arrival_gate import KVArrivalGate
+from ketch.engine.pd_prefill import PrefillSends
 from ketch.engine.model_fingerprint import model_fingerprint
 from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
@@ -46,9 +52,13 @@ class EngineParts:
     scheduler: Scheduler
     grammars: GrammarGate
     storage_gate: StorageGate | None  # an L3 tier: where requests wait for their pages
+    transport: KVTransport | None = None  # PD: one per process
+    pd_sends: PrefillSends | None = None  # PD prefill: the transfers of first tokens and prompts' KV
+    kv_gate: KVArrivalGate | None = None  # PD decode: where requests wait for their prompt's KV
 
 
-def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> EngineParts:
+def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None) -> EngineParts:
+    """fake_hub: PD with the fake transport in one process (tests pair a prefill and a decode engine)."""
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
     model_config = load_model_config(source)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -63,13 +73,27 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> E
         if ranks:
             ranks.abandon()
         raise
-    fingerprint = model_fingerprint(source, model_config, config) if config.hicache_storage_backend else ""
+    pd = config.disaggregation_mode != "null"
+    fingerprint = model_fingerprint(source, model_config, config) if config.hicache_storage_backend or pd else ""
     kv = KVCacheManager.from_config(runner.pool, config, fingerprint)
     storage_gate = StorageGate(kv) if kv.storage is not None else None
     scheduler = Scheduler(config, kv, storage_gate)
     grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
-    return EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
-                       storage_gate)
+    parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
+                        storage_gate)
+    return _with_transport(parts, fingerprint, fake_hub) if pd else parts
+
+
+def _with_transport(parts: EngineParts, fingerprint: str, hub: FakeHub | None) -> EngineParts:
+    c = parts.config
+    t = c.disaggregation_timeout
+    disagg = DisaggConfig(c.disaggregation_mode, c.disaggregation_transfer_backend, c.disaggregation_bootstrap_host,
+                          c.disaggregation_bootstrap_port, bootstrap_timeout_s=t, waiting_timeout_s=t,
+                          transfer_timeout_s=t)
+    transport = make_transport(disagg, parts.runner.pool.layers, fingerprint, hub)
+    if c.disaggregation_mode == "prefill":
+        return dataclasses.replace(parts, transport=transport, pd_sends=PrefillSends(transport, parts.kv))
+    return dataclasses.replace(parts, transport=transport, kv_gate=KVArrivalGate(transport, parts.kv))
 
 
 def _without_graphs(config: EngineConfig) -> EngineConfig:

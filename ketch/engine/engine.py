@@ -29,11 +29,14 @@ from dataclasses import dataclass
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
 from ketch.config import EngineConfig
+from ketch.disagg.fake import FakeHub
+from ketch.engine import pd
 from ketch.engine.build import build_engine
+from ketch.engine.messages import Bootstrap
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
 from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
-from ketch.engine.validation import validate_request
+from ketch.engine.validation import validate_bootstrap, validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.counter_rng import fresh_seed
 from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, sample_on_device
@@ -54,13 +57,14 @@ class LaunchedStep:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
-        parts = build_engine(config, eos_token_ids)  # the composition root (build.py)
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None) -> None:
+        parts = build_engine(config, eos_token_ids, fake_hub)  # the composition root (build.py)
         self.config = parts.config
         self.source, self.model_config, self.max_model_len = parts.source, parts.model_config, parts.max_model_len
         self.eos_ids = parts.eos_ids
         self._ranks = parts.ranks  # TP > 1: the other ranks (tp_ranks.py)
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
+        self.transport, self.pd_sends, self.kv_gate = parts.transport, parts.pd_sends, parts.kv_gate  # PD (pd.py)
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -90,12 +94,16 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    generated_token_ids: Sequence[int] = ()) -> None:
+                    generated_token_ids: Sequence[int] = (), bootstrap: Bootstrap | None = None) -> None:
         """Queue a request; raises ValueError naming the field for bad input (the engine is unchanged).
 
         `generated_token_ids` resumes a stream another worker began (README, "Resuming a stream"):
-        they are its first outputs, prefilled after the prompt, and it goes on from there."""
+        they are its first outputs, prefilled after the prompt, and it goes on from there.
+        `bootstrap`: PD disaggregation (pd.py): required on a prefill or decode engine."""
         self._validate(request_id, prompt_ids, params, generated_token_ids)
+        b = bootstrap
+        validate_bootstrap(self.config.disaggregation_mode, b and b.host, b and b.port, b and b.room, params,
+                           generated_token_ids)
         samples: list[Request] = []
         for i in range(params.n):
             # sample i of a seeded request draws from seed + i, so the n samples differ
@@ -115,6 +123,8 @@ class Engine:
             )
             samples.append(req)
         self.requests[request_id] = samples
+        if bootstrap is not None and pd.start(self, samples[0], bootstrap):
+            return  # a decode engine's request waits at the KV arrival gate
         if params.grammar is not None:
             self.scheduler.park(samples, self.grammars, params.grammar)  # schedulable once it compiles
             return
@@ -136,6 +146,8 @@ class Engine:
         if index is not None:  # stored in index order: one sample is a lookup, not a scan of n
             samples = samples[index:index + 1] if index >= 0 else []
         for req in samples:
+            if self.pd_sends is not None:
+                pd.abort_send(self, req)
             if self.scheduler.finish(req, FinishReason.ABORT):
                 self._aborted.append(self._output(req, [], None))
         if samples:
@@ -154,10 +166,12 @@ class Engine:
             self._ranks.close()
         if self.kv.storage is not None:
             self.kv.storage.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self._aborted) or self.scheduler.has_parked()
-                or self._in_flight is not None)
+                or self._in_flight is not None or (self.pd_sends is not None and self.pd_sends.has_work()))
 
     def stats(self) -> EngineStats:
         """A snapshot for /metrics: queue sizes, page accounting and token counters."""
@@ -175,7 +189,7 @@ class Engine:
             generated_tokens=self._generated_tokens,
             preemptions=s.preemptions,
             kv_page_refs=alloc.num_refs,
-            kv_page_table_refs=sum(len(r.page_table) for r in self.scheduler.running),
+            kv_page_table_refs=sum(len(r.page_table) for r in self._holders()),
             steps=self._steps,
             step_seconds=self._step_seconds,
             audits=self.audits,
@@ -212,6 +226,8 @@ class Engine:
         for req, error in self.scheduler.open_gates():
             outputs.append(self._output(req, [], None, error=str(error)))
             self._forget(req)
+        if self.transport is not None:
+            outputs += pd.outputs(self)
         chunks = self.scheduler.schedule()
         if self._in_flight is not None and any(c.req.needs_history for c in chunks):
             # this step's sampling reads ids still in flight: take them first
@@ -224,7 +240,7 @@ class Engine:
         if launched is not None:
             outputs += self._process(launched)
         elif not chunks and not outputs and self._in_flight is None:
-            self.scheduler.wait_at_gates(GATE_WAIT_S)  # only parked requests are left: don't spin
+            pd.idle(self, GATE_WAIT_S)  # only parked requests (or PD transfers) are left: don't spin
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
@@ -268,6 +284,9 @@ class Engine:
                 logprobs = [TokenLogprob(token, result.logprobs[i], top)]
             if index == req.num_resumed:  # the first token this engine made
                 req.first_token_at = now
+            if self.pd_sends is not None and req.rid in self.pd_sends.sends:
+                pd.send_first(self, req, token, logprobs, index + 1)  # its answer waits for the decode side
+                continue
             self._check_stop(req, token, index + 1)
             outputs.append(self._output(req, [token], logprobs))
             if req.is_finished:
@@ -337,6 +356,10 @@ class Engine:
         if samples is not None and all(r.is_finished for r in samples):
             del self.requests[req.group_id]
 
+    def _holders(self) -> list:
+        """Every page holder besides the tree: running requests, and PD transfers' page holds."""
+        return [*self.scheduler.running, *pd.holds(self)]
+
     # ---------------------------------------------------------------- checks
     def audit_if_due(self) -> None:
         """The idle-time audit (the server calls this when a poll for work came back empty): once
@@ -364,7 +387,7 @@ class Engine:
         for req in itertools.chain(self.scheduler.waiting, *self.requests.values()):
             if req not in running:
                 assert not req.page_table and req.cache_node is None, f"{req.rid} ({req.state}) holds pages"
-        self.kv.check_invariants(self.scheduler.running)
+        self.kv.check_invariants(self._holders())
         assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
-        if not self.scheduler.running and not self.kv.pins:
+        if not self._holders() and not self.kv.pins:
             self.kv.check_idle()

@@ -70,12 +70,26 @@ class WireSamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         return SamplingParams(**values)
 
 
+class Bootstrap(msgspec.Struct, frozen=True):
+    """PD disaggregation: where a request's prefill side is, and the room that pairs its two halves
+    (the request body's bootstrap_host, bootstrap_port, bootstrap_room: SGLang's names)."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 class GenerateRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     prompt_ids: list[int]
     params: WireSamplingParams
     origin: int = 0  # the API process that sent it (--api-server-count): its outputs go back there
     generated_token_ids: list[int] = []  # a resumed stream's outputs so far (engine README)
+    bootstrap: Bootstrap | None = None  # PD: its room and the prefill server's bootstrap address
 
 
 class AbortRequest(msgspec.Struct, tag=True, frozen=True):

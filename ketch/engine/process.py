@@ -156,7 +156,8 @@ def _loop(engine, inbox: zmq.Socket, outboxes: Outboxes, parent_pid: int, progre
 def _handle(engine, msg: m.ToEngine) -> m.FromEngine | None:
     if isinstance(msg, m.GenerateRequest):
         try:
-            engine.add_request(msg.request_id, msg.prompt_ids, msg.params.to_params(), msg.generated_token_ids)
+            engine.add_request(msg.request_id, msg.prompt_ids, msg.params.to_params(), msg.generated_token_ids,
+                               msg.bootstrap)
         except ValueError as e:
             return m.RequestError(msg.request_id, str(e))
     elif isinstance(msg, m.AbortRequest):

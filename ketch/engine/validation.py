@@ -49,3 +49,38 @@ def validate_resume(generated: Sequence[int], params: SamplingParams, *, vocab_s
     for i, token in enumerate(generated):
         if token in stops and i + 1 >= params.min_tokens:
             raise ValueError(f"{field}: token {i} ({token}) is a stop token, so the stream ended there")
+
+
+ROOM_LIMIT = 1 << 63  # bootstrap_room: 0 <= room < 2^63 (SGLang's range; a signed 64-bit int)
+
+
+def validate_bootstrap(mode: str, host: str | None, port: int | None, room: int | None, params: SamplingParams,
+                       generated: Sequence[int] = ()) -> None:
+    """A request's PD fields against the server's --disaggregation-mode: required on a prefill or a
+    decode server, refused on a colocated one; and what PD serves (one sample, no constrained
+    output, no logprobs, no resumed stream yet)."""
+    given = [name for name, v in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room))
+             if v is not None]
+    if mode == "null":
+        if given:
+            raise ValueError(f"{given[0]}: this server is not part of a PD pair (--disaggregation-mode null); "
+                             f"send the request without bootstrap_host, bootstrap_port and bootstrap_room")
+        return
+    if len(given) < 3:
+        missing = next(n for n in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if n not in given)
+        raise ValueError(f"{missing}: required on a {mode} server (--disaggregation-mode {mode})")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"bootstrap_host: the prefill server's bootstrap host name or address, got {host!r}")
+    if type(port) is not int or not 1 <= port <= 65535:
+        raise ValueError(f"bootstrap_port: an int in [1, 65535], got {port!r}")
+    if type(room) is not int or not 0 <= room < ROOM_LIMIT:
+        raise ValueError(f"bootstrap_room: an int in [0, 2^63), got {room!r}")
+    if params.n != 1:
+        raise ValueError(f"n: a PD request has one sample (n = 1), got {params.n}")
+    if params.grammar is not None:
+        field = params.grammar.kind if params.grammar.kind in ("regex", "ebnf") else "response_format"
+        raise ValueError(f"{field}: constrained output is not supported with PD disaggregation yet")
+    if params.wants_logprobs:
+        raise ValueError("logprobs: not supported with PD disaggregation yet")
+    if generated:
+        raise ValueError("generated_token_ids: resuming a stream is not supported with PD disaggregation yet")

@@ -1,9 +1,10 @@
 """Gates: where a request waits, outside the running and waiting queues, until something it
-needs is ready — its grammar compiled today; its KV arriving from a prefill node or its pages
-prefetched from storage in later issues. The loop never blocks on one: each step asks every
+needs is ready: its grammar compiled (engine/grammar_gate.py), its pages prefetched from storage
+(engine/storage_gate.py), its prompt's KV and first token arrived from a prefill server
+(engine/kv_arrival_gate.py; the request then comes out holding its pages and runs at once). The loop never blocks on one: each step asks every
 gate which groups are ready (or failed), and the scheduler makes the state change.
 
-    add ──park(gate, need)──▶ PENDING ──gate ready──▶ WAITING ──▶ ...   (scheduler.open_gates)
+    add ──park(gate, need)──▶ PENDING ──gate ready──▶ WAITING (RUNNING with its KV) ──▶ ...   (scheduler.open_gates)
                                  └──gate failed──▶ FINISHED (abort, with the gate's error)
                                  └──abort──▶ FINISHED, and the gate forgets the request
 

@@ -90,11 +90,21 @@ class Scheduler:
                     if error is None and gate is self.storage_gate:
                         req.state = RequestState.WAITING
                         self.waiting.appendleft(req)  # it was at the head, about to be admitted
+                    elif error is None and req.page_table:
+                        self._run_arrived(req)
                     elif error is None:
                         self.add(req)
                     elif self.finish(req, FinishReason.ABORT):
                         failed.append((req, error))
         return failed
+
+    def _run_arrived(self, req: Request) -> None:
+        """Its prompt's KV came with it (a PD decode server: engine/kv_arrival_gate.py): it runs
+        from here, decoding, without admission (its pages are its own already)."""
+        req.state = RequestState.RUNNING
+        req.admitted_once = True
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        self.running.append(req)
 
     def has_parked(self) -> bool:
         return any(g.has_parked() for g in self.gates)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
+from ketch.server.pd import bootstrap_of
 from ketch.server.logprobs import chat_logprobs
 from ketch.server.protocol import CHAT_FIELDS, check_fields, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
@@ -56,8 +57,9 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
     params = plan.adjust(params, fields)
     generated, replay = resume_token_ids(fields) or (None, None)
     check_context(prompt_ids, params, state.client, "messages", generated)
+    bootstrap = bootstrap_of(fields, state.client.config.disaggregation_mode, params, 1, generated)
     rid = new_request_id("chatcmpl")
-    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay)
+    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay, bootstrap)
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     with_ids = bool(fields.get("return_token_ids"))

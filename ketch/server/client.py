@@ -218,10 +218,10 @@ class EngineClient:
     # ---------------------------------------------------------------- requests
     @staticmethod
     def encode_request(request_id: str, prompt_ids: list[int], params: SamplingParams, origin: int = 0,
-                       generated_token_ids: list[int] | None = None) -> bytes:
+                       generated_token_ids: list[int] | None = None, bootstrap: m.Bootstrap | None = None) -> bytes:
         """The wire form of a request (made before any admission slot is taken: it may raise)."""
         return m.encode(m.GenerateRequest(request_id, prompt_ids, m.WireSamplingParams.from_params(params),
-                                          origin, generated_token_ids or []))
+                                          origin, generated_token_ids or [], bootstrap))
 
     def add(self, request_id: str, message: bytes, queue: asyncio.Queue[Item]) -> None:
         """Send an encoded request; its outputs go to `queue`."""

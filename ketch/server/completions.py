@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError
 from ketch.server.generation import Generation, check_context
+from ketch.server.pd import bootstrap_of
 from ketch.server.logprobs import completion_logprobs, text_offset_after
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
@@ -54,8 +55,9 @@ async def completions(state: ServerState, body: Any, request: Request):
         echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already
     for ids in prompts:
         check_context(ids, params, state.client, "prompt", generated)
+    bootstrap = bootstrap_of(fields, state.client.config.disaggregation_mode, params, len(prompts), generated)
     rid = new_request_id("cmpl")
-    gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated, replay)
+    gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated, replay, bootstrap)
     gen.start()
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     with_ids = bool(fields.get("return_token_ids"))

@@ -18,11 +18,12 @@ from typing import AsyncIterator
 
 import msgspec
 
-from ketch.engine.messages import RequestError, TokenDelta, WireLogprob
+from ketch.engine.messages import Bootstrap, RequestError, TokenDelta, WireLogprob
 from ketch.engine.validation import validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
 from ketch.server.errors import APIError, bad_value, engine_unavailable
+from ketch.server.pd import TRANSFER_FAILED, transfer_failed
 from ketch.server.protocol import REGENERATE_FIELD, RESUME_FIELD
 from ketch.server.state import ServerState
 from ketch.text.sample_text import ReplayedTokens, SampleText
@@ -91,7 +92,7 @@ class Generation:
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None = None, generated: list[int] | None = None,
-                 replay: list[int] | None = None) -> None:
+                 replay: list[int] | None = None, bootstrap: Bootstrap | None = None) -> None:
         self.client, self.params = state.client, params
         self.timeout = timeout if timeout is not None else state.request_timeout
         self._admission, self._metrics = state.admission, state.metrics
@@ -99,6 +100,7 @@ class Generation:
         self._prompt_index = {rid: i for i, rid in enumerate(self.rids)}
         self.prompts = dict(zip(self.rids, prompts))
         self.generated = generated
+        self.bootstrap = bootstrap  # PD (server/pd.py)
         self.replay = list(replay or ())
         try:
             self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or ()), list(self.replay))
@@ -123,7 +125,8 @@ class Generation:
     def start(self) -> None:
         """Take admission slots (429 when the queue is full) and send the prompts to the engine."""
         # encode first: a value the wire cannot carry fails here, before a slot is taken
-        messages = [(rid, self.client.encode_request(rid, ids, self.params, self.client.origin, self.generated))
+        messages = [(rid, self.client.encode_request(rid, ids, self.params, self.client.origin, self.generated,
+                                                         self.bootstrap))
                     for rid, ids in self.prompts.items()]
         try:
             self._admission.acquire(len(self.samples))
@@ -210,7 +213,7 @@ class Generation:
         if sample is None or sample.finished:
             return None  # e.g. the abort report after a stop string
         if d.error is not None:
-            raise bad_value(_resume_named(d.error))
+            raise transfer_failed(d.error) if d.error.startswith(TRANSFER_FAILED) else bad_value(_resume_named(d.error))
         if d.index == 0 and d.request_id not in self.usage._seen_prompts:
             self.usage._seen_prompts.add(d.request_id)
             self.usage.cached_tokens += d.num_cached_tokens

@@ -28,6 +28,9 @@ _RANGES: dict[str, dict[str, Any]] = {  # what SamplingParams accepts (the serve
     "min_tokens": {"minimum": 0, "maximum": sp.INT64_MAX},
     "top_logprobs": {"minimum": 0, "maximum": sp.MAX_TOP_LOGPROBS},
     "timeout": {"exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_S},
+    # PD (server/pd.py): required on a prefill or decode server, refused on a colocated one
+    "bootstrap_port": {"minimum": 1, "maximum": 65535},
+    "bootstrap_room": {"minimum": 0, "maximum": sp.INT64_MAX},
 }
 _STRING_OR_LIST = {"stop": {"maxItems": sp.MAX_STOP_STRINGS,
                             "items": {"type": "string", "minLength": 1, "maxLength": sp.MAX_STOP_LENGTH}}}

@@ -37,7 +37,9 @@ _COMMON = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user"
            "timeout": _NUM,  # seconds: the request's own deadline (ketch's extension)
            # ketch's extensions for a gateway's mid-stream failover (README, "Resuming a stream"):
            "return_token_ids": (bool,),  # each choice (chunk) carries the token ids of its text
-           "resume": (dict,)}  # {"generated_token_ids": [...]}: continue a stream that made them
+           "resume": (dict,),  # {"generated_token_ids": [...]}: continue a stream that made them
+           # PD disaggregation (server/pd.py): where the prefill half is, the room pairing the halves
+           "bootstrap_host": (str,), "bootstrap_port": (int,), "bootstrap_room": (int,)}
 _GRAMMAR = {"response_format": (dict,), "regex": (str,), "ebnf": (str,)}
 CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR, "messages": (list,),
                "max_completion_tokens": (int,), "logprobs": (bool,), "top_logprobs": (int,),

@@ -1,0 +1,113 @@
+"""The KV arrival gate (scheduler/gate.py): on a decode server of a PD pair, a request waits here
+while its prompt's KV and first token come from the prefill server (ketch/disagg/README.md).
+
+    park ─▶ receiver(room, host:port).init() ─▶ pages for the prompt ─▶ post_buffers(pages)
+         poll() each step ──Success──▶ the pages become the request's (its prompt computed), its
+                                       first output is aux.first_token ─▶ the scheduler runs it
+                          └─Failed───▶ pages freed, the request ends with the transfer's error
+         abort while parked ─▶ receiver.abort; the pages are freed once poll() is terminal
+
+The pages sit in a `PageHold` while the request is PENDING (a pending request holds none), and
+are freed only after Failed: the transport writes into them until then (PRIOR_ART known
+failures 3 and 4; its own timeouts guarantee Failed comes). Nothing here waits on the transport.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ketch.cache.manager import KVCacheManager
+from ketch.disagg import KVPoll, KVReceiver, KVTransport
+from ketch.engine.pd_prefill import PageHold
+from ketch.scheduler.request import Request
+
+POLL_WAIT_S = 0.002  # an otherwise idle engine sleeps this long between polls of parked transfers
+
+
+@dataclass(eq=False)
+class _Parked:
+    samples: list[Request]
+    receiver: KVReceiver | None
+    hold: PageHold
+    error: str | None = None  # refused before a transfer began (no room for the pages)
+
+
+class KVArrivalGate:
+    def __init__(self, transport: KVTransport, kv: KVCacheManager) -> None:
+        self.transport, self.kv = transport, kv
+        self.parked: list[_Parked] = []
+        self.orphans: list[_Parked] = []  # aborted while parked: their pages wait for a terminal poll
+        self.arrived: list[tuple[Request, int]] = []  # (request, first token) since the engine last looked
+
+    def park(self, samples: list[Request], need: tuple[str, int]) -> None:
+        """need: (the prefill server's bootstrap "host:port", the room)."""
+        addr, room = need
+        req = samples[0]  # a PD request has one sample (engine validation)
+        pages = self.kv.pages_for(len(req.prompt_ids))
+        if not self.kv.make_room(pages):
+            error = f"bootstrap_room: KV transfer failed: no room for the prompt's {pages} KV pages on this decode server"
+            self.parked.append(_Parked(list(samples), None, PageHold(), error))
+            return
+        hold = PageHold(self.kv.allocator.alloc(pages))
+        receiver = self.transport.receiver(room, addr)
+        receiver.init()
+        receiver.post_buffers(hold.page_table)
+        self.parked.append(_Parked(list(samples), receiver, hold))
+
+    def release(self) -> list[tuple[list[Request], Exception | None]]:
+        self.orphans = [p for p in self.orphans if not self._ended(p)]
+        out: list[tuple[list[Request], Exception | None]] = []
+        waiting: list[_Parked] = []
+        for p in self.parked:
+            if p.receiver is None:
+                out.append((p.samples, ValueError(p.error)))
+                continue
+            state = p.receiver.poll()
+            if state == KVPoll.Success:
+                out.append((p.samples, None))
+                self._deliver(p)
+            elif state == KVPoll.Failed:
+                self.kv.allocator.decref(p.hold.page_table)
+                out.append((p.samples, ValueError(f"bootstrap_room: KV transfer failed: {p.receiver.failure}")))
+            else:
+                waiting.append(p)
+        self.parked = waiting
+        return out
+
+    def _deliver(self, p: _Parked) -> None:
+        """The prompt's KV is in the held pages: they become the request's, its first token its output."""
+        req, aux = p.samples[0], p.receiver.aux
+        assert aux is not None, "a receiver at Success has the sender's Aux"
+        req.page_table, p.hold.page_table = p.hold.page_table, []
+        req.num_computed = len(req.prompt_ids)
+        req.output_ids.append(aux.first_token)
+        self.arrived.append((req, aux.first_token))
+
+    def _ended(self, p: _Parked) -> bool:
+        if p.receiver is not None and p.receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
+            return False
+        self.kv.allocator.decref(p.hold.page_table)
+        p.hold.page_table = []
+        return True
+
+    def take_arrived(self) -> list[tuple[Request, int]]:
+        arrived, self.arrived = self.arrived, []
+        return arrived
+
+    def has_parked(self) -> bool:
+        return bool(self.parked or self.orphans)
+
+    def wait(self, timeout: float) -> None:
+        """The transport has no event to wait on: sleep a little, then the loop polls again."""
+        time.sleep(min(timeout, POLL_WAIT_S))
+
+    def forget(self, req: Request) -> None:
+        for p in self.parked:
+            if req in p.samples:
+                if p.receiver is not None:
+                    p.receiver.abort("the request was aborted on the decode server")
+                self.orphans.append(p)
+        self.parked = [p for p in self.parked if req not in p.samples]
+
+    def holds(self) -> list[PageHold]:
+        return [p.hold for p in self.parked + self.orphans if p.hold.page_table]

@@ -1,0 +1,153 @@
+"""PD disaggregation in one process: a prefill engine and a decode engine (tiny random model) on
+the real tcp transport over loopback, both step loops driven here, against a colocated engine.
+Greedy output must match; every page comes back on both sides; failures end requests with an
+error and free their pages only once the transfer is over. Overlap scheduling off and on."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import assert_drained, collect, make_tiny_engine
+from ketch.disagg.fake import FakeHub
+from ketch.engine.messages import Bootstrap
+from ketch.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+MAX_STEPS = 200_000  # the transport runs beside the loops: steps until the pair is done, bounded
+
+pytestmark = pytest.mark.usefixtures("run_engine_modes")
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def pair(path: str, backend: str = "tcp", timeout: float = 30.0, hub: FakeHub | None = None, **kw):
+    common = dict(disaggregation_transfer_backend=backend, disaggregation_timeout=timeout, **kw)
+    prefill = make_tiny_engine(path, disaggregation_mode="prefill", disaggregation_bootstrap_port=0, **common)
+    decode = make_tiny_engine(path, disaggregation_mode="decode", **common)
+    if hub is not None:  # the fake backend pairs rooms through a hub shared in one process
+        prefill.close()
+        decode.close()
+        from ketch.engine.engine import Engine
+        prefill = Engine(prefill.config, (), hub)
+        decode = Engine(decode.config, (), hub)
+    return prefill, decode
+
+
+def boot(prefill, room: int) -> Bootstrap:
+    addr = prefill.transport.bootstrap_addr
+    host, _, port = addr.rpartition(":") if addr != "fake" else ("fake", "", "1")
+    return Bootstrap(host, int(port), room)
+
+
+def run_pair(*engines) -> list[list]:
+    outs: list[list] = [[] for _ in engines]
+    for _ in range(MAX_STEPS):
+        if not any(e.has_unfinished() for e in engines):
+            return outs
+        for e, out in zip(engines, outs):
+            if e.has_unfinished():
+                out.extend(e.step())
+                e.check_invariants()
+    raise AssertionError("the pair did not drain")
+
+
+def test_tcp_greedy_matches_colocated(tiny_config_path):
+    prompts = [prompt(5, 1), prompt(12, 2), prompt(33, 3), prompt(16, 4)]  # partial and whole pages
+    colocated = make_tiny_engine(tiny_config_path)
+    for i, p in enumerate(prompts):
+        colocated.add_request(f"r{i}", p, GREEDY)
+    want = collect(run_pair(colocated)[0])
+    prefill, decode = pair(tiny_config_path)
+    try:
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
+            decode.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        for i in range(len(prompts)):
+            assert dec[(f"r{i}", 0)] == want[(f"r{i}", 0)]
+            assert pre[(f"r{i}", 0)]["ids"] == want[(f"r{i}", 0)]["ids"][:1]
+            assert pre[(f"r{i}", 0)]["reason"] == "length" and pre[(f"r{i}", 0)]["ends"] == 1
+        assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_without_prefill_fails_within_timeout_and_frees_pages(tiny_config_path):
+    prefill, decode = pair(tiny_config_path, timeout=0.5)
+    try:
+        decode.add_request("lost", prompt(20), GREEDY, bootstrap=boot(prefill, 7))  # prefill never hears of room 7
+        decode.add_request("ok", prompt(9, 5), GREEDY, bootstrap=boot(prefill, 8))
+        prefill.add_request("ok", prompt(9, 5), GREEDY, bootstrap=boot(prefill, 8))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        assert dec[("lost", 0)]["reason"] == "abort" and dec[("lost", 0)]["ids"] == []
+        assert dec[("ok", 0)]["reason"] == "length" and len(dec[("ok", 0)]["ids"]) == 8
+        assert_drained(decode)
+        assert_drained(prefill)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_abort_on_either_side_fails_the_other(tiny_config_path):
+    prefill, decode = pair(tiny_config_path)
+    try:
+        p = prompt(40, 9)
+        decode.add_request("a", p, GREEDY, bootstrap=boot(prefill, 11))
+        first_dec = decode.step()  # parked at the KV arrival gate
+        decode.abort("a")
+        prefill.add_request("a", p, GREEDY, bootstrap=boot(prefill, 11))
+        prefill.add_request("b", prompt(6, 2), GREEDY, bootstrap=boot(prefill, 12))
+        first_pre = prefill.step()
+        prefill.abort("b")  # its decode half never came: the room just ends
+        pre_outs, dec_outs = run_pair(prefill, decode)
+        pre, dec = collect(first_pre + pre_outs), collect(first_dec + dec_outs)
+        assert dec[("a", 0)]["reason"] == "abort"
+        assert pre[("b", 0)]["reason"] == "abort"
+        a = [o for o in first_pre + pre_outs if o.request_id == "a"]
+        assert len(a) == 1 and a[0].error is not None and "KV transfer failed" in a[0].error and not a[0].new_token_ids
+        assert_drained(decode)
+        assert_drained(prefill)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_fake_backend_flow(tiny_config_path):
+    """fake moves no bytes (the decode side's KV is whatever its pages held): the flow only."""
+    prefill, decode = pair(tiny_config_path, backend="fake", hub=FakeHub())
+    try:
+        p = prompt(10, 3)
+        prefill.add_request("f", p, GREEDY, bootstrap=boot(prefill, 1))
+        decode.add_request("f", p, GREEDY, bootstrap=boot(prefill, 1))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        assert pre[("f", 0)]["ids"] == dec[("f", 0)]["ids"][:1] and len(dec[("f", 0)]["ids"]) == 8
+        assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_bootstrap_checked_against_the_mode(tiny_config_path):
+    colocated = make_tiny_engine(tiny_config_path)
+    with pytest.raises(ValueError, match="^bootstrap_host: this server is not part of a PD pair"):
+        colocated.add_request("x", prompt(4), GREEDY, bootstrap=Bootstrap("h", 1, 1))
+    prefill, decode = pair(tiny_config_path, backend="fake", hub=FakeHub())
+    try:
+        for eng in (prefill, decode):
+            with pytest.raises(ValueError, match="^bootstrap_host: required"):
+                eng.add_request("x", prompt(4), GREEDY)
+            with pytest.raises(ValueError, match="^bootstrap_room: an int in"):
+                eng.add_request("x", prompt(4), GREEDY, bootstrap=Bootstrap("h", 1, 1 << 63))
+            with pytest.raises(ValueError, match="^n: a PD request has one sample"):
+                eng.add_request("x", prompt(4), SamplingParams(n=2), bootstrap=Bootstrap("h", 1, 1))
+            assert not eng.requests
+    finally:
+        prefill.close()
+        decode.close()
