@@ -137,3 +137,27 @@ def client(server):
 @pytest.fixture(scope="module")
 def model(client) -> str:
     return client.models.list().data[0].id
+
+
+# NIXL 1.5 (nixl 1.5.1/1.5.2 with nixl-cu12 1.5.1, UCX inside) segfaults while the interpreter
+# finalizes once a process has made an agent (`nixl_agent(...)` then a plain exit: rc 139, even
+# after `del` and a collection; reproduced 2026-12-02). The tests that make agents in this
+# process (tests/test_disagg_nixl.py) pass, and then the run's exit status would be the crash's.
+# So, only when NIXL was loaded: exit with the session's own status right after pytest has
+# written its summary and every plugin has finished (trylast), skipping the finalizers.
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import sys
+
+    if "nixl._api" in sys.modules and _exit_status:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status[-1])
