@@ -73,9 +73,6 @@ class DecodeReceiver(KVReceiver):
         self.dst = torch.tensor(dst_pages, dtype=torch.int64, device=self._transport.device)
         self._transport.submit(self, self._transport._on_post)
 
-    def poll(self) -> KVPoll:
-        return self.state.state
-
     def abort(self, reason: str) -> None:
         """Failed at once, unless this side's own READ may still write the pages: then once it stopped."""
         with self.state.lock:
@@ -86,10 +83,6 @@ class DecodeReceiver(KVReceiver):
             else:
                 self.state.fail(f"aborted: {reason}")
         self._transport.submit(self, self._transport._tell_abort, f"peer aborted: {reason}")
-
-    @property
-    def failure(self) -> str | None:
-        return self.state.reason
 
     @property
     def aux(self) -> Aux | None:

@@ -39,10 +39,6 @@ class _FakeSide:
             self._fail(reason, notify=f"peer failed: {reason}")
         return self.state.state
 
-    @property
-    def failure(self) -> str | None:
-        return self.state.reason
-
     def abort(self, reason: str) -> None:
         self._fail(f"aborted: {reason}", notify=f"peer aborted: {reason}")
 

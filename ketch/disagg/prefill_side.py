@@ -76,9 +76,6 @@ class PrefillSender(KVSender):
         self.src = torch.tensor(src_pages, dtype=torch.int64, device=self._transport.device)
         self._transport.submit(self, self._transport._on_send)
 
-    def poll(self) -> KVPoll:
-        return self.state.state
-
     def abort(self, reason: str) -> None:
         """Failed at once, unless the decode side may be reading the pages: then once it stopped."""
         with self.state.lock:
@@ -89,10 +86,6 @@ class PrefillSender(KVSender):
             else:
                 self.state.fail(f"aborted: {reason}")
         self._transport.submit(self, self._transport._tell_abort, f"peer aborted: {reason}")
-
-    @property
-    def failure(self) -> str | None:
-        return self.state.reason
 
 
 class PrefillSide(IOLoop, KVTransport):

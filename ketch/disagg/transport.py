@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 
 import msgspec
 
-from ketch.disagg.state import KVPoll
+from ketch.disagg.state import KVPoll, TransferState
 
 
 class Aux(msgspec.Struct, frozen=True):
@@ -34,8 +34,23 @@ class Aux(msgspec.Struct, frozen=True):
     extra: bytes = b""
 
 
-class KVSender(ABC):
+class _Room(ABC):
+    """What both ends of a room share: its id and its state, which `poll` and `failure` read
+    (the background thread moves it; a read is all the engine thread does)."""
+
     room: int
+    state: TransferState
+
+    def poll(self) -> KVPoll:
+        return self.state.state
+
+    @property
+    def failure(self) -> str | None:
+        """Why the room failed (None unless poll() is Failed)."""
+        return self.state.reason
+
+
+class KVSender(_Room):
 
     @abstractmethod
     def init(self, num_pages: int) -> None:
@@ -48,21 +63,12 @@ class KVSender(ABC):
         Bootstrapping: the transfer starts once the decode side registered. Once."""
 
     @abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abstractmethod
     def abort(self, reason: str) -> None:
         """Fail this room here ("aborted: reason") and at the peer ("peer aborted: reason");
         poll() is Failed once no page of it is read any more."""
 
-    @property
-    @abstractmethod
-    def failure(self) -> str | None:
-        """Why the room failed (None unless poll() is Failed)."""
 
-
-class KVReceiver(ABC):
-    room: int
+class KVReceiver(_Room):
 
     @abstractmethod
     def init(self) -> None:
@@ -73,15 +79,8 @@ class KVReceiver(ABC):
         """The pre-allocated pages the KV goes into, in the sender's page order. Once."""
 
     @abstractmethod
-    def poll(self) -> KVPoll: ...
-
-    @abstractmethod
     def abort(self, reason: str) -> None:
         """Fail this room here and at the peer; poll() is Failed once no page of it is written any more."""
-
-    @property
-    @abstractmethod
-    def failure(self) -> str | None: ...
 
     @property
     @abstractmethod
