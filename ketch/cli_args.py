@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          "server; decode: receive them and decode (requests carry bootstrap_host/port/room)")
     pd.add_argument("--disaggregation-transfer-backend", default="tcp", choices=["tcp", "nixl", "fake"],
                     help="how KV pages move: tcp (the reference, no extra package), nixl (NIXL over UCX), "
-                         "fake (moves no bytes: flow tests and warm-up only)")
+                         "fake (moves no bytes; a decode server runs each prompt itself: flow tests and warm-up)")
     pd.add_argument("--disaggregation-bootstrap-host", default="127.0.0.1",
                     help="prefill: the address its bootstrap server binds (decode servers reach it there)")
     pd.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from gateway_util import start_replica, stop, wait_healthy
-from server_util import connect, free_port, metrics, pages_all_back, post, wait_for
+from pd_util import answer, call
+from server_util import free_port, metrics, pages_all_back, post, wait_for
 
 DECODE_TIMEOUT_S = 3.0  # the decode side's --disaggregation-timeout: the fault test waits this long
 PROMPTS = ["The capital of France is", "List three colours:", "def fibonacci(n):"]
@@ -53,45 +54,6 @@ def servers(request):
             os.environ.pop("UCX_TLS", None)
         else:
             os.environ["UCX_TLS"] = saved
-
-
-def call(base: str, path: str, body: dict) -> tuple[int, dict]:
-    """One answer as (status, JSON): a stream is folded into the whole answer's shape."""
-    if not body.get("stream"):
-        return post(base, path, body)
-    conn = connect(base)
-    try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            return resp.status, json.loads(resp.read())
-        text, reason, usage, error = "", None, None, None
-        for line in resp.read().decode().splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk
-            for c in chunk.get("choices", []):
-                text += c.get("text") or (c.get("delta") or {}).get("content") or ""
-                reason = c.get("finish_reason") or reason
-            usage = chunk.get("usage") or usage
-        if error is not None:
-            return 500, error
-        return 200, {"text": text, "finish_reason": reason, "usage": usage}
-    finally:
-        conn.close()
-
-
-def answer(status: int, body: dict) -> tuple:
-    assert status == 200, body
-    if "text" in body:
-        text, reason = body["text"], body["finish_reason"]
-    else:
-        c = body["choices"][0]
-        text, reason = c.get("text", (c.get("message") or {}).get("content")), c["finish_reason"]
-    u = body["usage"]
-    return text, reason, u["prompt_tokens"], u["completion_tokens"]
 
 
 def pd_call(prefill: str, decode: str, boot: int, path: str, body: dict) -> tuple[tuple[int, dict], tuple[int, dict]]:

@@ -1,8 +1,12 @@
 """The `fake` backend: moves no bytes. For tests of the state machine and for warm-up requests.
 
-A FakeTransport without a hub is a lone prefill side: a sender is WaitingForInput as soon as it
-is initialised and Success as soon as it sends (SGLang's fake sender does the same), so a
-warm-up request runs the whole prefill path with no decode server. Transports sharing a
+A FakeTransport without a hub is a lone side. A lone prefill side's sender is WaitingForInput as
+soon as it is initialised and Success as soon as it sends (SGLang's fake sender does the same),
+so a warm-up request runs the whole prefill path with no decode server. A lone decode side
+`carries_kv` False: its engine runs each prompt itself rather than wait for bytes that never
+come, so a gateway over fake-backend servers answers exactly as a colocated server would (the
+PD request path, rooms and all, minus the transfer: SGLang's fake decode side would decode
+from unwritten pages instead). Transports sharing a
 `FakeHub` (one process, a prefill and a decode transport) pair their rooms: a sender waits for
 the receiver's posted buffers, the receiver for the send; both reach Success together, the
 receiver with the sender's Aux (its pages are left as they are). Abort and the timeouts behave
@@ -153,6 +157,10 @@ class FakeTransport(KVTransport):
 
     def _prune(self) -> None:
         self._sides = [side for side in self._sides if not side.state.terminal]
+
+    @property
+    def carries_kv(self) -> bool:
+        return self.hub is not None
 
     @property
     def bootstrap_addr(self) -> str | None:

@@ -91,6 +91,12 @@ class KVReceiver(_Room):
 class KVTransport(ABC):
     """One per engine process (and TP rank): owns the sockets and the background thread."""
 
+    @property
+    def carries_kv(self) -> bool:
+        """False for a decode side that will never receive KV (the fake backend across processes):
+        its engine runs each prompt itself instead of waiting for pages that cannot come."""
+        return True
+
     @abstractmethod
     def sender(self, room: int) -> KVSender: ...
 

@@ -93,7 +93,9 @@ def _with_transport(parts: EngineParts, fingerprint: str, hub: FakeHub | None) -
     transport = make_transport(disagg, parts.runner.pool.layers, fingerprint, hub)
     if c.disaggregation_mode == "prefill":
         return dataclasses.replace(parts, transport=transport, pd_sends=PrefillSends(transport, parts.kv))
-    return dataclasses.replace(parts, transport=transport, kv_gate=KVArrivalGate(transport, parts.kv))
+    # a lone fake decode side receives nothing: its requests run their prompts here (no gate)
+    gate = KVArrivalGate(transport, parts.kv) if transport.carries_kv else None
+    return dataclasses.replace(parts, transport=transport, kv_gate=gate)
 
 
 def _without_graphs(config: EngineConfig) -> EngineConfig:

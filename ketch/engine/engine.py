@@ -211,6 +211,7 @@ class Engine:
             host_load_copy_seconds=host.load_copy_seconds,
             host_save_copy_seconds=host.save_copy_seconds,
             **self.kv.storage_stats(),
+            **pd.stats(self),
         )
 
     # ---------------------------------------------------------------- step

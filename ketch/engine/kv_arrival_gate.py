@@ -38,6 +38,7 @@ class KVArrivalGate:
         self.parked: list[_Parked] = []
         self.orphans: list[_Parked] = []  # aborted while parked: their pages wait for a terminal poll
         self.arrived: list[tuple[Request, int]] = []  # (request, first token) since the engine last looked
+        self.succeeded = self.failed = 0  # ended transfers (for /metrics; refusals before one began count as failed)
 
     def park(self, samples: list[Request], need: tuple[str, int]) -> None:
         """need: (the prefill server's bootstrap "host:port", the room)."""
@@ -60,13 +61,16 @@ class KVArrivalGate:
         waiting: list[_Parked] = []
         for p in self.parked:
             if p.receiver is None:
+                self.failed += 1
                 out.append((p.samples, ValueError(p.error)))
                 continue
             state = p.receiver.poll()
             if state == KVPoll.Success:
+                self.succeeded += 1
                 out.append((p.samples, None))
                 self._deliver(p)
             elif state == KVPoll.Failed:
+                self.failed += 1
                 self.kv.allocator.decref(p.hold.page_table)
                 out.append((p.samples, ValueError(f"bootstrap_room: KV transfer failed: {p.receiver.failure}")))
             else:
@@ -93,6 +97,10 @@ class KVArrivalGate:
     def take_arrived(self) -> list[tuple[Request, int]]:
         arrived, self.arrived = self.arrived, []
         return arrived
+
+    def live_states(self) -> list[KVPoll]:
+        """Parked requests' transfers (a refused one, with no transfer, is not live)."""
+        return [p.receiver.poll() for p in self.parked if p.receiver is not None]
 
     def has_parked(self) -> bool:
         return bool(self.parked or self.orphans)

@@ -94,6 +94,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     storage_prefetches: int = 0
     storage_prefetch_timeouts: int = 0
     storage_prefetch_wait_seconds: float = 0.0
+    # PD disaggregation (engine/pd.py; all 0 on a colocated server): live transfers by state
+    # (Bootstrapping, WaitingForInput, Transferring) and the ended ones by outcome
+    pd_enabled: bool = False
+    pd_live: tuple[int, int, int] = (0, 0, 0)
+    pd_succeeded: int = 0
+    pd_failed: int = 0
 
     @property
     def kv_pages_in_use(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ketch.disagg import KVPoll
 from ketch.engine.kv_arrival_gate import POLL_WAIT_S
 from ketch.engine.messages import Bootstrap
 from ketch.engine.outputs import EngineOutput, TokenLogprob
@@ -26,11 +27,13 @@ if TYPE_CHECKING:
 
 
 def start(engine: Engine, req: Request, bootstrap: Bootstrap) -> bool:
-    """Begin the request's transfer; True when it waits at the KV arrival gate (decode)."""
+    """Begin the request's transfer; True when it waits at the KV arrival gate (decode). A decode
+    engine on the fake backend has no gate (no KV ever comes): it runs the prompt itself."""
     if engine.pd_sends is not None:
         engine.pd_sends.start(req, bootstrap.room)
         return False
-    assert engine.kv_gate is not None
+    if engine.kv_gate is None:
+        return False
     engine.scheduler.park([req], engine.kv_gate, (bootstrap.addr, bootstrap.room))
     return True
 
@@ -84,6 +87,17 @@ def idle(engine: Engine, timeout: float) -> None:
         engine.scheduler.wait_at_gates(timeout)
     else:
         time.sleep(min(timeout, POLL_WAIT_S))
+
+
+def stats(engine: Engine) -> dict[str, object]:
+    """EngineStats' PD fields: live transfers by state, ended ones by outcome."""
+    side = engine.pd_sends if engine.pd_sends is not None else engine.kv_gate
+    if side is None:
+        return {"pd_enabled": engine.transport is not None}
+    states = side.live_states()
+    live = tuple(sum(1 for s in states if s == want)
+                 for want in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring))
+    return {"pd_enabled": True, "pd_live": live, "pd_succeeded": side.succeeded, "pd_failed": side.failed}
 
 
 def holds(engine: Engine) -> list[PageHold]:

@@ -58,6 +58,7 @@ class PrefillSends:
     def __init__(self, transport: KVTransport, kv: KVCacheManager) -> None:
         self.transport, self.kv = transport, kv
         self.sends: dict[str, _Send] = {}  # rid -> its transfer, from add_request to a terminal poll
+        self.succeeded = self.failed = 0  # ended transfers (for /metrics)
 
     def start(self, req: Request, room: int) -> None:
         sender = self.transport.sender(room)
@@ -94,12 +95,17 @@ class PrefillSends:
             if s.hold is not None:
                 self.kv.allocator.decref(s.hold.page_table)
             error = None if state == KVPoll.Success else f"bootstrap_room: KV transfer failed: {s.sender.failure}"
+            self.succeeded += error is None
+            self.failed += error is not None
             if not s.aborted:
                 done.append(SendDone(s.req, s.token, s.logprobs, error))
         return done
 
     def holds(self) -> list[PageHold]:
         return [s.hold for s in self.sends.values() if s.hold is not None]
+
+    def live_states(self) -> list[KVPoll]:
+        return [s.sender.poll() for s in self.sends.values()]
 
     def has_work(self) -> bool:
         return bool(self.sends)

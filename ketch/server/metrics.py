@@ -89,6 +89,8 @@ class _EngineCollector(Collector):
         yield hits
         if s.storage_enabled:
             yield from _storage_metrics(s)
+        if s.pd_enabled:
+            yield from _pd_metrics(s)
         if s.kv_host_pages_total:  # the hierarchical cache is on
             yield GaugeMetricFamily("ketch_kv_host_pages_total", "Pages in the host tier (L2)", value=s.kv_host_pages_total)
             yield GaugeMetricFamily("ketch_kv_host_pages_free", "Host-tier pages holding nothing", value=s.kv_host_pages_free)
@@ -111,6 +113,20 @@ class _EngineCollector(Collector):
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+def _pd_metrics(s: EngineStats) -> Iterator[Metric]:
+    """PD transfers (engine/pd.py): live ones by state, ended ones by outcome."""
+    live = GaugeMetricFamily("ketch_pd_transfers", "PD KV transfers in progress on this server, by state",
+                             labels=["state"])
+    for state, count in zip(("bootstrapping", "waiting_for_input", "transferring"), s.pd_live):
+        live.add_metric([state], count)
+    yield live
+    ended = CounterMetricFamily("ketch_pd_transfers_ended", "PD KV transfers that ended, by outcome (failed: "
+                                "timed out, aborted, refused, or the peer died)", labels=["outcome"])
+    ended.add_metric(["succeeded"], s.pd_succeeded)
+    ended.add_metric(["failed"], s.pd_failed)
+    yield ended
 
 
 def _storage_metrics(s: EngineStats) -> Iterator[Metric]:
