@@ -133,7 +133,7 @@ def test_many_rooms_at_once_in_bfloat16_each_gets_its_own_rows():
 @pytest.mark.parametrize("field, decode_layers, model, expected", [
     ("page_size", make_layers(2, POOL, page_size=8), "m", "page_size is 4 at the prefill side, 8 at the decode side"),
     ("model", make_layers(2, POOL), "other", "model is 'm' at the prefill side, 'other' at the decode side"),
-])
+], ids=["page_size", "model"])
 def test_a_decode_side_of_another_layout_or_model_is_refused_on_both_sides(field, decode_layers, model, expected):
     prefill = make_transport(DisaggConfig("prefill", **CONFIG), make_layers(1, POOL), "m")
     decode = make_transport(DisaggConfig("decode", **CONFIG), decode_layers, model)
@@ -192,17 +192,23 @@ def test_a_prefill_that_never_sends_fails_both_sides_at_the_waiting_timeout(pair
     assert KVPoll.Failed == sender.poll() == receiver.poll()
 
 
-def test_closing_a_transport_fails_its_open_rooms_and_refuses_new_ones(pair):
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_closing_a_transport_fails_its_open_rooms_and_the_peer_hears_silence(pair, side):
     prefill, decode = pair
     sender, receiver = start(prefill, decode, 11, [0, 1], [2, 3], send=False)
     wait_until(lambda: receiver.poll() == KVPoll.WaitingForInput, 5, "the welcome")
-    decode.close()
-    assert (receiver.poll(), receiver.failure) == (KVPoll.Failed, "transport closed")
-    late = decode.receiver(12, prefill.bootstrap_addr)
-    late.init()
+    closing, mine, other = (decode, receiver, sender) if side == "decode" else (prefill, sender, receiver)
+    closing.close()
+    assert (mine.poll(), mine.failure) == (KVPoll.Failed, "transport closed")
+    if side == "decode":
+        late = decode.receiver(12, prefill.bootstrap_addr)
+        late.init()
+    else:
+        late = prefill.sender(12)
+        late.init(1)
     assert (late.poll(), late.failure) == (KVPoll.Failed, "transport closed")
-    wait_until(lambda: ended(sender), 5, "the sender to notice the decode side is gone")
-    assert "silent" in sender.failure, sender.failure
+    wait_until(lambda: ended(other), 5, "the other side to notice the closed one is gone")
+    assert "silent" in other.failure, other.failure
 
 
 def test_without_the_package_the_backend_says_so_at_start(monkeypatch):
