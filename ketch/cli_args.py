@@ -74,8 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--disaggregation-mode", default="null", choices=list(DISAGGREGATION_MODES),
                     help="null: colocated; prefill: run prompts and send their KV + first token to a decode "
                          "server; decode: receive them and decode (requests carry bootstrap_host/port/room)")
-    pd.add_argument("--disaggregation-transfer-backend", default="tcp", choices=["tcp", "nixl", "fake"],
+    pd.add_argument("--disaggregation-transfer-backend", default="tcp", choices=["tcp", "nixl", "mooncake", "fake"],
                     help="how KV pages move: tcp (the reference, no extra package), nixl (NIXL over UCX), "
+                         "mooncake (the Mooncake transfer engine, tcp transport, P2P handshake: no etcd), "
                          "fake (moves no bytes; a decode server runs each prompt itself: flow tests and warm-up)")
     pd.add_argument("--disaggregation-bootstrap-host", default="127.0.0.1",
                     help="prefill: the address its bootstrap server binds (decode servers reach it there)")

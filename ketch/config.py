@@ -239,7 +239,7 @@ class EngineConfig:
     hicache_storage_write_queue: int = 1024
     # PD disaggregation (ketch/disagg/README.md): prefill sends prompts' KV + first token, decode receives them
     disaggregation_mode: str = "null"  # null: colocated | prefill | decode (SGLang's flags)
-    disaggregation_transfer_backend: str = "tcp"  # fake (moves no bytes) | tcp | nixl
+    disaggregation_transfer_backend: str = "tcp"  # fake (moves no bytes) | tcp | nixl | mooncake
     disaggregation_bootstrap_host: str = "127.0.0.1"  # prefill: where its bootstrap server binds
     disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap server's port (0: any free one)
     disaggregation_timeout: float = 300.0  # s, each: the sides finding each other, KV starting, KV all there
@@ -369,8 +369,8 @@ def _check_hicache_storage(c: EngineConfig) -> None:
 def _check_disaggregation(c: EngineConfig) -> None:
     if c.disaggregation_mode not in DISAGGREGATION_MODES:
         raise ValueError(f"disaggregation_mode must be {'|'.join(DISAGGREGATION_MODES)}, got {c.disaggregation_mode!r}")
-    if c.disaggregation_transfer_backend not in ("fake", "tcp", "nixl"):
-        raise ValueError(f"disaggregation_transfer_backend must be fake|tcp|nixl, got {c.disaggregation_transfer_backend!r}")
+    if c.disaggregation_transfer_backend not in ("fake", "tcp", "nixl", "mooncake"):
+        raise ValueError(f"disaggregation_transfer_backend must be fake|tcp|nixl|mooncake, got {c.disaggregation_transfer_backend!r}")
     if not isinstance(c.disaggregation_bootstrap_port, int) or not 0 <= c.disaggregation_bootstrap_port <= 65535:
         raise ValueError(f"disaggregation_bootstrap_port must be an int in [0, 65535], got {c.disaggregation_bootstrap_port!r}")
     if not 0 < c.disaggregation_timeout < float("inf"):

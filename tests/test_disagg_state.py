@@ -21,7 +21,7 @@ def fake_pair(**overrides):
 
 # ---------------------------------------------------------------- config
 @pytest.mark.parametrize("field, value", [
-    ("mode", "both"), ("transfer_backend", "rdma"), ("transfer_backend", "mooncake"), ("bootstrap_host", ""),
+    ("mode", "both"), ("transfer_backend", "rdma"), ("bootstrap_host", ""),
     ("bootstrap_port", 70000), ("bootstrap_port", -1), ("bootstrap_timeout_s", 0), ("waiting_timeout_s", -1.0),
     ("transfer_timeout_s", "5"), ("heartbeat_interval_s", True), ("heartbeat_misses", 0), ("chunk_bytes", 0),
     ("window_chunks", 1.5),

@@ -1,5 +1,5 @@
 """PD disaggregation in one process: a prefill engine and a decode engine (tiny random model) on
-the real tcp transport over loopback, both step loops driven here, against a colocated engine.
+the real tcp transport over loopback (and mooncake's, where installed), both step loops driven here, against a colocated engine.
 Greedy output must match; every page comes back on both sides; failures end requests with an
 error and free their pages only once the transfer is over. Overlap scheduling off and on."""
 from __future__ import annotations
@@ -56,12 +56,21 @@ def run_pair(*engines) -> list[list]:
 
 
 def test_tcp_greedy_matches_colocated(tiny_config_path):
+    greedy_matches_colocated(tiny_config_path, "tcp")
+
+
+def test_mooncake_greedy_matches_colocated(tiny_config_path):
+    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
+    greedy_matches_colocated(tiny_config_path, "mooncake")
+
+
+def greedy_matches_colocated(tiny_config_path: str, backend: str) -> None:
     prompts = [prompt(5, 1), prompt(12, 2), prompt(33, 3), prompt(16, 4)]  # partial and whole pages
     colocated = make_tiny_engine(tiny_config_path)
     for i, p in enumerate(prompts):
         colocated.add_request(f"r{i}", p, GREEDY)
     want = collect(run_pair(colocated)[0])
-    prefill, decode = pair(tiny_config_path)
+    prefill, decode = pair(tiny_config_path, backend)
     try:
         for i, p in enumerate(prompts):
             prefill.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DISAGG_MODES: tuple[str, ...] = ("prefill", "decode")
 TRANSFER_BACKENDS: tuple[str, ...] = ("fake", "tcp", "nixl", "mooncake")
-IMPLEMENTED_BACKENDS: tuple[str, ...] = ("fake", "tcp", "nixl")
+IMPLEMENTED_BACKENDS: tuple[str, ...] = ("fake", "tcp", "nixl", "mooncake")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The decode side of a PD pair, whatever moves the bytes: one DEALER per prefill bootstrap
 server this process has rooms with, and the receivers' states, on one background thread.
-tcp_decode.py and nixl_decode.py add the data.
+tcp_decode.py, nixl_decode.py and mooncake_decode.py add the data.
 
 A receiver says Hello (its room, KV layout and backend) and Posts its pre-allocated pages; the
 prefill side answers Welcome (or Abort with a reason: another layout or backend, a refused room).

@@ -27,4 +27,10 @@ def make_transport(config: DisaggConfig, layers: list[dict[str, torch.Tensor]], 
             return NixlPrefillTransport(config, layers, model)
         from ketch.disagg.nixl_decode import NixlDecodeTransport
         return NixlDecodeTransport(config, layers, model)
+    if config.transfer_backend == "mooncake":
+        if config.mode == "prefill":
+            from ketch.disagg.mooncake_prefill import MooncakePrefillTransport
+            return MooncakePrefillTransport(config, layers, model)
+        from ketch.disagg.mooncake_decode import MooncakeDecodeTransport
+        return MooncakeDecodeTransport(config, layers, model)
     raise ValueError(f"transfer_backend: {config.transfer_backend!r} has no transport yet")

@@ -12,7 +12,7 @@ import torch
 from ketch.disagg.config import DisaggConfig
 from ketch.disagg.nixl_agent import describe, new_agent, pool_tensors
 from ketch.disagg.prefill_side import PrefillSender, PrefillSide, Registration
-from ketch.disagg.wire import Ready, Welcome
+from ketch.disagg.wire import Welcome
 
 
 class NixlPrefillTransport(PrefillSide):
@@ -29,19 +29,7 @@ class NixlPrefillTransport(PrefillSide):
         return Welcome(room, self.peer_info)
 
     def _start(self, s: PrefillSender, reg: Registration) -> None:
-        with s.state.lock:  # first: an abort from now on waits for the decode side's word
-            if s.state.terminal:
-                return
-            s.peer_reads = True
-        s.out = reg.peer
-        if self._send(reg.peer, Ready(s.room, s.src_pages, s.aux), s):
-            return
-        with s.state.lock:  # the Ready never left: nobody reads the pages
-            s.peer_reads = False
-            if s.aborting is not None:
-                s.state.fail(s.aborting)
-        if not s.state.terminal:
-            self._fail(s, "decode peer not taking messages (its queue is full)", tell=reg.peer)
+        self._start_peer_read(s, reg)
 
     def close(self) -> None:
         super().close()

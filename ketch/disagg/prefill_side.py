@@ -1,5 +1,6 @@
 """The prefill side of a PD pair, whatever moves the bytes: the bootstrap server and the senders'
-states, on one background thread (io_loop.py). tcp_prefill.py and nixl_prefill.py add the data.
+states, on one background thread (io_loop.py). tcp_prefill.py, nixl_prefill.py and
+mooncake_prefill.py add the data.
 
 The bootstrap server is a ZMQ ROUTER on `bootstrap_port`. A decode side registers a room there
 (Hello with its KV layout and backend, then Post with its pre-allocated pages); the prefill
@@ -11,7 +12,7 @@ A registration nobody claims within bootstrap_timeout_s is refused (Abort) and d
 decode side never waits for a prefill request that will not come. ROUTER_MANDATORY turns a send
 to a vanished decode process into an error (its room fails at once) instead of a silent drop.
 
-While a decode side may be reading this side's pages by itself (nixl: after Ready), failing the
+While a decode side may be reading this side's pages by itself (nixl, mooncake: after Ready), failing the
 room is deferred: the peer is told to stop, and the room reaches Failed (its pages free) when the
 peer says Released, Received or Abort, or falls silent past the heartbeat.
 """
@@ -31,7 +32,8 @@ from ketch.disagg.io_loop import IOLoop
 from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
 from ketch.disagg.state import KVPoll, TransferState, timeouts_of
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
-from ketch.disagg.wire import Abort, Heartbeat, Hello, Post, Received, Released, Welcome, decode_to_prefill, encode
+from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Received, Released, Welcome, decode_to_prefill,
+                               encode)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,23 @@ class PrefillSide(IOLoop, KVTransport):
     def _may_succeed(self, s: PrefillSender) -> bool:
         """Whether a Received for s confirms a whole transfer (not one this side never finished)."""
         return s.out is not None
+
+    def _start_peer_read(self, s: PrefillSender, reg: Registration) -> None:
+        """`_start` of a data plane whose decode side READs the pages itself (nixl, mooncake):
+        Ready(src pages, Aux); from then on a failure here waits for the peer's word."""
+        with s.state.lock:  # first: an abort from now on waits for the decode side's word
+            if s.state.terminal:
+                return
+            s.peer_reads = True
+        s.out = reg.peer
+        if self._send(reg.peer, Ready(s.room, s.src_pages, s.aux), s):
+            return
+        with s.state.lock:  # the Ready never left: nobody reads the pages
+            s.peer_reads = False
+            if s.aborting is not None:
+                s.state.fail(s.aborting)
+        if not s.state.terminal:
+            self._fail(s, "decode peer not taking messages (its queue is full)", tell=reg.peer)
 
     # ------------------------------------------------------------ the engine's side
     @property

@@ -12,8 +12,9 @@ side, one receiver per room on the decode side, one transport object per process
 Every method returns at once: the network work runs on the transport's background thread, and
 `poll` is an attribute read. `abort` on either side fails the other side too. The engine frees
 a room's pages when poll() says Failed or Success, never earlier (not on `abort` itself): from
-then on the transport touches none of them. That is at once after an abort for tcp and fake;
-for nixl, once a READ that may still touch the pages is cancelled or over. A sender reaches
+then on the transport touches none of them. That is at once after an abort for tcp, fake and
+mooncake (its READ fills a staging buffer of the room's own); for nixl, once a READ that may
+still touch the pages is cancelled or over. A sender reaches
 Success only after the receiver confirmed every byte written, so the prefill side never frees
 pages a decode side still needs (PRIOR_ART known failure 5).
 """

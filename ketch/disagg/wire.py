@@ -17,7 +17,8 @@ The nixl backend keeps this control plane and moves the bytes itself: Welcome ca
 prefill's NIXL agent (metadata, where each tensor starts); `send` becomes Ready(room, src_pages,
 aux); the decode side READs the rows and answers Received. A decode side that stops a READ it
 had started (an abort from either side) says Released once the READ can no longer touch the
-prefill's pages: only then may the prefill side free them.
+prefill's pages: only then may the prefill side free them. The mooncake backend is the same
+dance with a Mooncake transfer engine: Welcome carries its session ("host:rpc port") and bases.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ketch.disagg.transport import Aux
 class Hello(msgspec.Struct, tag=True, frozen=True):
     room: int
     layout: KVLayout
-    backend: str  # "tcp" | "nixl": a decode side of another backend is refused by name
+    backend: str  # "tcp" | "nixl" | "mooncake": a decode side of another backend is refused by name
 
 
 class Post(msgspec.Struct, tag=True, frozen=True):
@@ -48,9 +49,17 @@ class NixlPeer(msgspec.Struct, frozen=True):
     device_id: int
 
 
+class MooncakePeer(msgspec.Struct, frozen=True):
+    """A prefill side's Mooncake transfer engine, as a decode side needs it to READ from it."""
+
+    session: str  # "host:rpc port": the engine's P2P handshake address, the segment name to READ from
+    bases: list[int]  # the address of each (layer, tensor) in layout order, as NixlPeer.bases
+
+
 class Welcome(msgspec.Struct, tag=True, frozen=True):
     room: int
     nixl: NixlPeer | None = None
+    mooncake: MooncakePeer | None = None
 
 
 class Chunk(msgspec.Struct, tag=True, frozen=True):
@@ -76,7 +85,7 @@ class Done(msgspec.Struct, tag=True, frozen=True):
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
-    """nixl: the prefill's KV is in src_pages (rows in the transfer's order); read them."""
+    """nixl, mooncake: the prefill's KV is in src_pages (rows in the transfer's order); read them."""
 
     room: int
     src_pages: list[int]
@@ -88,7 +97,7 @@ class Received(msgspec.Struct, tag=True, frozen=True):
 
 
 class Released(msgspec.Struct, tag=True, frozen=True):
-    """nixl: the decode side's READ of this room is over (cancelled or finished) after an abort."""
+    """nixl, mooncake: the decode side's READ of this room is over (cancelled or finished) after an abort."""
 
     room: int
 
