@@ -24,8 +24,8 @@ exists). nixl runs when the package imports, with UCX_TLS=tcp unless UCX_TLS is 
 no bytes and cannot pair across processes, so it runs both sides in one spawned process on a
 FakeHub: its time is the control plane alone (no checksum; its GB/s is not a throughput).
 
-    how to run (about 1-3 min on an idle machine; memory about 3 x --room-mib per process pair
-    plus the reference's 2 x --room-mib):
+    how to run (about 2-4 min on an idle machine, most of it starting process pairs and NIXL agents;
+    memory at most about 2 x --room-mib plus tcp's window: one pool per side, or the reference's two):
       python benchmarks/pd_transfer.py                              # tcp,nixl,fake; 64K,256K,1M; 256 MiB x 4 rooms
       python benchmarks/pd_transfer.py --room-mib 1024 --rooms 3    # bigger rooms
       python benchmarks/pd_transfer.py --backends tcp,mooncake --page-kib 64,1024
@@ -97,11 +97,12 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(POLL_S)
 
 
-def _side_main(mode: str, backend: str, pool: tuple, conn) -> None:
+def _side_main(mode: str, backend: str, pool: tuple, threads: int, conn) -> None:
     """One side in its own process; commands from the parent on `conn`. Exits with os._exit (NIXL
     may crash in interpreter finalization after making an agent)."""
     code = 0
     try:
+        torch.set_num_threads(threads)
         from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport
         num_pages, heads, num_layers = pool
         layers = make_pool(num_pages, heads, num_layers, seed=1 if mode == "prefill" else None)
@@ -142,10 +143,11 @@ def _side_main(mode: str, backend: str, pool: tuple, conn) -> None:
     os._exit(code)
 
 
-def _fake_main(rooms: int, num_pages: int, conn) -> None:
+def _fake_main(rooms: int, num_pages: int, threads: int, conn) -> None:
     """fake: both sides in this one process on a FakeHub (no bytes move; the control plane alone)."""
     code = 0
     try:
+        torch.set_num_threads(threads)
         from ketch.disagg import Aux, DisaggConfig, KVPoll
         from ketch.disagg.fake import FakeHub, FakeTransport
         hub = FakeHub()
@@ -185,12 +187,12 @@ def _expect(conn, kind: str, timeout_s: float = 600) -> tuple:
 
 
 def run_pair(ctx, backend: str, num_pages: int, heads: int, num_layers: int, rooms: int,
-             warmup: int) -> list[float | str]:
+             warmup: int, threads: int) -> list[float | str]:
     """Seconds per timed room (a string naming the failure for a room that failed or whose bytes
     differ); the first `warmup` rooms are run and checked the same way but not returned."""
     if backend == "fake":
         ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_fake_main, args=(warmup + rooms, num_pages, theirs), daemon=True)
+        proc = ctx.Process(target=_fake_main, args=(warmup + rooms, num_pages, threads, theirs), daemon=True)
         proc.start()
         try:
             out = []
@@ -202,7 +204,7 @@ def run_pair(ctx, backend: str, num_pages: int, heads: int, num_layers: int, roo
             proc.join(30)
             proc.kill()
     pipes = {m: ctx.Pipe() for m in ("prefill", "decode")}
-    procs = {m: ctx.Process(target=_side_main, args=(m, backend, (num_pages, heads, num_layers), pipes[m][1]),
+    procs = {m: ctx.Process(target=_side_main, args=(m, backend, (num_pages, heads, num_layers), threads, pipes[m][1]),
                             daemon=True) for m in pipes}
     for p in procs.values():
         p.start()
@@ -274,12 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers of the pool (page row = page bytes / (2 x layers))")
     p.add_argument("--room-mib", type=int, default=256, help="MiB moved per room (the whole pool)")
     p.add_argument("--rooms", type=int, default=4, help="timed rooms per backend and page size (median reported)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in every process (the tcp receiver's index_copy_ and the reference use "
+                        "them; more than the free cores of a busy machine makes copies wait on one another)")
     p.add_argument("--warmup-rooms", type=int, default=1, help="rooms run and checked first, not timed")
     a = p.parse_args(argv)
     backends = [b for b in a.backends.split(",") if b]
     pages_kib = [int(x) for x in a.page_kib.split(",")]
     if a.rooms < 1 or a.room_mib < 1 or a.warmup_rooms < 0:
         p.error("--rooms and --room-mib: >= 1; --warmup-rooms: >= 0")
+    torch.set_num_threads(a.threads)
     os.environ.setdefault("UCX_TLS", "tcp")  # nixl: before a child starts UCX (children inherit it)
     print(f"# pd_transfer: {' '.join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])])}")
     commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 from ketch.disagg import DisaggConfig
                 DisaggConfig("prefill", transfer_backend=backend)
-                results = run_pair(ctx, backend, num_pages, heads, a.layers, a.rooms, a.warmup_rooms)
+                results = run_pair(ctx, backend, num_pages, heads, a.layers, a.rooms, a.warmup_rooms, a.threads)
             except Exception as e:  # a backend that cannot run here is a row that says why, not the end
                 rows.append((kib, row, num_pages, backend, None, None, f"error: {str(e).strip().splitlines()[-1]}"))
                 continue
