@@ -28,11 +28,14 @@
 #          TRANSFER (tcp | nixl: UCX_TLS=tcp unless set | a backend make_transport knows)
 #          SERVER_CPUS (e.g. 0-7; a taskset list of ranges) KV_GIB (2: --kv-cache-memory per server)
 #          DEVICE (cpu) EXTRA_SERVE (more `ketch serve` flags for every server, e.g. "--dtype float32")
+#          COLOCATED_EXTRA (flags for the colocated server only, e.g. "--chunked-prefill-size 512": the
+#          colocated answer to long prompts, a fairer baseline to try beside the default)
 #          REQUEST_TIMEOUT (600 s per request) RUN_TIMEOUT (1800 s per bench run) PORT (31300: the
 #          gateway; servers PORT+1.., bootstrap PORT+9) PY (the python; default REPO/.venv/bin/python)
 #   real measurement (quiet machine, 8+ CPUs): bash scripts/pd_vs_colocated.sh /tmp/pd_vs_colocated.log
-#          CPU time is dominated by the long prompts' prefill: at 2 CPUs expect ~5-10 s per 2,048-token
-#          prompt; the default (96 + 32 + warm-ups, half of them long) is about 15-30 min on 8 CPUs.
+#          the defaults send 32 + 128 prompts (half of them 2,048 tokens) plus 4 warm-ups per configuration,
+#          128 tokens out each; the long prompts' prefill dominates on a CPU: roughly 10-30 min in all on
+#          8 CPUs (the smoke below, with 256/32-token prompts and 2-CPU contention, takes about 1.5 min).
 #   smoke: CONCURRENCIES="2 4" PROMPTS_PER_STREAM=1 LENS=256,32 OUTPUT=8 bash scripts/pd_vs_colocated.sh
 # Exit status: 1 when a server or bench run failed, or a request failed.
 set -euo pipefail
@@ -43,7 +46,7 @@ export UCX_TLS=${UCX_TLS:-tcp}
 LOG=${1:-/tmp/pd_vs_colocated.log}
 CONCURRENCIES=${CONCURRENCIES:-8 32} PROMPTS_PER_STREAM=${PROMPTS_PER_STREAM:-4} LENS=${LENS:-2048,128}
 WEIGHTS=${WEIGHTS:-1,1} OUTPUT=${OUTPUT:-128} ROUNDS=${ROUNDS:-1} SEED=${SEED:-1} TRANSFER=${TRANSFER:-tcp}
-KV_GIB=${KV_GIB:-2} DEVICE=${DEVICE:-cpu} EXTRA_SERVE=${EXTRA_SERVE:-} REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
+KV_GIB=${KV_GIB:-2} DEVICE=${DEVICE:-cpu} EXTRA_SERVE=${EXTRA_SERVE:-} COLOCATED_EXTRA=${COLOCATED_EXTRA:-} REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800} PORT=${PORT:-31300}
 GW=http://127.0.0.1:$PORT S1=http://127.0.0.1:$((PORT + 1)) S2=http://127.0.0.1:$((PORT + 2)) BOOT=$((PORT + 9))
 
@@ -101,7 +104,8 @@ gateway() {
 }
 start() {  # colocated | pd
   if [ "$1" = colocated ]; then
-    serve colocated "$SERVER_CPUS" "$NS" $((PORT + 1))
+    # shellcheck disable=SC2086
+    serve colocated "$SERVER_CPUS" "$NS" $((PORT + 1)) $COLOCATED_EXTRA
     wait_up "$S1" "${PIDS[-1]}"
     gateway --worker-urls "$S1"
     SERVERS=("$S1")
@@ -131,7 +135,8 @@ bench() {  # CONFIG ROUND CONC PROMPTS SEED OUTFILE [more flags]
 
 { echo "# pd_vs_colocated: $0 $*"
   echo "# env: CONCURRENCIES='$CONCURRENCIES' PROMPTS_PER_STREAM=$PROMPTS_PER_STREAM LENS=$LENS WEIGHTS=$WEIGHTS" \
-       "OUTPUT=$OUTPUT ROUNDS=$ROUNDS SEED=$SEED TRANSFER=$TRANSFER KV_GIB=$KV_GIB DEVICE=$DEVICE EXTRA_SERVE='$EXTRA_SERVE'"
+       "OUTPUT=$OUTPUT ROUNDS=$ROUNDS SEED=$SEED TRANSFER=$TRANSFER KV_GIB=$KV_GIB DEVICE=$DEVICE EXTRA_SERVE='$EXTRA_SERVE'" \
+       "COLOCATED_EXTRA='$COLOCATED_EXTRA' UCX_TLS=$UCX_TLS"
   echo "# date $(date -u +'%F %T UTC'); commit $(git -C "$REPO" rev-parse --short HEAD); $n cpus;" \
        "$(lscpu | grep 'Model name' | sed 's/  */ /g'); load average $(cut -d" " -f1-3 /proc/loadavg)"
   echo "# cpus: colocated on $SERVER_CPUS ($NS threads); pd prefill on $PRE_CPUS ($PRE_T threads), decode on" \
