@@ -1,7 +1,8 @@
-"""`ketch bench serve`: the prompt datasets (random lengths, ShareGPT parsing and filters, groups
-sharing a generated system prompt)."""
+"""`ketch bench serve`: the prompt datasets (random lengths, a mix of fixed lengths, ShareGPT parsing
+and filters, groups sharing a generated system prompt)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -10,6 +11,8 @@ from bench_util import tok  # noqa: F401  (a fixture)
 
 from ketch.bench.datasets import (GSP_SEPARATOR, mixed_requests, random_requests, shared_prefix_requests,
                                   sharegpt_requests)
+from ketch.bench.serve import build_requests
+from ketch.bench.serve_args import add_bench_serve_args
 
 
 def test_random_lengths_in_range_and_reproducible(tok):
@@ -99,3 +102,14 @@ def test_mixed_lengths_exact_shares_shuffled_and_reproducible(tok):
         mixed_requests(tok, 4, [64, 8], [1], 16, 1.0, seed=0)
     with pytest.raises(ValueError, match="mixed_input_lens"):
         mixed_requests(tok, 4, [64, 0], [1, 1], 16, 1.0, seed=0)
+
+
+def test_mixed_from_the_command_line_equal_shares_by_default(tok):
+    p = argparse.ArgumentParser()
+    add_bench_serve_args(p)
+    a = p.parse_args(["--dataset-name", "mixed", "--mixed-input-lens", "40,8", "--num-prompts", "6",
+                      "--random-output-len", "5", "--random-range-ratio", "1"])
+    assert sorted(r.prompt_len for r in build_requests(a, tok)) == [8, 8, 8, 40, 40, 40]
+    a = p.parse_args(["--dataset-name", "mixed", "--mixed-input-lens", "40,8", "--mixed-weights", "1,2",
+                      "--num-prompts", "6"])
+    assert sorted(r.prompt_len for r in build_requests(a, tok)) == [8, 8, 8, 8, 40, 40]
