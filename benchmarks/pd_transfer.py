@@ -8,8 +8,8 @@ pages, the prefill side waits until it is WaitingForInput (the decode side regis
 times from `send()` to Success on both sides (the later of the two; CLOCK_MONOTONIC is one clock
 for every process of the machine). Every room moves the whole pool, in a page order that differs
 from room to room (src pages rotated, dst pages reversed), into a destination zeroed beforehand;
-after the room the decode side's per-page checksums (int64 sums of every page's bytes, across
-layers and K/V) must equal the prefill side's of the pages it sent, in order: a room whose bytes
+after the room the decode side's per-page checksums (position-weighted int64 sums of every page's
+bytes, across layers and K/V) must equal the prefill side's of the pages it sent, in order: a room whose bytes
 did not all arrive where they should counts as FAILED, not as a figure.
 
 Definitions (printed with the table):
@@ -75,12 +75,17 @@ def make_pool(num_pages: int, heads: int, num_layers: int, seed: int | None) -> 
 
 
 def page_sums(layers: list[dict[str, torch.Tensor]], pages: list[int]) -> list[int]:
-    """Per page (in the order given): the int64 sum of its bytes' int64 words over every layer and tensor."""
+    """Per page (in the order given): a checksum of its bytes over every layer and tensor, the sum
+    of its int64 words each times its position (1, 2, ...; wrapping), so a changed, lost or moved
+    word changes it."""
     idx = torch.tensor(pages)
     total = torch.zeros(len(pages), dtype=torch.int64)
+    pos = 0
     for layer in layers:
         for t in layer.values():
-            total += t.index_select(0, idx).reshape(len(pages), -1).view(torch.int64).sum(1)
+            words = t.index_select(0, idx).reshape(len(pages), -1).view(torch.int64)
+            total += (words * torch.arange(pos + 1, pos + 1 + words.shape[1], dtype=torch.int64)).sum(1)
+            pos += words.shape[1]
     return total.tolist()
 
 
