@@ -1,14 +1,18 @@
-"""`ketch bench serve`: the prompt datasets (random lengths, ShareGPT parsing and filters, groups
-sharing a generated system prompt)."""
+"""`ketch bench serve`: the prompt datasets (random lengths, a mix of fixed lengths, ShareGPT parsing
+and filters, groups sharing a generated system prompt)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import pytest
 from bench_util import tok  # noqa: F401  (a fixture)
 
-from ketch.bench.datasets import GSP_SEPARATOR, random_requests, shared_prefix_requests, sharegpt_requests
+from ketch.bench.datasets import (GSP_SEPARATOR, mixed_requests, random_requests, shared_prefix_requests,
+                                  sharegpt_requests)
+from ketch.bench.serve import build_requests
+from ketch.bench.serve_args import add_bench_serve_args
 
 
 def test_random_lengths_in_range_and_reproducible(tok):
@@ -81,3 +85,31 @@ def test_shared_prefix_groups_shapes_and_reproducibility(tok):
     assert shared_prefix_requests(tok, 4, 3, 48, 8, 5, seed=3) != reqs
     with pytest.raises(ValueError, match="gsp_prompts_per_group"):
         shared_prefix_requests(tok, 4, 0, 48, 8, 5, seed=2)
+
+
+def test_mixed_lengths_exact_shares_shuffled_and_reproducible(tok):
+    reqs = mixed_requests(tok, 8, [64, 8], [1, 3], 16, 1.0, seed=3)
+    assert sorted(r.prompt_len for r in reqs) == [8] * 6 + [64] * 2  # exact shares, not drawn
+    assert all(len(tok.encode(r.prompt, add_special_tokens=False)) == r.prompt_len for r in reqs)
+    assert [r.output_len for r in reqs] == [16] * 8
+    assert [r.prompt_len for r in reqs] != [64, 64] + [8] * 6  # shuffled, not in blocks
+    assert mixed_requests(tok, 8, [64, 8], [1, 3], 16, 1.0, seed=3) == reqs
+    assert mixed_requests(tok, 8, [64, 8], [1, 3], 16, 1.0, seed=4) != reqs
+    # largest remainder: 7 prompts in equal shares of three lengths is 3, 2, 2 (the order of the lengths breaks ties)
+    assert sorted(r.prompt_len for r in mixed_requests(tok, 7, [12, 8, 4], [1, 1, 1], 4, 1.0, seed=0)) == \
+        [4, 4, 8, 8, 12, 12, 12]
+    with pytest.raises(ValueError, match="mixed_weights"):
+        mixed_requests(tok, 4, [64, 8], [1], 16, 1.0, seed=0)
+    with pytest.raises(ValueError, match="mixed_input_lens"):
+        mixed_requests(tok, 4, [64, 0], [1, 1], 16, 1.0, seed=0)
+
+
+def test_mixed_from_the_command_line_equal_shares_by_default(tok):
+    p = argparse.ArgumentParser()
+    add_bench_serve_args(p)
+    a = p.parse_args(["--dataset-name", "mixed", "--mixed-input-lens", "40,8", "--num-prompts", "6",
+                      "--random-output-len", "5", "--random-range-ratio", "1"])
+    assert sorted(r.prompt_len for r in build_requests(a, tok)) == [8, 8, 8, 40, 40, 40]
+    a = p.parse_args(["--dataset-name", "mixed", "--mixed-input-lens", "40,8", "--mixed-weights", "1,2",
+                      "--num-prompts", "6"])
+    assert sorted(r.prompt_len for r in build_requests(a, tok)) == [8, 8, 8, 8, 40, 40]

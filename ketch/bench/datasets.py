@@ -1,6 +1,6 @@
-"""Prompts for `ketch bench serve`: random token prompts, ShareGPT conversations, groups of prompts
-sharing a generated system prompt, and the random user turns of multi-turn conversations
-(bench/multiturn.py).
+"""Prompts for `ketch bench serve`: random token prompts (of lengths in a range, or a mix of fixed
+lengths), ShareGPT conversations, groups of prompts sharing a generated system prompt, and the
+random user turns of multi-turn conversations (bench/multiturn.py).
 
 Each request carries its prompt text, the prompt's length in tokens by our tokenizer (the server's
 own count, when it reports usage, replaces it later), the number of tokens to ask for and, in a
@@ -79,6 +79,39 @@ def random_requests(tokenizer: TextTokenizer, num_prompts: int, input_len: int, 
     out = []
     for _ in range(num_prompts):
         n_in = rng.randint(max(1, int(input_len * range_ratio)), input_len)
+        n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
+        text = _random_text(tokenizer, n_in, rng, pool)
+        out.append(SampleRequest(text, _count(tokenizer, text), n_out))
+    return out
+
+
+def mixed_requests(tokenizer: TextTokenizer, num_prompts: int, input_lens: Sequence[int], weights: Sequence[float],
+                   output_len: int, range_ratio: float, seed: int) -> list[SampleRequest]:
+    """`--dataset-name mixed`: prompts of exactly one of `input_lens` tokens each, as many of each
+    length as its share of `weights` says (largest remainder, so 2048,128 with weights 1,3 and 8
+    prompts is exactly 2 long and 6 short), in an order shuffled by `seed`; output lengths as for
+    random (uniform in [len * range_ratio, len])."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    if not input_lens or any(n < 1 for n in input_lens):
+        raise ValueError(f"mixed_input_lens: one or more lengths >= 1, got {list(input_lens)}")
+    if len(weights) != len(input_lens) or any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"mixed_weights: one weight >= 0 per length of {list(input_lens)} (not all 0), "
+                         f"got {list(weights)}")
+    if output_len < 1:
+        raise ValueError(f"random_output_len: must be >= 1, got {output_len}")
+    if not 0.0 <= range_ratio <= 1.0:
+        raise ValueError(f"random_range_ratio: must be in [0, 1], got {range_ratio}")
+    shares = [num_prompts * w / sum(weights) for w in weights]
+    counts = [int(s) for s in shares]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[:num_prompts - sum(counts)]:
+        counts[i] += 1
+    lens = [n for n, c in zip(input_lens, counts) for _ in range(c)]
+    rng = random.Random(seed)
+    rng.shuffle(lens)
+    pool = _token_pool(tokenizer)
+    out = []
+    for n_in in lens:
         n_out = rng.randint(max(1, int(output_len * range_ratio)), output_len)
         text = _random_text(tokenizer, n_in, rng, pool)
         out.append(SampleRequest(text, _count(tokenizer, text), n_out))

@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-from ketch.bench.datasets import (SampleRequest, random_requests, random_turns, shared_prefix_requests,
-                                  sharegpt_requests)
+from ketch.bench.datasets import (SampleRequest, mixed_requests, random_requests, random_turns,
+                                  shared_prefix_requests, sharegpt_requests)
 from ketch.bench.multiturn import Conversations, count_prompts, format_rounds, round_metrics, run_conversations
 from ketch.bench.serve_client import RequestConfig, count_outputs, fetch_model, flush_cache, make_client
 from ketch.bench.serve_engine_steps import StepWindow, read_step_clock, step_window
@@ -90,6 +90,10 @@ def build_requests(a: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     if a.dataset_name == "random":
         return random_requests(tokenizer, a.num_prompts, a.random_input_len, a.random_output_len,
                                a.random_range_ratio, a.seed)
+    if a.dataset_name == "mixed":
+        return mixed_requests(tokenizer, a.num_prompts, a.mixed_input_lens,
+                              a.mixed_weights or [1.0] * len(a.mixed_input_lens), a.random_output_len,
+                              a.random_range_ratio, a.seed)
     return sharegpt_requests(a.dataset_path, tokenizer, a.num_prompts, a.seed, a.sharegpt_output_len)
 
 

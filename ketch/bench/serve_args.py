@@ -4,6 +4,14 @@ from __future__ import annotations
 import argparse
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _float_list(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (default: from --host/--port)")
@@ -20,8 +28,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random",
-                   choices=["random", "sharegpt", "multiturn", "generated-shared-prefix"],
-                   help="multiturn: --multiturn-clients conversations of --multiturn-rounds rounds; "
+                   choices=["random", "mixed", "sharegpt", "multiturn", "generated-shared-prefix"],
+                   help="mixed: --num-prompts random prompts of the --mixed-input-lens in the --mixed-weights "
+                        "shares; multiturn: --multiturn-clients conversations of --multiturn-rounds rounds; "
                         "generated-shared-prefix: --gsp-num-groups x --gsp-prompts-per-group prompts (neither "
                         "uses --num-prompts)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON (for --dataset-name sharegpt)")
@@ -30,6 +39,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--random-output-len", type=int, default=1024)
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len * ratio, len]; 1.0 fixes them")
+    d.add_argument("--mixed-input-lens", type=_int_list, default=[2048, 128],
+                   help="mixed: the prompt lengths, comma-separated (each prompt is exactly one of them)")
+    d.add_argument("--mixed-weights", type=_float_list, default=None,
+                   help="mixed: each length's share of the prompts, comma-separated (default: equal shares)")
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="fixed output length for ShareGPT (default: the conversation's answer length)")
     d.add_argument("--seed", type=int, default=1)
