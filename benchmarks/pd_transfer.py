@@ -64,14 +64,15 @@ def shape_for(page_bytes: int, num_layers: int) -> tuple[int, int]:
     return row // per_head, row
 
 
-def make_pool(num_pages: int, heads: int, num_layers: int, seed: int | None) -> list[dict[str, torch.Tensor]]:
+def make_pool(num_pages: int, heads: int, num_layers: int, seed: int | None,
+              device: str = "cpu") -> list[dict[str, torch.Tensor]]:
     """seed None: zeros; else random bytes (every bit pattern, so a lost or moved byte changes a sum)."""
     shape = (num_pages, PAGE_SIZE, heads, HEAD_DIM)
     if seed is None:
-        return [{n: torch.zeros(shape, dtype=DTYPE) for n in ("k", "v")} for _ in range(num_layers)]
+        return [{n: torch.zeros(shape, dtype=DTYPE, device=device) for n in ("k", "v")} for _ in range(num_layers)]
     g = torch.Generator().manual_seed(seed)
-    return [{n: torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=g).view(DTYPE) for n in ("k", "v")}
-            for _ in range(num_layers)]
+    return [{n: torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=g).view(DTYPE).to(device)
+             for n in ("k", "v")} for _ in range(num_layers)]
 
 
 def page_sums(layers: list[dict[str, torch.Tensor]], pages: list[int]) -> list[int]:
@@ -83,7 +84,7 @@ def page_sums(layers: list[dict[str, torch.Tensor]], pages: list[int]) -> list[i
     pos = 0
     for layer in layers:
         for t in layer.values():
-            words = t.index_select(0, idx).reshape(len(pages), -1).view(torch.int64)
+            words = t.index_select(0, idx.to(t.device)).cpu().reshape(len(pages), -1).view(torch.int64)
             total += (words * torch.arange(pos + 1, pos + 1 + words.shape[1], dtype=torch.int64)).sum(1)
             pos += words.shape[1]
     return total.tolist()
@@ -102,7 +103,7 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(POLL_S)
 
 
-def _side_main(mode: str, backend: str, pool: tuple, threads: int, conn) -> None:
+def _side_main(mode: str, backend: str, pool: tuple, threads: int, conn, device: str = "cpu") -> None:
     """One side in its own process; commands from the parent on `conn`. Exits with os._exit (NIXL
     may crash in interpreter finalization after making an agent)."""
     code = 0
@@ -110,7 +111,7 @@ def _side_main(mode: str, backend: str, pool: tuple, threads: int, conn) -> None
         torch.set_num_threads(threads)
         from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport
         num_pages, heads, num_layers = pool
-        layers = make_pool(num_pages, heads, num_layers, seed=1 if mode == "prefill" else None)
+        layers = make_pool(num_pages, heads, num_layers, seed=1 if mode == "prefill" else None, device=device)
         transport = make_transport(DisaggConfig(mode, transfer_backend=backend, **CONFIG), layers, "pd-transfer-bench")
         conn.send(("ready", transport.bootstrap_addr))
         done = (KVPoll.Success, KVPoll.Failed)
@@ -192,7 +193,7 @@ def _expect(conn, kind: str, timeout_s: float = 600) -> tuple:
 
 
 def run_pair(ctx, backend: str, num_pages: int, heads: int, num_layers: int, rooms: int,
-             warmup: int, threads: int) -> list[float | str]:
+             warmup: int, threads: int, device: str = "cpu") -> list[float | str]:
     """Seconds per timed room (a string naming the failure for a room that failed or whose bytes
     differ); the first `warmup` rooms are run and checked the same way but not returned."""
     if backend == "fake":
@@ -209,8 +210,8 @@ def run_pair(ctx, backend: str, num_pages: int, heads: int, num_layers: int, roo
             proc.join(30)
             proc.kill()
     pipes = {m: ctx.Pipe() for m in ("prefill", "decode")}
-    procs = {m: ctx.Process(target=_side_main, args=(m, backend, (num_pages, heads, num_layers), threads, pipes[m][1]),
-                            daemon=True) for m in pipes}
+    procs = {m: ctx.Process(target=_side_main, args=(m, backend, (num_pages, heads, num_layers), threads, pipes[m][1],
+                                                     device), daemon=True) for m in pipes}
     for p in procs.values():
         p.start()
     pre, dec = pipes["prefill"][0], pipes["decode"][0]
@@ -241,22 +242,27 @@ def run_pair(ctx, backend: str, num_pages: int, heads: int, num_layers: int, roo
                 p.kill()
 
 
-def reference(num_pages: int, heads: int, num_layers: int, rooms: int) -> tuple[float, float]:
+def reference(num_pages: int, heads: int, num_layers: int, rooms: int, device: str = "cpu") -> tuple[float, float]:
     """Median seconds of (copy_ of whole tensors, index_copy_ of the rooms' page rows), same bytes;
-    room 0 is a warm-up (the destination's first touch faults its memory in)."""
-    src = make_pool(num_pages, heads, num_layers, seed=1)
-    dst = make_pool(num_pages, heads, num_layers, seed=None)
+    room 0 is a warm-up (the destination's first touch faults its memory in). On CUDA: a
+    device-to-device copy within one GPU, timed to its end."""
+    src = make_pool(num_pages, heads, num_layers, seed=1, device=device)
+    dst = make_pool(num_pages, heads, num_layers, seed=None, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     plain, paged = [], []
     for room in range(rooms + 1):
-        s_pages, d_pages = (torch.tensor(p) for p in room_pages(room, num_pages))
+        s_pages, d_pages = (torch.tensor(p, device=device) for p in room_pages(room, num_pages))
+        sync()
         t0 = time.perf_counter()
         for s, d in zip(src, dst):
             for n in s:
                 d[n].copy_(s[n])
+        sync()
         t1 = time.perf_counter()
         for s, d in zip(src, dst):
             for n in s:
                 d[n].index_copy_(0, d_pages, s[n].index_select(0, s_pages))
+        sync()
         t2 = time.perf_counter()
         if room:
             plain.append(t1 - t0)
@@ -285,18 +291,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads in every process (the tcp receiver's index_copy_ and the reference use "
                         "them; more than the free cores of a busy machine makes copies wait on one another)")
     p.add_argument("--warmup-rooms", type=int, default=1, help="rooms run and checked first, not timed")
+    p.add_argument("--device", default="cpu", help="where both pools live: cpu, or cuda (two processes on one GPU; "
+                   "nixl then moves GPU memory: leave UCX_TLS unset so UCX may pick cuda_ipc)")
     a = p.parse_args(argv)
     backends = [b for b in a.backends.split(",") if b]
     pages_kib = [int(x) for x in a.page_kib.split(",")]
     if a.rooms < 1 or a.room_mib < 1 or a.warmup_rooms < 0:
         p.error("--rooms and --room-mib: >= 1; --warmup-rooms: >= 0")
     torch.set_num_threads(a.threads)
-    os.environ.setdefault("UCX_TLS", "tcp")  # nixl: before a child starts UCX (children inherit it)
+    if a.device == "cpu":
+        os.environ.setdefault("UCX_TLS", "tcp")  # nixl: before a child starts UCX (children inherit it)
     print(f"# pd_transfer: {' '.join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])])}")
     commit = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or "?"
     print(f"# date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; commit {commit}; {machine()}; "
-          f"UCX_TLS={os.environ['UCX_TLS']}")
+          f"UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; device {a.device}")
     print(f"# page = {PAGE_SIZE} tokens x {a.layers} layers x K,V of [heads, {HEAD_DIM}] bf16; {a.room_mib} MiB per "
           f"room, {a.rooms} rooms after {a.warmup_rooms} warm-up; GB/s = 1e9 B/s of room bytes, send() -> both sides "
           f"Success, median room; per-page checksums verified")
@@ -306,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         heads, row = shape_for(kib << 10, a.layers)
         num_pages = max(1, (a.room_mib << 20) // (kib << 10))
         room_bytes = num_pages * (kib << 10)
-        plain, paged = reference(num_pages, heads, a.layers, a.rooms)
-        rows.append((kib, row, num_pages, "memcpy (copy_, 1 process)", room_bytes / plain / 1e9, plain, ""))
+        plain, paged = reference(num_pages, heads, a.layers, a.rooms, a.device)
+        rows.append((kib, row, num_pages, f"memcpy (copy_, 1 process, {a.device})", room_bytes / plain / 1e9, plain, ""))
         rows.append((kib, row, num_pages, "index_copy_ (1 process)", room_bytes / paged / 1e9, paged, ""))
         for backend in backends:
             if backend == "nixl" and importlib.util.find_spec("nixl") is None:
@@ -316,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 from ketch.disagg import DisaggConfig
                 DisaggConfig("prefill", transfer_backend=backend)
-                results = run_pair(ctx, backend, num_pages, heads, a.layers, a.rooms, a.warmup_rooms, a.threads)
+                results = run_pair(ctx, backend, num_pages, heads, a.layers, a.rooms, a.warmup_rooms, a.threads,
+                                   a.device)
             except Exception as e:  # a backend that cannot run here is a row that says why, not the end
                 rows.append((kib, row, num_pages, backend, None, None, f"error: {str(e).strip().splitlines()[-1]}"))
                 continue
