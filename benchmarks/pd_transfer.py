@@ -280,6 +280,22 @@ def machine() -> str:
     return f"{model}; {os.cpu_count()} cpus; torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
+class _Rows(list):
+    """The table, each row printed as it is measured (a run cut short still shows what it did)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        print("\n| page | layer row | pages/room | backend | GB/s | ms/room | note |\n|---|---|---|---|---|---|---|",
+              flush=True)
+
+    def append(self, row: tuple) -> None:
+        super().append(row)
+        kib, n_row, n, backend, gbs, secs, note = row
+        gb = "n/a" if gbs is None or backend == "fake" else f"{gbs:.2f}"
+        ms = "n/a" if secs is None else f"{secs * 1e3:.2f}"
+        print(f"| {kib} KiB | {n_row >> 10} KiB | {n} | {backend} | {gb} | {ms} | {note} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="tcp,nixl,fake", help="comma-separated make_transport backend names")
@@ -310,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
           f"room, {a.rooms} rooms after {a.warmup_rooms} warm-up; GB/s = 1e9 B/s of room bytes, send() -> both sides "
           f"Success, median room; per-page checksums verified")
     ctx = mp.get_context("spawn")
-    rows = []
+    rows = _Rows()
     for kib in pages_kib:
         heads, row = shape_for(kib << 10, a.layers)
         num_pages = max(1, (a.room_mib << 20) // (kib << 10))
@@ -337,11 +353,6 @@ def main(argv: list[str] | None = None) -> int:
                    (f"{len(failed)} of {len(results)} rooms {failed[0]}" if failed else f"rooms: {len(ok)}")
             rows.append((kib, row, num_pages, backend, room_bytes / secs / 1e9 if secs else None, secs, note))
         print(f"# {kib} KiB pages done", file=sys.stderr, flush=True)
-    print("\n| page | layer row | pages/room | backend | GB/s | ms/room | note |\n|---|---|---|---|---|---|---|")
-    for kib, row, n, backend, gbs, secs, note in rows:
-        gb = "n/a" if gbs is None or backend == "fake" else f"{gbs:.2f}"
-        ms = "n/a" if secs is None else f"{secs * 1e3:.2f}"
-        print(f"| {kib} KiB | {row >> 10} KiB | {n} | {backend} | {gb} | {ms} | {note} |")
     return 1 if any(r[6].startswith("error") or "FAILED" in r[6] for r in rows) else 0
 
 

@@ -30,6 +30,7 @@
 #          DEVICE (cpu) EXTRA_SERVE (more `ketch serve` flags for every server, e.g. "--dtype float32")
 #          COLOCATED_EXTRA (flags for the colocated server only, e.g. "--chunked-prefill-size 512": the
 #          colocated answer to long prompts, a fairer baseline to try beside the default)
+#          PD_TIMEOUT (300: --disaggregation-timeout of both PD servers, SGLang's default; a queued prefill counts)
 #          REQUEST_TIMEOUT (600 s per request) RUN_TIMEOUT (1800 s per bench run) PORT (31300: the
 #          gateway; servers PORT+1.., bootstrap PORT+9) PY (the python; default REPO/.venv/bin/python)
 #   real measurement (quiet machine, 8+ CPUs): bash scripts/pd_vs_colocated.sh /tmp/pd_vs_colocated.log
@@ -47,7 +48,7 @@ LOG=${1:-/tmp/pd_vs_colocated.log}
 CONCURRENCIES=${CONCURRENCIES:-8 32} PROMPTS_PER_STREAM=${PROMPTS_PER_STREAM:-4} LENS=${LENS:-2048,128}
 WEIGHTS=${WEIGHTS:-1,1} OUTPUT=${OUTPUT:-128} ROUNDS=${ROUNDS:-1} SEED=${SEED:-1} TRANSFER=${TRANSFER:-tcp}
 KV_GIB=${KV_GIB:-2} DEVICE=${DEVICE:-cpu} EXTRA_SERVE=${EXTRA_SERVE:-} COLOCATED_EXTRA=${COLOCATED_EXTRA:-} REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
-RUN_TIMEOUT=${RUN_TIMEOUT:-1800} PORT=${PORT:-31300}
+RUN_TIMEOUT=${RUN_TIMEOUT:-1800} PORT=${PORT:-31300} PD_TIMEOUT=${PD_TIMEOUT:-300}
 GW=http://127.0.0.1:$PORT S1=http://127.0.0.1:$((PORT + 1)) S2=http://127.0.0.1:$((PORT + 2)) BOOT=$((PORT + 9))
 
 # the CPU budget: SERVER_CPUS for the servers (split in halves for pd), the rest for gateway + client
@@ -111,9 +112,9 @@ start() {  # colocated | pd
     SERVERS=("$S1")
   else
     serve prefill "$PRE_CPUS" "$PRE_T" $((PORT + 1)) --disaggregation-mode prefill \
-      --disaggregation-transfer-backend "$TRANSFER" --disaggregation-bootstrap-port "$BOOT" --disaggregation-timeout 120
+      --disaggregation-transfer-backend "$TRANSFER" --disaggregation-bootstrap-port "$BOOT" --disaggregation-timeout "$PD_TIMEOUT"
     serve decode "$DEC_CPUS" "$DEC_T" $((PORT + 2)) --disaggregation-mode decode \
-      --disaggregation-transfer-backend "$TRANSFER" --disaggregation-timeout 120
+      --disaggregation-transfer-backend "$TRANSFER" --disaggregation-timeout "$PD_TIMEOUT"
     wait_up "$S1" "${PIDS[-2]}"
     wait_up "$S2" "${PIDS[-1]}"
     gateway --pd-disaggregation --prefill "$S1" "$BOOT" --decode "$S2"
@@ -136,7 +137,7 @@ bench() {  # CONFIG ROUND CONC PROMPTS SEED OUTFILE [more flags]
 { echo "# pd_vs_colocated: $0 $*"
   echo "# env: CONCURRENCIES='$CONCURRENCIES' PROMPTS_PER_STREAM=$PROMPTS_PER_STREAM LENS=$LENS WEIGHTS=$WEIGHTS" \
        "OUTPUT=$OUTPUT ROUNDS=$ROUNDS SEED=$SEED TRANSFER=$TRANSFER KV_GIB=$KV_GIB DEVICE=$DEVICE EXTRA_SERVE='$EXTRA_SERVE'" \
-       "COLOCATED_EXTRA='$COLOCATED_EXTRA' UCX_TLS=$UCX_TLS"
+       "COLOCATED_EXTRA='$COLOCATED_EXTRA' UCX_TLS=$UCX_TLS PD_TIMEOUT=$PD_TIMEOUT"
   echo "# date $(date -u +'%F %T UTC'); commit $(git -C "$REPO" rev-parse --short HEAD); $n cpus;" \
        "$(lscpu | grep 'Model name' | sed 's/  */ /g'); load average $(cut -d" " -f1-3 /proc/loadavg)"
   echo "# cpus: colocated on $SERVER_CPUS ($NS threads); pd prefill on $PRE_CPUS ($PRE_T threads), decode on" \

@@ -104,3 +104,22 @@ def test_multiturn_round_metrics_on_hand_made_timings():
     assert [r["cache_hit_rate"] for r in silent["per_round"]] == [None, None]
     assert silent["cache_hit_rate_rounds_2plus"] is None
     assert round_metrics([ok(0.1, 20, 0)], 1)["mean_ttft_ms_rounds_2plus"] is None  # one round: nothing after it
+
+
+def test_pd_ttft_split_means_over_the_answers_that_carried_one():
+    def ok(ttft_ms: float, timing: dict | None) -> RequestResult:
+        return RequestResult(success=True, prompt_len=10, output_len=2, ttft=ttft_ms / 1e3, latency=1.0,
+                             pd_timing=timing)
+
+    t = {"prefill_ms": 40.0, "transfer_ms": 6.0, "kv_wait_ms": 50.0, "first_decode_ms": 2.0}
+    results = [ok(60.0, t), ok(100.0, {**t, "prefill_ms": 80.0}),
+               ok(500.0, None),  # a colocated answer: not in the split
+               ok(70.0, {**t, "transfer_ms": None}),  # a part not measured: not in the split
+               RequestResult(success=False, pd_timing=t)]  # failed: not in the split
+    m = compute_metrics(results, duration_s=1.0)
+    assert m.pd_split == {"prefill_ms": 60.0, "transfer_ms": 6.0, "first_decode_ms": 2.0,
+                          "rest_ms": (60 - 48 + 100 - 88) / 2, "requests": 2}
+    report = format_report(m, {})
+    assert "Mean TTFT: KV transfer (ms):" in report and "TTFT split over (requests):" in report
+    assert compute_metrics([ok(60.0, None)], duration_s=1.0).pd_split is None
+    assert "KV transfer" not in format_report(compute_metrics([ok(60.0, None)], duration_s=1.0), {})

@@ -5,6 +5,7 @@ error and free their pages only once the transfer is over. Overlap scheduling of
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -75,12 +76,109 @@ def greedy_matches_colocated(tiny_config_path: str, backend: str) -> None:
         for i, p in enumerate(prompts):
             prefill.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
             decode.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
-        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        raw = run_pair(prefill, decode)
+        pre, dec = (collect(o) for o in raw)
         for i in range(len(prompts)):
             assert dec[(f"r{i}", 0)] == want[(f"r{i}", 0)]
             assert pre[(f"r{i}", 0)]["ids"] == want[(f"r{i}", 0)]["ids"][:1]
             assert pre[(f"r{i}", 0)]["reason"] == "length" and pre[(f"r{i}", 0)]["ends"] == 1
+        check_ttft_split(raw[0], raw[1], len(prompts))
         assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def check_ttft_split(prefill_outs: list, decode_outs: list, num_requests: int) -> None:
+    """A decode engine's first output of each request carries the TTFT split; nothing else does."""
+    split = [o.pd_timing for o in decode_outs if o.pd_timing is not None]
+    assert len(split) == num_requests
+    assert all(o.pd_timing is None for o in prefill_outs)
+    firsts = {}
+    for o in decode_outs:
+        firsts.setdefault(o.request_id, o)
+    assert all(o.pd_timing is not None and o.new_token_ids for o in firsts.values())
+    for prefill_s, transfer_s, kv_wait_s, first_decode_s in split:
+        # the prefill ran while this side waited at its gate; the transfer is the end of that wait
+        assert 0 < prefill_s and 0 <= transfer_s <= kv_wait_s and 0 <= first_decode_s
+
+
+def test_lone_fake_decode_runs_the_prompt_itself(tiny_config_path):
+    """The fake backend across processes: no KV ever comes, so a decode engine on it (no hub)
+    computes each prompt and answers exactly as a colocated engine; a lone fake prefill engine's
+    one token is the colocated engine's first."""
+    prompts = [prompt(5, 1), prompt(33, 3)]
+    colocated = make_tiny_engine(tiny_config_path)
+    for i, p in enumerate(prompts):
+        colocated.add_request(f"r{i}", p, GREEDY)
+    want = collect(run_pair(colocated)[0])
+    prefill, decode = pair(tiny_config_path, backend="fake")
+    try:
+        assert decode.kv_gate is None
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
+            decode.add_request(f"r{i}", p, GREEDY, bootstrap=boot(prefill, 100 + i))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        for i in range(len(prompts)):
+            assert dec[(f"r{i}", 0)] == want[(f"r{i}", 0)]
+            assert pre[(f"r{i}", 0)]["ids"] == want[(f"r{i}", 0)]["ids"][:1]
+        assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_without_room_queues_until_pages_free(tiny_config_path):
+    """Two prompts the decode pool cannot hold at once: the second waits at the gate (its room not
+    registered yet; the prefill engine keeps its KV meanwhile) until the first finishes and frees
+    its pages, then runs. Both answers equal a colocated engine's; every page comes back."""
+    probe = make_tiny_engine(tiny_config_path)
+    per_page = 2 * 1024 * 1024 // probe.allocator.num_pages  # the tiny pool's bytes per page
+    probe.close()
+    common = dict(disaggregation_transfer_backend="tcp", disaggregation_timeout=30.0)
+    prefill = make_tiny_engine(tiny_config_path, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                               **common)
+    decode = make_tiny_engine(tiny_config_path, disaggregation_mode="decode", kv_cache_memory=per_page * 20, **common)
+    # each prompt takes 60 % of the decode pool's pages (whole pages of 4 tokens, then a partial one)
+    tokens = decode.allocator.num_pages * 6 // 10 * 4 - 2
+    prompts = [prompt(tokens, 21), prompt(tokens, 22)]
+    colocated = make_tiny_engine(tiny_config_path)
+    for i, p in enumerate(prompts):
+        colocated.add_request(f"q{i}", p, GREEDY)
+    want = collect(run_pair(colocated)[0])
+    try:
+        assert 10 <= decode.allocator.num_pages < 40, decode.allocator.num_pages
+        for i, p in enumerate(prompts):
+            decode.add_request(f"q{i}", p, GREEDY, bootstrap=boot(prefill, 300 + i))
+        assert len(decode.kv_gate.parked) == 1 and len(decode.kv_gate.queued) == 1
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"q{i}", p, GREEDY, bootstrap=boot(prefill, 300 + i))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        for i in range(len(prompts)):
+            assert dec[(f"q{i}", 0)] == want[(f"q{i}", 0)]
+        assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_waiting_for_room_fails_after_the_timeout(tiny_config_path):
+    prefill, decode = pair(tiny_config_path, timeout=0.3)
+    try:
+        hog = decode.allocator.alloc(decode.allocator.num_free)  # no page left for anyone
+        decode.add_request("w", prompt(9, 4), GREEDY, bootstrap=boot(prefill, 400))
+        outs: list = []
+        deadline = time.monotonic() + 30
+        while not any(o.request_id == "w" and o.finished for o in outs):
+            assert time.monotonic() < deadline, "the waiting request never failed"
+            outs += decode.step()
+        (w,) = [o for o in outs if o.request_id == "w"]
+        assert w.finish_reason == "abort" and "no room for the prompt's 3 KV pages" in w.error, w.error
+        assert not decode.kv_gate.has_parked()
+        decode.allocator.decref(hog)
         assert_drained(decode)
     finally:
         prefill.close()

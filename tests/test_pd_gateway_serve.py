@@ -5,6 +5,7 @@ gateway's greedy answers to test_parity's 20 prompts, stream and not, must equal
 server's: text, finish reason and token counts. With tcp, nixl and mooncake the decode server
 decodes from the KV that crossed the wire; with fake it runs each prompt itself (moves no bytes).
 Afterwards every page is back on both servers and the transfers are counted as they happened.
+Each answer's usage carries the decode server's TTFT split (`pd_timing`) through the gateway.
 """
 from __future__ import annotations
 
@@ -41,9 +42,13 @@ def _bodies(stream: bool) -> list[dict]:
              "temperature": 0, **extra} for p in PROMPTS]
 
 
-def _answers(base: str, stream: bool) -> list[tuple]:
+def _answers(base: str, stream: bool, usages: list | None = None) -> list[tuple]:
+    """The answers' (text, finish reason, token counts); their usage objects appended to `usages`."""
     with ThreadPoolExecutor(CLIENTS) as pool:
-        return [answer(*got) for got in pool.map(lambda b: call(base, "/v1/chat/completions", b), _bodies(stream))]
+        got = list(pool.map(lambda b: call(base, "/v1/chat/completions", b), _bodies(stream)))
+    if usages is not None:
+        usages += [body.get("usage") or {} for _, body in got]
+    return [answer(*g) for g in got]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,10 @@ def colocated() -> list[tuple]:
     replica = start_replica(port)
     try:
         wait_healthy(replica)
-        want = _answers(replica.url, stream=False)
-        assert _answers(replica.url, stream=True) == want
+        usages: list[dict] = []
+        want = _answers(replica.url, stream=False, usages=usages)
+        assert _answers(replica.url, stream=True, usages=usages) == want
+        assert not any("pd_timing" in u for u in usages), "a colocated server has no PD TTFT split"
         return want
     finally:
         stop(replica.proc)
@@ -93,9 +100,17 @@ def deployment(request):
 def test_gateway_pd_answers_equal_colocated(deployment, colocated, stream):
     base, prefill, decode, backend = deployment
     before = [metrics(url) for url in (prefill, decode)]
-    got = _answers(base, stream)
+    usages: list[dict] = []
+    got = _answers(base, stream, usages)
     for i, (g, w) in enumerate(zip(got, colocated)):
         assert g == w, f"prompt {i} {PROMPTS[i]!r} over {backend}"
+    # the decode server's TTFT split reaches the client through the gateway (none on fake: no transfer)
+    for u in usages:
+        if backend == "fake":
+            assert "pd_timing" not in u, u
+            continue
+        t = u["pd_timing"]
+        assert t["prefill_ms"] > 0 and 0 <= t["transfer_ms"] <= t["kv_wait_ms"] and t["first_decode_ms"] >= 0, t
     for url in (prefill, decode):
         wait_for(lambda: pages_all_back(metrics(url)), f"pages back on {url}")
     after = [metrics(url) for url in (prefill, decode)]

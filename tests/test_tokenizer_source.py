@@ -80,3 +80,10 @@ def test_coalesce_joins_each_samples_deltas_in_order():
     assert (out[3].new_token_ids, out[3].finished, out[3].finish_reason) == ([3, 4], True, "length")
     assert out[4].new_token_ids == [9]  # nothing joins a delta that finished
     assert [t for o in out if isinstance(o, TokenDelta) for t in o.new_token_ids] == [1, 2, 7, 8, 3, 4, 9]
+
+
+def test_coalesce_keeps_a_pd_first_deltas_ttft_split():
+    import msgspec
+    first = msgspec.structs.replace(_delta("r", 0, [5]), pd_timing=(0.04, 0.006, 0.05, 0.002))
+    out = coalesce([first, _delta("r", 0, [6]), _delta("r", 0, [7], finished=True)])
+    assert len(out) == 1 and out[0].new_token_ids == [5, 6, 7] and out[0].pd_timing == (0.04, 0.006, 0.05, 0.002)

@@ -186,6 +186,9 @@ async def send_request(client: HTTPClient, cfg: RequestConfig, req: SampleReques
     details = usage.get("prompt_tokens_details") if usage else None
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         res.cached_tokens = details["cached_tokens"]
+    timing = usage.get("pd_timing") if usage else None  # a PD decode server's TTFT split
+    if isinstance(timing, dict):
+        res.pd_timing = timing
     res.success = True
     return res
 

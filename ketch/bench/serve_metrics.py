@@ -31,6 +31,7 @@ class RequestResult:
     error: str = ""
     generated_text: str = ""
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served; None: it did not say
+    pd_timing: dict[str, float | None] | None = None  # a PD decode server's TTFT split (usage.pd_timing, ms)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class BenchmarkMetrics:
     max_itl_ms: float
     total_cached: int | None = None  # prompt tokens served from the prefix cache (None: no answer said)
     cache_hit_rate: float | None = None
+    # PD: the mean TTFT split over the answers whose usage carried one (None: none did)
+    pd_split: dict[str, float] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +130,26 @@ def compute_metrics(results: list[RequestResult], duration_s: float) -> Benchmar
         max_itl_ms=_ms(itl, "max"),
         total_cached=cached if hit_rate is not None else None,
         cache_hit_rate=hit_rate,
+        pd_split=pd_split(ok),
     )
+
+
+PD_PARTS = ("prefill_ms", "transfer_ms", "first_decode_ms")  # the sequential parts of a PD request's TTFT
+
+
+def pd_split(ok: list[RequestResult]) -> dict[str, float] | None:
+    """Mean TTFT split over the answers whose usage carried a complete `pd_timing` (a PD decode
+    server's: ms on the prefill server, in the transfer, and from the KV's arrival to the first
+    token), with `rest_ms` = the client's TTFT minus those three (gateway, HTTP, bootstrap, the
+    decode server's wait for pages); `requests` says how many answers it is over."""
+    rows = [(r.ttft * 1e3, r.pd_timing) for r in ok if r.pd_timing
+            and all(isinstance(r.pd_timing.get(k), (int, float)) for k in PD_PARTS)]
+    if not rows:
+        return None
+    out = {k: sum(t[k] for _, t in rows) / len(rows) for k in PD_PARTS}
+    out["rest_ms"] = sum(ttft - sum(t[k] for k in PD_PARTS) for ttft, t in rows) / len(rows)
+    out["requests"] = len(rows)
+    return out
 
 
 def report_row(label: str, value: object) -> str:
@@ -165,6 +187,13 @@ def format_report(m: BenchmarkMetrics, header: dict[str, object]) -> str:
         report_row("Mean TTFT (ms)", m.mean_ttft_ms),
         report_row("Median TTFT (ms)", m.median_ttft_ms),
         report_row("P99 TTFT (ms)", m.p99_ttft_ms),
+        *([] if m.pd_split is None else [
+            report_row("Mean TTFT: prefill (ms)", m.pd_split["prefill_ms"]),
+            report_row("Mean TTFT: KV transfer (ms)", m.pd_split["transfer_ms"]),
+            report_row("Mean TTFT: first decode (ms)", m.pd_split["first_decode_ms"]),
+            report_row("Mean TTFT: rest (ms)", m.pd_split["rest_ms"]),
+            report_row("TTFT split over (requests)", m.pd_split["requests"]),
+        ]),
         report_rule("Time per Output Token (excl. 1st token)"),
         report_row("Mean TPOT (ms)", m.mean_tpot_ms),
         report_row("Median TPOT (ms)", m.median_tpot_ms),

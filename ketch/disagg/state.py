@@ -47,6 +47,9 @@ class TransferState:
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
         self.deadline = self._deadline_for(KVPoll.Bootstrapping)
+        # when (time.monotonic) the room entered each state it went through: a decode side's
+        # Success minus its Transferring is the transfer's own time (the TTFT split of a PD request)
+        self.entered: dict[KVPoll, float] = {KVPoll.Bootstrapping: time.monotonic()}
 
     def _deadline_for(self, state: KVPoll) -> float:
         limit = self._timeouts.get(state)
@@ -63,6 +66,7 @@ class TransferState:
             return False
         self.state = to
         self.deadline = self._deadline_for(to)
+        self.entered[to] = time.monotonic()
         return True
 
     def fail(self, reason: str) -> bool:

@@ -94,7 +94,7 @@ def _with_transport(parts: EngineParts, fingerprint: str, hub: FakeHub | None) -
     if c.disaggregation_mode == "prefill":
         return dataclasses.replace(parts, transport=transport, pd_sends=PrefillSends(transport, parts.kv))
     # a lone fake decode side receives nothing: its requests run their prompts here (no gate)
-    gate = KVArrivalGate(transport, parts.kv) if transport.carries_kv else None
+    gate = KVArrivalGate(transport, parts.kv, t) if transport.carries_kv else None
     return dataclasses.replace(parts, transport=transport, kv_gate=gate)
 
 

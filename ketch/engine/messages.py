@@ -143,6 +143,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    pd_timing: tuple[float, float, float, float] | None = None  # EngineOutput.pd_timing
 
     @classmethod
     def from_output(cls, o: EngineOutput) -> "TokenDelta":
@@ -150,7 +151,7 @@ class TokenDelta(msgspec.Struct, array_like=True, frozen=True):
             WireLogprob(lp.token_id, lp.logprob, [tuple(t) for t in lp.top]) for lp in o.new_logprobs
         ]
         return cls(o.request_id, o.index, o.new_token_ids, logprobs, o.finished, o.finish_reason,
-                   o.matched_stop, o.num_prompt_tokens, o.num_cached_tokens, o.error)
+                   o.matched_stop, o.num_prompt_tokens, o.num_cached_tokens, o.error, o.pd_timing)
 
 
 class TokenOutputs(msgspec.Struct, tag=True, frozen=True):

@@ -25,6 +25,9 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed (e.g. its grammar did not compile); a ValueError's text
+    # A PD decode engine's first output: the TTFT split in seconds (prefill on the prefill server,
+    # transfer, wait at the KV arrival gate, KV arrival -> this output); -1: not measured
+    pd_timing: tuple[float, float, float, float] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True):

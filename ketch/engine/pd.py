@@ -69,12 +69,15 @@ def outputs(engine: Engine) -> list[EngineOutput]:
             out.append(engine._output(req, tokens, done.logprobs if tokens else None, error=done.error))
             engine._forget(req)
     if engine.kv_gate is not None:
-        now = time.perf_counter()
-        for req, token in engine.kv_gate.take_arrived():
+        now, now_mono = time.perf_counter(), time.monotonic()
+        for a in engine.kv_gate.take_arrived():
+            req = a.req
             req.first_token_at = now
             engine._generated_tokens += 1
-            engine._check_stop(req, token, 1)
-            out.append(engine._output(req, [token], None))
+            engine._check_stop(req, a.token, 1)
+            first = engine._output(req, [a.token], None)
+            first.pd_timing = (a.prefill_s, a.transfer_s, a.kv_wait_s, now_mono - a.arrived_at)
+            out.append(first)
             if req.is_finished:
                 engine._forget(req)
     return out

@@ -14,7 +14,10 @@ the pages come back only once poll() is terminal. Nothing here waits on the tran
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from ketch.cache.manager import KVCacheManager
 from ketch.disagg import Aux, KVPoll, KVSender, KVTransport
@@ -44,6 +47,7 @@ class _Send:
     token: int = -1
     logprobs: list[TokenLogprob] | None = None
     aborted: bool = False  # its client is gone: end the transfer, report nothing
+    started: float = field(default_factory=time.monotonic)  # when the request reached this engine
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class PrefillSends:
         pages = req.page_table[: self.kv.pages_for(len(req.prompt_ids))]
         self.kv.allocator.incref(pages)
         s.hold, s.token, s.logprobs = PageHold(list(pages)), token, logprobs
-        s.sender.send(pages, Aux(token))
+        # the prefill's own time (queue + prompt) travels with the KV: the decode side reports it
+        # in the TTFT split of the request's usage (engine/pd_timing.py)
+        s.sender.send(pages, Aux(token, msgspec.json.encode({"prefill_s": time.monotonic() - s.started})))
 
     def abort(self, req: Request, reason: str) -> bool:
         """The client is gone: fail the room at both ends (its pages come back once poll() says so).

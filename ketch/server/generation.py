@@ -57,11 +57,19 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     _seen_prompts: set[str] = field(default_factory=set)
+    pd_timing: tuple[float, float, float, float] | None = None  # a PD decode server's TTFT split (seconds)
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.pd_timing is not None:  # ketch's own field: where a PD request's TTFT went (README)
+            out["pd_timing"] = {name: round(s * 1e3, 3) if s >= 0 else None
+                                for name, s in zip(PD_TIMING, self.pd_timing)}
+        return out
+
+
+PD_TIMING = ("prefill_ms", "transfer_ms", "kv_wait_ms", "first_decode_ms")
 
 
 def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str,
@@ -217,6 +225,8 @@ class Generation:
         if d.index == 0 and d.request_id not in self.usage._seen_prompts:
             self.usage._seen_prompts.add(d.request_id)
             self.usage.cached_tokens += d.num_cached_tokens
+        if d.pd_timing is not None:
+            self.usage.pd_timing = d.pd_timing
         if d.new_token_ids:
             self._observe_tokens(sample, len(d.new_token_ids))
         sample.num_tokens += len(d.new_token_ids)
@@ -258,7 +268,7 @@ class Generation:
 
 def coalesce(items: list) -> list:
     """Join each sample's consecutive token deltas in `items` into one (ids, logprobs in order;
-    the last one's finish); anything else (an error, an exception) stays where it was, with the
+    the last one's finish; a PD first delta's TTFT split kept); anything else (an error, an exception) stays where it was, with the
     deltas before it emitted first."""
     out: list = []
     joined: dict[tuple[str, int], TokenDelta] = {}
@@ -280,6 +290,7 @@ def coalesce(items: list) -> list:
             logprobs = None if prev.new_logprobs is None and item.new_logprobs is None else \
                 [*(prev.new_logprobs or ()), *(item.new_logprobs or ())]
             joined[key] = msgspec.structs.replace(
-                item, new_token_ids=[*prev.new_token_ids, *item.new_token_ids], new_logprobs=logprobs)
+                item, new_token_ids=[*prev.new_token_ids, *item.new_token_ids], new_logprobs=logprobs,
+                pd_timing=prev.pd_timing if item.pd_timing is None else item.pd_timing)
     out.extend(joined.values())
     return out
