@@ -107,3 +107,38 @@ def mooncake_pool_main(seed: int, num_pages: int, out) -> None:
     register_pool(engine, tensors)
     out.put(("peer", MooncakePeer(session, [t.data_ptr() for t in tensors])))
     threading.Event().wait()
+
+
+def read_between_two_processes(config: dict, num_pages: int, src: list[int], dst: list[int]) -> None:
+    """A prefill transport in a spawned process (its pool seeded 1), this process's decode side
+    (seeded 2) receiving room 77: the posted pages hold the source's rows byte for byte, every
+    other page is untouched, the Aux arrived, and the prefill side saw Success."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=prefill_main, args=(config, 1, num_pages, 77, src, 42, None, out), daemon=True)
+    proc.start()
+    layers = make_layers(2, num_pages)
+    before = [{k: t.clone() for k, t in layer.items()} for layer in layers]
+    decode = make_transport(DisaggConfig("decode", **config), layers)
+    try:
+        _, addr = out.get(timeout=60)
+        receiver = decode.receiver(77, addr)
+        receiver.init()
+        receiver.post_buffers(dst)
+        wait_until(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), 30, "the transfer")
+        assert receiver.poll() == KVPoll.Success, receiver.failure
+        assert receiver.aux == Aux(42, b"sampling-state")
+        source = make_layers(1, num_pages)
+        untouched = [p for p in range(num_pages) if p not in dst]
+        for layer in range(2):
+            for name in ("k", "v"):
+                assert torch.equal(layers[layer][name][dst], source[layer][name][src])
+                assert torch.equal(layers[layer][name][untouched], before[layer][name][untouched])
+        assert out.get(timeout=30) == ("final", "Success", None)
+    finally:
+        decode.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)

@@ -18,7 +18,7 @@ import zmq
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed: `bash scripts/setup.sh "
                                               "--test` installs it (pip install mooncake-transfer-engine-non-cuda)")
 
-from disagg_peer import make_layers, mooncake_pool_main, prefill_main, wait_until  # noqa: E402
+from disagg_peer import make_layers, mooncake_pool_main, read_between_two_processes, wait_until  # noqa: E402
 from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport  # noqa: E402
 from ketch.disagg.layout import layout_of  # noqa: E402
 from ketch.disagg.mooncake_engine import read_plan  # noqa: E402
@@ -77,33 +77,7 @@ def test_the_read_plan_is_one_entry_per_run_of_source_pages_per_tensor():
 
 
 def test_a_read_between_two_processes_moves_the_rows_byte_for_byte():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=prefill_main, args=(CONFIG, 1, POOL, 77, SRC, 42, None, out), daemon=True)
-    proc.start()
-    layers = make_layers(2, POOL)
-    before = snapshot(layers)
-    decode = make_transport(DisaggConfig("decode", **CONFIG), layers)
-    try:
-        kind, addr = out.get(timeout=60)
-        receiver = decode.receiver(77, addr)
-        receiver.init()
-        receiver.post_buffers(DST)
-        wait_until(lambda: ended(receiver), 30, "the READ")
-        assert receiver.poll() == KVPoll.Success, receiver.failure
-        assert receiver.aux == Aux(42, b"sampling-state")
-        src = make_layers(1, POOL)
-        untouched = [p for p in range(POOL) if p not in DST]
-        for layer in range(2):
-            for name in ("k", "v"):
-                assert torch.equal(layers[layer][name][DST], src[layer][name][SRC])
-                assert torch.equal(layers[layer][name][untouched], before[layer][name][untouched])
-        assert out.get(timeout=30) == ("final", "Success", None)
-    finally:
-        decode.close()
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
+    read_between_two_processes(CONFIG, POOL, SRC, DST)
 
 
 def test_many_rooms_at_once_in_bfloat16_each_gets_its_own_rows():

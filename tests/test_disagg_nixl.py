@@ -16,7 +16,7 @@ import zmq
 pytest.importorskip("nixl")
 os.environ.setdefault("UCX_TLS", "tcp")  # before any agent starts UCX; spawned children inherit it
 
-from disagg_peer import make_layers, nixl_pool_main, prefill_main, wait_until  # noqa: E402
+from disagg_peer import make_layers, nixl_pool_main, read_between_two_processes, wait_until  # noqa: E402
 from ketch.disagg import Aux, DisaggConfig, KVPoll, make_transport  # noqa: E402
 from ketch.disagg.layout import layout_of  # noqa: E402
 from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Released, Welcome, decode_to_decode,  # noqa: E402
@@ -41,31 +41,7 @@ def receive(decode, addr: str, room: int, dst: list[int]):
 
 
 def test_a_read_between_two_processes_moves_the_rows_byte_for_byte():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=prefill_main, args=(CONFIG, 1, POOL, 77, SRC, 42, None, out), daemon=True)
-    proc.start()
-    layers = make_layers(2, POOL)
-    before = [{k: t.clone() for k, t in layer.items()} for layer in layers]
-    decode = make_transport(DisaggConfig("decode", **CONFIG), layers)
-    try:
-        kind, addr = out.get(timeout=60)
-        receiver = receive(decode, addr, 77, DST)
-        wait_until(lambda: ended(receiver), 30, "the READ")
-        assert receiver.poll() == KVPoll.Success, receiver.failure
-        assert receiver.aux == Aux(42, b"sampling-state")
-        src = make_layers(1, POOL)
-        untouched = [p for p in range(POOL) if p not in DST]
-        for layer in range(2):
-            for name in ("k", "v"):
-                assert torch.equal(layers[layer][name][DST], src[layer][name][SRC])
-                assert torch.equal(layers[layer][name][untouched], before[layer][name][untouched])
-        assert out.get(timeout=30) == ("final", "Success", None)
-    finally:
-        decode.close()
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
+    read_between_two_processes(CONFIG, POOL, SRC, DST)
 
 
 def test_a_restarted_prefill_side_is_a_new_agent_and_the_decode_side_goes_on():
