@@ -37,14 +37,16 @@ def health(base: str) -> int | None:
 
 
 @contextlib.contextmanager
-def running_server(*extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`ketch serve` on the bundled model (CPU, fp32, one thread) and a free port, healthy on entry."""
+def running_server(*extra: str, new_session: bool = False) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`ketch serve` on the bundled model (CPU, fp32, one thread) and a free port, healthy on entry;
+    new_session: in a process group of its own (its pid is the group's id), as a service manager
+    starts it."""
     port = free_port()
     proc = subprocess.Popen(
         # --device cpu: the tests' timing and fp32 assumptions are the CPU's, even on a GPU host
         [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--device", "cpu", "--dtype", "float32",
          "--num-threads", "1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_session,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_DEADLINE_S

@@ -16,7 +16,7 @@ import time
 
 import pytest
 import zmq
-from server_util import connect, gone, parse_metrics, running_server
+from server_util import connect, gone, open_stream, parse_metrics, running_server, wait_for
 
 from ketch.engine import messages as m
 from ketch.engine.outboxes import Outboxes
@@ -93,6 +93,13 @@ def scrape(base: str) -> tuple[int, dict[str, float]]:
     finally:
         conn.close()
     return process, parse_metrics(text)
+
+
+def all_listening(port: int, count: int) -> set[int]:
+    """The API processes' pids once `count` of them listen: /health answers as soon as the first
+    does, while the others may still be starting (SO_REUSEPORT gives them no connection before)."""
+    wait_for(lambda: len(listeners(port)) >= count, f"{count} API processes listening on {port}")
+    return listeners(port)
 
 
 def listeners(port: int) -> set[int]:
@@ -192,12 +199,30 @@ def scrape_from(base: str, want: int) -> dict[str, float]:
 
 def test_sigterm_ends_every_process_cleanly():
     with running_server("--api-server-count", "2") as (server, base):
-        apis = listeners(port_of(base))
+        apis = all_listening(port_of(base), 2)
         assert len(apis) == 2 and server.pid in apis, apis
         everyone = children(server.pid) | apis
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0, server.stdout.read()
         wait_gone(everyone, "an API or engine process")
+
+
+def test_sigterm_to_the_whole_process_group_drains_cleanly():
+    """systemd (KillMode=control-group) and `kill -TERM -PGID` signal every process of the server,
+    the engine too: the engine leaves its end to the API process, so a stream in flight still
+    finishes and the server exits 0, as after a SIGTERM to the API process alone."""
+    with running_server(new_session=True) as (server, base):
+        everyone = children(server.pid) | {server.pid}
+        conn, stream = open_stream(base, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24,
+                                                             "ignore_eos": True, "temperature": 0})
+        os.killpg(server.pid, signal.SIGTERM)
+        rest = stream.read().decode()
+        conn.close()
+        assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+        assert server.wait(timeout=60) == 0
+        out = server.stdout.read()
+        assert "shut down" in out and "engine process exited" not in out, out[-500:]
+        wait_gone(everyone, "a server process")
 
 
 def test_a_killed_api_process_ends_the_server_naming_it():
@@ -222,7 +247,7 @@ def engine_and_worker(server, port: int) -> tuple[int, int]:
     """The engine and the second API process: the server's spawned children, told apart by the
     listening socket only the API process holds."""
     spawned = {p for p in children(server.pid) if b"spawn_main" in _cmdline(p)}
-    [worker] = listeners(port) - {server.pid}
+    [worker] = all_listening(port, 2) - {server.pid}
     [engine] = spawned - {worker}
     return engine, worker
 

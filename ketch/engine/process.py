@@ -21,8 +21,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -78,8 +80,37 @@ def _beat(zctx: zmq.Context, output_addrs: list[str], progress: _Progress, stop:
             sock.close()
 
 
+_STOP_GRACE_S = 60.0  # after a SIGTERM/SIGINT, how long the API process's Shutdown may take to come
+
+
+class _StopSignal:
+    """A SIGTERM or SIGINT sent to the whole process group (systemd's default KillMode, `kill -TERM
+    -PGID`, Ctrl-C) reaches this process too, while the API process drains its streams
+    (--shutdown-timeout): the engine must go on serving them until the API process's Shutdown.
+    The API process owns the end; the signal only starts a grace period after which the engine
+    ends anyway (so a parent that signals and waits, like multiprocessing's exit hook, is not kept
+    waiting for ever)."""
+
+    at: float | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, cls._note)
+
+    @classmethod
+    def _note(cls, signum: int, frame: object) -> None:
+        if cls.at is None:
+            cls.at = time.monotonic()
+
+    @classmethod
+    def expired(cls) -> bool:
+        return cls.at is not None and time.monotonic() - cls.at > _STOP_GRACE_S
+
+
 def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs: list[str],
                output_addrs: list[str], parent_pid: int) -> None:
+    _StopSignal.install()
     zctx = zmq.Context()
     inbox = zctx.socket(zmq.PULL)
     for addr in input_addrs:
@@ -119,6 +150,8 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs
 def _loop(engine, inbox: zmq.Socket, outboxes: Outboxes, parent_pid: int, progress: _Progress) -> None:
     while True:
         if os.getppid() != parent_pid:  # orphaned: the API process is gone, and nobody reads our work
+            return
+        if _StopSignal.expired():  # signalled, and no Shutdown came in the grace period
             return
         busy = progress.busy = engine.has_unfinished()
         if not busy and not inbox.poll(_IDLE_POLL_MS):
