@@ -80,7 +80,9 @@ def _beat(zctx: zmq.Context, output_addrs: list[str], progress: _Progress, stop:
             sock.close()
 
 
-_STOP_GRACE_S = 60.0  # after a SIGTERM/SIGINT, how long the API process's Shutdown may take to come
+# After a SIGTERM/SIGINT, how long the API process's Shutdown may take to come: above the default
+# --shutdown-timeout (30 s); a server given a longer drain loses its engine here (not passed down yet).
+_STOP_GRACE_S = 60.0
 
 
 class _StopSignal:
