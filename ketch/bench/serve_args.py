@@ -5,11 +5,17 @@ import argparse
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers (e.g. 2048,128), got {text!r}") from None
 
 
 def _float_list(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers (e.g. 1,3), got {text!r}") from None
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
