@@ -19,11 +19,13 @@ def chunk_of(layers, span: Span, src: torch.Tensor, seq: int = 0):
     return header, frames
 
 
-@pytest.mark.parametrize("num_layers, num_pages, chunk_bytes", [(2, 6, 1024), (3, 5, 1 << 20), (4, 3, 1536),
-                                                                 (2, 7, 100), (5, 1, 512)])
-def test_the_plan_covers_every_layer_and_page_once_within_the_chunk_size(num_layers, num_pages, chunk_bytes):
+@pytest.mark.parametrize("num_layers, num_pages, chunk_bytes, cuts", [
+    (2, 6, 1024, []), (3, 5, 1 << 20, []), (4, 3, 1536, []), (2, 7, 100, []), (5, 1, 512, []),
+    (2, 6, 1024, [2, 5]), (3, 5, 1 << 20, [1]), (2, 7, 100, [3, 4])])  # cuts: planned in parts (send_part)
+def test_the_plan_covers_every_layer_and_page_once_within_the_chunk_size(num_layers, num_pages, chunk_bytes, cuts):
     layout = layout_of(make_layers(0, 8, num_layers=num_layers))  # 512 bytes per page and layer
-    plan = plan_chunks(layout, num_pages, chunk_bytes)
+    bounds = [0, *cuts, num_pages]
+    plan = [span for lo, hi in zip(bounds, bounds[1:]) for span in plan_chunks(layout, lo, hi, chunk_bytes)]
     cells = [(layer, page) for s in plan for layer in range(s.layer_start, s.layer_end)
              for page in range(s.page_start, s.page_start + s.page_count)]
     assert sorted(cells) == [(layer, page) for layer in range(num_layers) for page in range(num_pages)]

@@ -4,12 +4,16 @@ Greedy output must match; every page comes back on both sides; failures end requ
 error and free their pages only once the transfer is over. Overlap scheduling off and on."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 import time
 
 import pytest
 
 from conftest import assert_drained, collect, make_tiny_engine
+from disagg_peer import wait_until
+from ketch.engine import pd
 from ketch.disagg.fake import FakeHub
 from ketch.engine.messages import Bootstrap
 from ketch.sampling.params import SamplingParams
@@ -255,6 +259,48 @@ def test_bootstrap_checked_against_the_mode(tiny_config_path):
             with pytest.raises(ValueError, match="^n: a PD request has one sample"):
                 eng.add_request("x", prompt(4), SamplingParams(n=2), bootstrap=Bootstrap("h", 1, 1))
             assert not eng.requests
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("backend", [
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                                                  reason="the nixl package is not installed")),
+    pytest.param("mooncake", marks=pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                                      reason="the Mooncake transfer engine is not installed")),
+])
+def test_a_long_prompt_moves_its_kv_while_its_later_chunks_run(tiny_config_path, backend):
+    """Chunked prefill (8 tokens a step, pages of 4): the first chunk's two pages are on their way
+    while the prefill engine has not run the prompt's other chunks yet (the decode side is
+    Transferring before the prefill engine steps again); the answer equals a colocated engine's
+    and every page comes back on both sides. An abort in the middle of such a transfer ends both."""
+    if backend == "nixl":
+        os.environ.setdefault("UCX_TLS", "tcp")
+    p, q = prompt(41, 7), prompt(30, 8)
+    colocated = make_tiny_engine(tiny_config_path, chunked_prefill_size=8)
+    colocated.add_request("long", p, GREEDY)
+    want = collect(run_pair(colocated)[0])
+    prefill, decode = pair(tiny_config_path, backend, chunked_prefill_size=8)
+    try:
+        for rid, tokens, room in (("long", p, 501), ("cut", q, 502)):
+            decode.add_request(rid, tokens, GREEDY, bootstrap=boot(prefill, room))
+            prefill.add_request(rid, tokens, GREEDY, bootstrap=boot(prefill, room))
+        outs = [decode.step(), prefill.step()]  # decode posts its pages; prefill runs the first chunk only
+        long = prefill.pd_sends.sends["long"]
+        assert 0 < long.given < len(p) // 4
+        # the pages on their way are held by the transfer itself: a preemption or abort of the
+        # request must not hand them to another request while the transport may read them
+        assert long.hold is not None and long.hold.page_table == long.req.page_table[:long.given]
+        wait_until(lambda: pd.stats(decode)["pd_live"][2] >= 1, 30, "the decode side to be Transferring")
+        prefill.abort("cut")  # its first pages may be moving: both sides end it, no page is lost
+        pre_outs, dec_outs = run_pair(prefill, decode)
+        dec = collect(outs[0] + dec_outs)
+        assert dec[("long", 0)] == want[("long", 0)]
+        assert dec[("cut", 0)]["reason"] == "abort" and dec[("cut", 0)]["ids"] == []
+        assert_drained(prefill)
+        assert_drained(decode)
     finally:
         prefill.close()
         decode.close()

@@ -30,17 +30,19 @@ class Span:
     page_count: int
 
 
-def plan_chunks(layout: KVLayout, num_pages: int, chunk_bytes: int) -> list[Span]:
-    """Spans covering every (layer, page) once, in layer order, each at most `chunk_bytes` of
-    payload unless a single page row of one layer is larger."""
+def plan_chunks(layout: KVLayout, page_start: int, page_end: int, chunk_bytes: int) -> list[Span]:
+    """Spans covering every (layer, page) of pages [page_start, page_end) of the transfer once,
+    in layer order, each at most `chunk_bytes` of payload unless a single page row of one layer
+    is larger. A transfer sent in parts is planned part by part."""
+    num_pages = page_end - page_start
     per_page = layout.page_bytes_per_layer
     if per_page * num_pages <= chunk_bytes:
         layers = max(1, chunk_bytes // (per_page * num_pages))
-        return [Span(l0, min(l0 + layers, layout.num_layers), 0, num_pages)
+        return [Span(l0, min(l0 + layers, layout.num_layers), page_start, num_pages)
                 for l0 in range(0, layout.num_layers, layers)]
     pages = max(1, chunk_bytes // per_page)
-    return [Span(layer, layer + 1, p0, min(pages, num_pages - p0))
-            for layer in range(layout.num_layers) for p0 in range(0, num_pages, pages)]
+    return [Span(layer, layer + 1, p0, min(pages, page_end - p0))
+            for layer in range(layout.num_layers) for p0 in range(page_start, page_end, pages)]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +29,8 @@ from ketch.disagg.io_loop import IOLoop
 from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
 from ketch.disagg.state import KVPoll, TransferState, timeouts_of
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
-from ketch.disagg.wire import Abort, Heartbeat, Hello, Post, Released, Welcome, decode_to_decode, encode
+from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Received, Released, Welcome, decode_to_decode,
+                               encode)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ class DecodeReceiver(KVReceiver):
         self.welcomed = False  # loop thread only
         self.written = 0  # tcp: chunks written (loop thread only)
         self.op: object | None = None  # nixl: the READ in flight (set and cleared under state.lock)
+        self.parts: deque[Ready] = deque()  # nixl, mooncake: Readys not yet read, in order (loop thread)
+        self.expect = 0  # the page_start the next Ready must have
+        self.last_ready = False  # the Ready with the Aux came
         self.failing: tuple[str, object | None] | None = None  # (reason, message for the peer) once quiet
         self._aux: Aux | None = None
         self._initialised = False
@@ -215,6 +220,36 @@ class DecodeSide(IOLoop, KVTransport):
             self._fail(r, msg.reason, tell=False)
         else:
             self._on_data(conn, r, msg, frames)
+
+    # ------------------------------------------------------------ peer-read data planes (nixl, mooncake)
+    def _queue_ready(self, r: DecodeReceiver, msg: Ready, peer_known: bool) -> bool:
+        """Check a Ready for r and queue it (True), or fail r with the reason. Readys come in the
+        transfer's order, each where the one before ended; the one with the Aux ends at the last page."""
+        posted = len(r.dst_pages) if r.dst_pages is not None else None
+        end = msg.page_start + len(msg.src_pages)
+        if posted is None or not peer_known:
+            problem = (f"Ready for {len(msg.src_pages)} pages that cannot be read (pages posted: "
+                       f"{posted is not None}, prefill side known: {peer_known})")
+        elif r.last_ready or msg.page_start != r.expect or end > posted or (msg.aux is not None) != (end == posted):
+            problem = (f"Ready for rows {msg.page_start}..{end} of {posted} posted pages (last: {msg.aux is not None}) "
+                       f"out of order: the next rows start at {r.expect}" + (", after the last Ready" if r.last_ready else ""))
+        else:
+            r.expect, r.last_ready = end, msg.aux is not None
+            r.parts.append(msg)
+            return True
+        self._fail(r, problem, tell=True)
+        return False
+
+    def _succeed(self, conn: Connection, r: DecodeReceiver, aux: Aux) -> None:
+        """Every row is written: Success here, Received to the prefill side (its pages may go)."""
+        if self.device.type == "cuda":  # rows written on this thread's stream: there before Success says so
+            torch.cuda.current_stream(self.device).synchronize()
+        with r.state.lock:
+            r._aux = aux
+            ok = r.state.advance(KVPoll.Success)
+        conn.rooms.pop(r.room, None)
+        if ok:
+            self._send(conn, Received(r.room))
 
     # ------------------------------------------------------------ time
     def pump(self) -> None:

@@ -1,6 +1,7 @@
-"""The mooncake backend, decode side: on Ready, one Mooncake batch READ of every row of the room
-from the prefill side's registered pool into a staging buffer of this room's own; READ done →
-the rows are copied into the posted pages under the room's lock, Success, Received.
+"""The mooncake backend, decode side: on Ready, one Mooncake batch READ of its rows from the
+prefill side's registered pool into a staging buffer of the room's own; READ done → the rows are
+copied into the posted pages under the room's lock. A room's Readys (parts sent while the prompt
+ran, then the last with the Aux) are read one after the other; the last copied → Success, Received.
 
 Direction: the decode side READs (as nixl here), not the prefill side WRITEs (as SGLang's
 mooncake backend). The side that starts a transfer is the only one that learns when it is over,
@@ -30,7 +31,7 @@ from ketch.disagg.config import DisaggConfig
 from ketch.disagg.decode_side import Connection, DecodeReceiver, DecodeSide
 from ketch.disagg.mooncake_engine import ReadPlan, local_host, new_engine, read_plan, staged_rows
 from ketch.disagg.state import KVPoll
-from ketch.disagg.wire import Abort, MooncakePeer, Ready, Received, Released, Welcome
+from ketch.disagg.wire import Abort, MooncakePeer, Ready, Released, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class _Read:
     """One room's READ: its staging buffer, and what the loop does when it is over."""
 
     conn: Connection
-    aux: object
+    ready: Ready
     plan: ReadPlan
     staging: torch.Tensor
     status: int | None = None  # the engine's answer (0: every byte here); set before `over`
@@ -66,26 +67,33 @@ class MooncakeDecodeTransport(DecodeSide):
         return None
 
     def _on_data(self, conn: Connection, r: DecodeReceiver, msg: object, frames: list) -> None:
-        if isinstance(msg, Ready):
-            self._read(conn, r, msg)
+        if not isinstance(msg, Ready):
+            return
+        peer = conn.peer
+        known = isinstance(peer, MooncakePeer) and len(peer.bases) == len(self.tensors)
+        if self._queue_ready(r, msg, known) and r not in self.reading:
+            self._next(conn, r)
+
+    def _next(self, conn: Connection, r: DecodeReceiver) -> None:
+        """Start the READ of r's next queued Ready (none of r's runs); after the last, Success."""
+        while r.parts:
+            msg = r.parts.popleft()
+            if msg.src_pages:
+                self._read(conn, r, msg)
+                return
+            if msg.aux is not None:  # a last Ready of no rows: the parts before it were every row
+                self._succeed(conn, r, msg.aux)
 
     def _read(self, conn: Connection, r: DecodeReceiver, msg: Ready) -> None:
-        peer = conn.peer
-        if (r.dst_pages is None or not isinstance(peer, MooncakePeer) or len(msg.src_pages) != len(r.dst_pages)
-                or len(peer.bases) != len(self.tensors) or r in self.reading):
-            self._fail(r, f"Ready for {len(msg.src_pages)} pages that cannot be read (pages posted: "
-                          f"{r.dst_pages is not None}, prefill session known: {isinstance(peer, MooncakePeer)})",
-                       tell=True)
-            return
         with r.state.lock:
             if r.state.terminal:
                 return
             r.state.advance(KVPoll.Transferring)
-        plan = read_plan(self.layout, peer.bases, msg.src_pages)
+        plan = read_plan(self.layout, conn.peer.bases, msg.src_pages)
         pin = self.device.type == "cuda"  # the copy into the pool then runs as a DMA
-        job = _Read(conn, msg.aux, plan, torch.empty(plan.total, dtype=torch.uint8, pin_memory=pin))
+        job = _Read(conn, msg, plan, torch.empty(plan.total, dtype=torch.uint8, pin_memory=pin))
         self.reading[r] = job
-        threading.Thread(target=self._run_read, args=(r, job, peer.session), daemon=True,
+        threading.Thread(target=self._run_read, args=(r, job, conn.peer.session), daemon=True,
                          name=f"disagg-mooncake-read-{r.room}").start()
 
     def _run_read(self, r: DecodeReceiver, job: _Read, session: str) -> None:
@@ -109,17 +117,17 @@ class MooncakeDecodeTransport(DecodeSide):
         if job.status != 0:
             self._fail(r, f"mooncake: the READ failed ({job.error or f'status {job.status}'})", tell=True)
             return
+        part = job.ready
+        dst = r.dst[part.page_start:part.page_start + len(part.src_pages)]
         with r.state.lock:  # no write after a failure: the engine may have handed the pages on
             if r.state.terminal:
                 return
             for j, pool in enumerate(self.tensors):
-                pool.index_copy_(0, r.dst, staged_rows(job.plan, job.staging, j, pool, len(r.dst)).to(pool.device))
-            if self.device.type == "cuda":  # the rows are there before Success says so
-                torch.cuda.current_stream(self.device).synchronize()
-            r._aux = job.aux
-            r.state.advance(KVPoll.Success)
-        job.conn.rooms.pop(r.room, None)
-        self._send(job.conn, Received(r.room))
+                pool.index_copy_(0, dst, staged_rows(job.plan, job.staging, j, pool, len(dst)).to(pool.device))
+        if part.aux is not None:
+            self._succeed(job.conn, r, part.aux)
+        else:
+            self._next(job.conn, r)
 
     def _fail(self, r: DecodeReceiver, reason: str, tell: bool) -> None:
         """As decode_side's, except while r's READ runs: Failed at once (the READ writes only

@@ -13,7 +13,8 @@ import torch
 from ketch.disagg.config import DisaggConfig
 from ketch.disagg.mooncake_engine import (cuda_supported, local_host, new_engine, pool_tensors, register_pool,
                                           unregister_pool)
-from ketch.disagg.prefill_side import PrefillSender, PrefillSide, Registration
+from ketch.disagg.prefill_sender import PrefillSender, Registration
+from ketch.disagg.prefill_side import PrefillSide
 from ketch.disagg.wire import MooncakePeer, Welcome
 
 
@@ -38,6 +39,9 @@ class MooncakePrefillTransport(PrefillSide):
 
     def _start(self, s: PrefillSender, reg: Registration) -> None:
         self._start_peer_read(s, reg)
+
+    def _grow(self, s: PrefillSender) -> None:
+        self._grow_peer_read(s)
 
     def close(self) -> None:
         super().close()

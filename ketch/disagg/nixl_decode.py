@@ -1,5 +1,6 @@
-"""The nixl backend, decode side: on Ready, one NIXL READ of every row of the room from the
-prefill side's registered pool straight into the posted pages; READ done → Success, Received.
+"""The nixl backend, decode side: on Ready, one NIXL READ of its rows from the prefill side's
+registered pool straight into the posted pages. A room's Readys (parts sent while the prompt ran,
+then the last with the Aux) are read one after the other; the last READ done → Success, Received.
 
 The READ is this side's own operation, so its completion means the rows are here (no checksum
 of ours: the bytes never pass through Python). It is recorded on the room before it starts:
@@ -18,7 +19,7 @@ from ketch.disagg.config import DisaggConfig
 from ketch.disagg.decode_side import Connection, DecodeReceiver, DecodeSide
 from ketch.disagg.nixl_agent import mem_type_of, new_agent, pool_tensors, row_descs
 from ketch.disagg.state import KVPoll
-from ketch.disagg.wire import NixlPeer, Ready, Received, Welcome
+from ketch.disagg.wire import NixlPeer, Ready, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class NixlDecodeTransport(DecodeSide):
         self.registered = self.agent.register_memory(pool_tensors(layers))
         self.mem_type, self.device_id = mem_type_of(layers)
         self.bases = [t.data_ptr() for t in pool_tensors(layers)]
-        self.reading: dict[DecodeReceiver, tuple[Connection, object]] = {}  # READs in flight -> (conn, Aux)
+        self.reading: dict[DecodeReceiver, tuple[Connection, Ready]] = {}  # READs in flight -> (conn, their Ready)
         self.start()
 
     def _on_welcome(self, conn: Connection, msg: Welcome) -> str | None:
@@ -54,22 +55,29 @@ class NixlDecodeTransport(DecodeSide):
         return None
 
     def _on_data(self, conn: Connection, r: DecodeReceiver, msg: object, frames: list) -> None:
-        if isinstance(msg, Ready):
-            self._read(conn, r, msg)
+        if isinstance(msg, Ready) and self._queue_ready(r, msg, isinstance(conn.peer, NixlPeer)) and r.op is None:
+            self._next(conn, r)
+
+    def _next(self, conn: Connection, r: DecodeReceiver) -> None:
+        """Start the READ of r's next queued Ready (r has none in flight); after the last, Success."""
+        while r.parts:
+            msg = r.parts.popleft()
+            if msg.src_pages:
+                self._read(conn, r, msg)
+                return
+            if msg.aux is not None:  # a last Ready of no rows: the parts before it were every row
+                self._succeed(conn, r, msg.aux)
 
     def _read(self, conn: Connection, r: DecodeReceiver, msg: Ready) -> None:
         peer = conn.peer
-        if r.dst_pages is None or not isinstance(peer, NixlPeer) or len(msg.src_pages) != len(r.dst_pages):
-            self._fail(r, f"Ready for {len(msg.src_pages)} pages that cannot be read (pages posted: "
-                          f"{r.dst_pages is not None}, prefill agent known: {isinstance(peer, NixlPeer)})", tell=True)
-            return
         with r.state.lock:  # first: an abort from now on waits for the READ
             if r.state.terminal:
                 return
             r.op = _STARTING
             r.state.advance(KVPoll.Transferring)
+        dst_pages = r.dst_pages[msg.page_start:msg.page_start + len(msg.src_pages)]
         try:
-            local = self.agent.get_xfer_descs(row_descs(self.layout, self.bases, r.dst_pages, self.device_id),
+            local = self.agent.get_xfer_descs(row_descs(self.layout, self.bases, dst_pages, self.device_id),
                                               self.mem_type)
             remote = self.agent.get_xfer_descs(row_descs(self.layout, peer.bases, msg.src_pages, peer.device_id),
                                                peer.mem_type)
@@ -82,7 +90,7 @@ class NixlDecodeTransport(DecodeSide):
             return
         with r.state.lock:
             r.op = handle
-        self.reading[r] = (conn, msg.aux)
+        self.reading[r] = (conn, msg)
         if started == "ERR":
             log.warning("nixl READ of room %d failed at once", r.room)
 
@@ -91,20 +99,17 @@ class NixlDecodeTransport(DecodeSide):
 
     def pump(self) -> None:
         super().pump()  # rooms failing: _cancel below
-        for r, (conn, aux) in list(self.reading.items()):
+        for r, (conn, msg) in list(self.reading.items()):
             if r.failing is not None or r.op is None:
                 continue
             status = self.agent.check_xfer_state(r.op)
             if status == "PROC":
                 continue
             self._release(r)
-            if status == "DONE":
-                with r.state.lock:
-                    r._aux = aux
-                    ok = r.state.advance(KVPoll.Success)
-                conn.rooms.pop(r.room, None)
-                if ok:
-                    self._send(conn, Received(r.room))
+            if status == "DONE" and msg.aux is not None:
+                self._succeed(conn, r, msg.aux)
+            elif status == "DONE":
+                self._next(conn, r)  # a part is here: the next one, if it came
             else:
                 self._fail(r, "nixl: the READ failed", tell=True)
 

@@ -11,7 +11,8 @@ import torch
 
 from ketch.disagg.config import DisaggConfig
 from ketch.disagg.nixl_agent import describe, new_agent, pool_tensors
-from ketch.disagg.prefill_side import PrefillSender, PrefillSide, Registration
+from ketch.disagg.prefill_sender import PrefillSender, Registration
+from ketch.disagg.prefill_side import PrefillSide
 from ketch.disagg.wire import Welcome
 
 
@@ -30,6 +31,9 @@ class NixlPrefillTransport(PrefillSide):
 
     def _start(self, s: PrefillSender, reg: Registration) -> None:
         self._start_peer_read(s, reg)
+
+    def _grow(self, s: PrefillSender) -> None:
+        self._grow_peer_read(s)
 
     def close(self) -> None:
         super().close()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -29,65 +28,14 @@ import zmq
 
 from ketch.disagg.config import DisaggConfig
 from ketch.disagg.io_loop import IOLoop
-from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
-from ketch.disagg.state import KVPoll, TransferState, timeouts_of
-from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
+from ketch.disagg.layout import KVLayout, layout_of, num_pages_of
+from ketch.disagg.prefill_sender import PrefillSender, Registration
+from ketch.disagg.state import KVPoll
+from ketch.disagg.transport import Aux, KVReceiver, KVTransport
 from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Received, Released, Welcome, decode_to_prefill,
                                encode)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Registration:
-    """A decode side's claim on a room: who it is, its pages."""
-
-    peer: bytes  # its ROUTER identity
-    since: float
-    dst_pages: list[int] | None = None
-
-
-class PrefillSender(KVSender):
-    def __init__(self, room: int, transport: PrefillSide) -> None:
-        self.room = room
-        self.state = TransferState(timeouts_of(transport.config))
-        self._transport = transport
-        self.num_pages = 0
-        self.src_pages: list[int] | None = None
-        self.src: torch.Tensor | None = None  # src_pages on the pool's device
-        self.aux: Aux | None = None
-        self.out: object | None = None  # the data plane's progress, once the transfer starts (loop thread)
-        self.peer_reads = False  # the decode side may be reading the pages by itself now (under state.lock)
-        self.aborting: str | None = None  # the Failed reason waiting for the peer to stop reading (under state.lock)
-        self.abort_deadline = float("inf")  # loop thread
-
-    def init(self, num_pages: int) -> None:
-        if not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages: an int >= 1, got {num_pages!r}")
-        self.num_pages = num_pages
-        self._transport.submit(self, self._transport._on_init)
-
-    def send(self, src_pages: list[int], aux: Aux) -> None:
-        if self.src is not None:
-            raise RuntimeError(f"room {self.room}: send called twice")
-        check_pages(src_pages, self._transport.pool_pages, "src_pages")
-        if len(src_pages) != self.num_pages:
-            raise ValueError(f"src_pages: {len(src_pages)} pages, init said {self.num_pages}")
-        self.aux = aux
-        self.src_pages = list(src_pages)
-        self.src = torch.tensor(src_pages, dtype=torch.int64, device=self._transport.device)
-        self._transport.submit(self, self._transport._on_send)
-
-    def abort(self, reason: str) -> None:
-        """Failed at once, unless the decode side may be reading the pages: then once it stopped."""
-        with self.state.lock:
-            if self.state.terminal or self.aborting is not None:
-                return
-            if self.peer_reads:
-                self.aborting = f"aborted: {reason}"
-            else:
-                self.state.fail(f"aborted: {reason}")
-        self._transport.submit(self, self._transport._tell_abort, f"peer aborted: {reason}")
 
 
 class PrefillSide(IOLoop, KVTransport):
@@ -122,7 +70,12 @@ class PrefillSide(IOLoop, KVTransport):
 
     # ------------------------------------------------------------ what a data plane implements
     def _start(self, s: PrefillSender, reg: Registration) -> None:
-        """Start moving s's pages to reg's (s is Transferring, s.src set)."""
+        """Start moving s's ready rows to reg's pages (s is Transferring, s.rows not empty)."""
+        raise NotImplementedError
+
+    def _grow(self, s: PrefillSender) -> None:
+        """s.rows grew, or s became complete, after `_start`: move the new rows too (and end
+        the transfer once s is complete)."""
         raise NotImplementedError
 
     def _welcome(self, room: int) -> Welcome:
@@ -133,7 +86,7 @@ class PrefillSide(IOLoop, KVTransport):
 
     def _may_succeed(self, s: PrefillSender) -> bool:
         """Whether a Received for s confirms a whole transfer (not one this side never finished)."""
-        return s.out is not None
+        return s.final_announced
 
     def _start_peer_read(self, s: PrefillSender, reg: Registration) -> None:
         """`_start` of a data plane whose decode side READs the pages itself (nixl, mooncake):
@@ -143,7 +96,7 @@ class PrefillSide(IOLoop, KVTransport):
                 return
             s.peer_reads = True
         s.out = reg.peer
-        if self._send(reg.peer, Ready(s.room, s.src_pages, s.aux), s):
+        if self._announce(s):
             return
         with s.state.lock:  # the Ready never left: nobody reads the pages
             s.peer_reads = False
@@ -151,6 +104,22 @@ class PrefillSide(IOLoop, KVTransport):
                 s.state.fail(s.aborting)
         if not s.state.terminal:
             self._fail(s, "decode peer not taking messages (its queue is full)", tell=reg.peer)
+
+    def _announce(self, s: PrefillSender) -> bool:
+        """`_grow` of a peer-read data plane: Ready for the rows not named yet (a part, or the
+        last one with the Aux once s is complete). False when the peer cannot take it now."""
+        if s.final_announced or (s.announced == len(s.rows) and not s.complete) or s.aborting is not None:
+            return True
+        final = s.complete
+        msg = Ready(s.room, s.rows[s.announced:], s.aux if final else None, s.announced)
+        if not self._send(s.out, msg, s):
+            return False
+        s.announced, s.final_announced = len(s.rows), final
+        return True
+
+    def _grow_peer_read(self, s: PrefillSender) -> None:
+        if not self._announce(s) and not s.state.terminal:  # pages of earlier parts may be read: wait for the peer
+            self._fail(s, "decode peer not taking messages (its queue is full)", tell=s.out)
 
     # ------------------------------------------------------------ the engine's side
     @property
@@ -181,8 +150,30 @@ class PrefillSide(IOLoop, KVTransport):
         else:
             self._attach(s)
 
-    def _on_send(self, s: PrefillSender) -> None:
-        self._attach(s)
+    def _on_part(self, s: PrefillSender, pages: list[int], done: Callable[[], bool] | None) -> None:
+        s.pending.append((pages, done))
+        self._advance(s)
+
+    def _on_send(self, s: PrefillSender, pages: list[int], aux: Aux) -> None:
+        s.pending.append((pages, None))
+        s.aux = aux
+        self._advance(s)
+
+    def _advance(self, s: PrefillSender) -> None:
+        """Rows whose device work is over are ready: start or grow the transfer with them."""
+        if s.state.terminal or not s.take_ready():
+            return
+        if s.out is None:
+            self._attach(s)
+        else:
+            self._grow(s)
+
+    def pump(self) -> None:
+        for s in [s for s in self.senders.values() if s.waiting_on_device]:
+            self._advance(s)
+
+    def busy(self) -> bool:
+        return any(s.waiting_on_device for s in self.senders.values())
 
     def _tell_abort(self, s: PrefillSender, reason: str) -> None:
         reg = self.regs.get(s.room)
@@ -283,7 +274,7 @@ class PrefillSide(IOLoop, KVTransport):
             self._fail(s, reason, tell=reg.peer, peer_reason=reason)
             return
         with s.state.lock:
-            if s.src is None:
+            if not s.rows:
                 s.state.advance(KVPoll.WaitingForInput)
                 return
             if not s.state.advance(KVPoll.Transferring):

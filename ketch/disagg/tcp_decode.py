@@ -14,7 +14,7 @@ from ketch.disagg.chunks import ChunkRefused, check_chunk, write_span
 from ketch.disagg.config import DisaggConfig
 from ketch.disagg.decode_side import Connection, DecodeReceiver, DecodeSide
 from ketch.disagg.state import KVPoll
-from ketch.disagg.wire import Chunk, Credit, Done, Received
+from ketch.disagg.wire import Chunk, Credit, Done
 
 
 class TcpDecodeTransport(DecodeSide):
@@ -52,11 +52,4 @@ class TcpDecodeTransport(DecodeSide):
         if r.written != msg.num_chunks or msg.num_chunks < 1:
             self._fail(r, f"done after {r.written} of {msg.num_chunks} chunks", tell=True)
             return
-        if self.device.type == "cuda":  # the rows were written on this thread's stream: done before Success
-            torch.cuda.current_stream(self.device).synchronize()
-        with r.state.lock:
-            r._aux = msg.aux
-            ok = r.state.advance(KVPoll.Success)
-        conn.rooms.pop(r.room)
-        if ok:
-            self._send(conn, Received(r.room))
+        self._succeed(conn, r, msg.aux)

@@ -2,7 +2,8 @@
 
 A started transfer is cut into chunks (chunks.py), sent window_chunks ahead of the receiver's
 Credits, each with a header (room, layer range, page range, crc32, layout digest); Done with the
-Aux follows the last one. Rows are read under the room's lock and only while it is open, so once
+Aux follows the last one. Rows that become ready while the prompt runs (send_part) are planned
+and sent as they come: the chunk plan grows, the receiver only sees more chunks in order. Rows are read under the room's lock and only while it is open, so once
 a room failed its pages are not read again. The control plane is prefill_side.py's.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from ketch.disagg.chunks import Span, checksum, plan_chunks, read_span
 from ketch.disagg.config import DisaggConfig
-from ketch.disagg.prefill_side import PrefillSender, PrefillSide, Registration
+from ketch.disagg.prefill_sender import PrefillSender, Registration
+from ketch.disagg.prefill_side import PrefillSide
 from ketch.disagg.wire import Chunk, Credit, Done
 
 # (seq, frames) -> frames: what goes on the wire. Tests put a fault here (a flipped byte); None in serving.
@@ -27,6 +29,7 @@ class Outgoing:
 
     peer: bytes
     plan: list[Span]
+    planned: int = 0  # rows the plan covers
     next_seq: int = 0
     credited: int = 0
     done_sent: bool = False
@@ -42,7 +45,14 @@ class TcpPrefillTransport(PrefillSide):
         self.start()
 
     def _start(self, s: PrefillSender, reg: Registration) -> None:
-        s.out = Outgoing(reg.peer, plan_chunks(self.layout, s.num_pages, self.config.chunk_bytes))
+        s.out = Outgoing(reg.peer, [])
+        self._grow(s)
+
+    def _grow(self, s: PrefillSender) -> None:
+        out = s.out
+        if len(s.rows) > out.planned:
+            out.plan += plan_chunks(self.layout, out.planned, len(s.rows), self.config.chunk_bytes)
+            out.planned = len(s.rows)
 
     def _may_succeed(self, s: PrefillSender) -> bool:
         return s.out is not None and s.out.done_sent
@@ -52,6 +62,7 @@ class TcpPrefillTransport(PrefillSide):
             s.out.credited += 1
 
     def pump(self) -> None:
+        super().pump()
         for s in list(self.senders.values()):
             out = s.out
             if out is None or out.done_sent:
@@ -59,7 +70,7 @@ class TcpPrefillTransport(PrefillSide):
             while out.next_seq < len(out.plan) and out.next_seq - out.credited < self.config.window_chunks:
                 if not self._send_chunk(s, out):
                     break
-            if out.next_seq == len(out.plan) and not out.done_sent:
+            if out.next_seq == len(out.plan) and s.complete and out.planned == s.num_pages:
                 out.done_sent = self._send(out.peer, Done(s.room, len(out.plan), s.aux), s)
 
     def _send_chunk(self, s: PrefillSender, out: Outgoing) -> bool:

@@ -6,6 +6,7 @@ side, one receiver per room on the decode side, one transport object per process
       poll: Bootstrapping                          r.post_buffers(dst_pages)   (n pre-allocated pages)
       ... prompt runs ...                            poll: Bootstrapping → WaitingForInput
       poll: WaitingForInput (decode registered)
+      s.send_part(full pages so far)  (optional, after each prompt chunk: Transferring starts)
     s.send(src_pages, Aux(first_token))            poll: Transferring → Success; r.aux has the token
       poll: Transferring → Success (decode confirmed: now free src_pages)
 
@@ -21,6 +22,7 @@ pages a decode side still needs (PRIOR_ART known failure 5).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import msgspec
 
@@ -58,10 +60,20 @@ class KVSender(_Room):
         """Start looking for the decode side's registration of this room; `num_pages` pages will
         be sent (the decode side must have posted as many)."""
 
+    def send_part(self, src_pages: list[int], done: Callable[[], bool] | None = None) -> None:
+        """Pipelining: the transfer's next `len(src_pages)` rows (after those of earlier parts)
+        hold their final KV already (a prompt chunk ended), so they may move while the rest of the
+        prompt runs. `done`: whether the device work writing them is over (a CUDA event's query;
+        None: it is); nothing of them is read before. Any number of times before `send`; the
+        engine keeps the pages alive until poll() is terminal, as with `send`. A backend that
+        cannot move part of a room sends them with `send`: the default does nothing."""
+
     @abstractmethod
     def send(self, src_pages: list[int], aux: Aux) -> None:
         """Send rows `src_pages` of every tensor of every layer, then `aux`. Allowed while still
-        Bootstrapping: the transfer starts once the decode side registered. Once."""
+        Bootstrapping: the transfer starts once the decode side registered. Once. `src_pages`
+        lists every page of the transfer; the rows that earlier `send_part` calls gave are not
+        read from it again (after a preemption the prompt may sit in other pages by now)."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:

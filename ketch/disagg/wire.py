@@ -15,7 +15,8 @@ as raw bytes.
 
 The nixl backend keeps this control plane and moves the bytes itself: Welcome carries the
 prefill's NIXL agent (metadata, where each tensor starts); `send` becomes Ready(room, src_pages,
-aux); the decode side READs the rows and answers Received. A decode side that stops a READ it
+aux) (and each `send_part` before it a Ready of those rows without the Aux); the decode side READs
+the rows, one Ready after the other, and answers Received after the last. A decode side that stops a READ it
 had started (an abort from either side) says Released once the READ can no longer touch the
 prefill's pages: only then may the prefill side free them. The mooncake backend is the same
 dance with a Mooncake transfer engine: Welcome carries its session ("host:rpc port") and bases.
@@ -85,11 +86,14 @@ class Done(msgspec.Struct, tag=True, frozen=True):
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
-    """nixl, mooncake: the prefill's KV is in src_pages (rows in the transfer's order); read them."""
+    """nixl, mooncake: rows page_start.. of the transfer are in src_pages; read them. A room's
+    Readys come in order, each starting where the one before ended; the last carries the Aux
+    (earlier ones: parts sent while the prompt still ran) and may name no page."""
 
     room: int
     src_pages: list[int]
-    aux: Aux
+    aux: Aux | None  # None: more rows follow
+    page_start: int = 0  # into the transfer's page lists
 
 
 class Received(msgspec.Struct, tag=True, frozen=True):

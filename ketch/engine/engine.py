@@ -252,6 +252,8 @@ class Engine:
             self._ranks.send_step(batch)  # every rank runs this forward
         logits = self.runner.forward(batch)
         self.scheduler.after_forward(chunks)
+        if self.pd_sends is not None:  # pipelining: the prompt pages this step filled may move now
+            self.pd_sends.progress([c.req for c in chunks], logits.device)
         if not sampling:
             return None  # prefill chunks only: no token this step
         rows = [SamplingRow(r.params, r.seed, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)

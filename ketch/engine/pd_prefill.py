@@ -3,7 +3,9 @@ KV and first token to the decode server that holds the same room (ketch/disagg/R
 
     add_request ──▶ sender(room).init(prompt pages)          (the decode side may register meanwhile)
     prompt runs as usual (max_len = prompt + 1: it stops after its first token)
-    first token processed ──▶ hold the prompt's pages (one reference each) ──▶ send(pages, Aux(token))
+    each prompt chunk launched ──▶ hold its newly full pages ──▶ send_part(pages, written?)
+       (pipelining: they move while the rest of the prompt runs; on CUDA once the chunk's event is done)
+    first token processed ──▶ hold the rest of the prompt's pages ──▶ send(pages, Aux(token))
        the request finishes as usual (its pages go to the radix cache; the hold keeps them alive)
     poll() each step ──Success──▶ drop the hold; report the token, finished   (the client's answer)
                      └─Failed───▶ drop the hold; report the failure as an error
@@ -15,9 +17,11 @@ the pages come back only once poll() is terminal. Nothing here waits on the tran
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 
 from ketch.cache.manager import KVCacheManager
 from ketch.disagg import Aux, KVPoll, KVSender, KVTransport
@@ -43,7 +47,8 @@ class PageHold:
 class _Send:
     req: Request
     sender: KVSender
-    hold: PageHold | None = None  # set once sent
+    hold: PageHold | None = None  # set once the first page is handed to the transport
+    given: int = 0  # prompt pages handed over by send_part
     token: int = -1
     logprobs: list[TokenLogprob] | None = None
     aborted: bool = False  # its client is gone: end the transfer, report nothing
@@ -70,12 +75,40 @@ class PrefillSends:
         req.max_len = len(req.prompt_ids) + 1  # the prefill side makes the first token only
         self.sends[req.rid] = _Send(req, sender)
 
+    def progress(self, reqs: list[Request], device: torch.device) -> None:
+        """A step's forward is launched: the prompt pages it filled go to the transport now, while
+        the rest of the prompt runs. Only full pages (a later chunk writes on into a partial one)."""
+        written: Callable[[], bool] | None = None
+        for req in reqs:
+            s = self.sends.get(req.rid)
+            if s is None or s.aborted or req.num_computed >= len(req.prompt_ids):
+                continue  # the prompt's last chunk: `send` follows with the first token
+            full = req.num_computed // self.kv.page_size
+            if full <= s.given:
+                continue
+            if written is None and device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()  # after this step's forward on the engine's stream
+                written = event.query
+            pages = req.page_table[s.given:full]
+            self._hold(s, pages)
+            s.sender.send_part(pages, written)
+            s.given = full
+
+    def _hold(self, s: _Send, pages: list[int]) -> None:
+        self.kv.allocator.incref(pages)
+        if s.hold is None:
+            s.hold = PageHold()
+        s.hold.page_table.extend(pages)
+
     def send(self, req: Request, token: int, logprobs: list[TokenLogprob] | None) -> None:
-        """The step that sampled `req`'s first token is processed: its prompt's KV is in its pages."""
+        """The step that sampled `req`'s first token is processed: its prompt's KV is in its pages.
+        Pages given by `progress` are held already (after a preemption the prompt may sit in
+        other pages now: the transport reads those rows from the pages it was given)."""
         s = self.sends[req.rid]
         pages = req.page_table[: self.kv.pages_for(len(req.prompt_ids))]
-        self.kv.allocator.incref(pages)
-        s.hold, s.token, s.logprobs = PageHold(list(pages)), token, logprobs
+        self._hold(s, pages[s.given:])
+        s.token, s.logprobs = token, logprobs
         # the prefill's own time (queue + prompt) travels with the KV: the decode side reports it
         # in the TTFT split of the request's usage (engine/pd_timing.py)
         s.sender.send(pages, Aux(token, msgspec.json.encode({"prefill_s": time.monotonic() - s.started})))
