@@ -136,9 +136,13 @@ class KVArrivalGate:
         req.output_ids.append(aux.first_token)
         entered = p.receiver.state.entered
         done = entered.get(KVPoll.Success, time.monotonic())
-        prefill_s = _prefill_seconds(aux.extra)
-        self.arrived.append(Arrival(req, aux.first_token, prefill_s, done - entered.get(KVPoll.Transferring, done),
-                                    done - p.parked_at, done))
+        prefill_s, kv_wait_s = _prefill_seconds(aux.extra), done - p.parked_at
+        # the transfer's share of TTFT: what it added after the prompt ran. Parts of a pipelined
+        # transfer move while the prefill runs (Transferring starts with the first), so its whole
+        # span would count the prefill twice; both requests reach their servers at once (the gateway)
+        transfer_s = (max(0.0, kv_wait_s - prefill_s) if prefill_s >= 0
+                      else done - entered.get(KVPoll.Transferring, done))
+        self.arrived.append(Arrival(req, aux.first_token, prefill_s, transfer_s, kv_wait_s, done))
 
     def _ended(self, p: _Parked) -> bool:
         if p.receiver is not None and p.receiver.poll() not in (KVPoll.Success, KVPoll.Failed):
