@@ -41,7 +41,8 @@ ExpertShard = tuple[int, str]  # (expert, "w1" | "w3" | "w2")
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's
-    dtype. The weights multiply in x's dtype. Each token's picks add up in expert order."""
+    dtype. The weights multiply in x's dtype; each token's k rows are summed in pick order (a
+    scatter and a sum: index_add_ is slow on the CPU)."""
     tokens, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # (token, pick) rows grouped by expert, tokens in order
@@ -56,7 +57,9 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             out[start : start + n] = F.linear(silu_and_mul(F.linear(part, w13[expert])), w2[expert])
             start += n
     out *= topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-    return torch.zeros(tokens, w2.shape[1], dtype=x.dtype, device=x.device).index_add_(0, token_of, out)
+    picks = torch.empty_like(out)
+    picks[order] = out  # back to (token, pick) order: each token's k rows side by side
+    return picks.view(tokens, k, w2.shape[1]).sum(dim=1)
 
 
 class Router(nn.Module):
