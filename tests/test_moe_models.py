@@ -120,3 +120,17 @@ def test_chunked_prefill(checkpoint):
     llm = make_llm(path, chunked_prefill_size=16, max_num_batched_tokens=32, enable_prefix_cache=False)
     check(name, hf, llm.generate(prompts(), PARAMS))
     assert_drained(llm.engine)
+
+
+@pytest.mark.parametrize("name,total,active", [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])
+def test_real_shape_configs(name, total, active):
+    """configs/ (dummy weights of the real shapes): the published total and active parameter counts."""
+    import math
+    from pathlib import Path
+
+    cfg = load_model_config(str(Path(__file__).resolve().parents[1] / "configs" / name), "dummy")
+    shapes = family_for(cfg.architecture).weight_shapes(cfg)
+    n = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(s) for k, s in shapes.items() if ".experts." in k)
+    assert n == pytest.approx(total, rel=0.01)
+    assert n - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts) == pytest.approx(active, rel=0.02)
