@@ -1,7 +1,7 @@
 """The MoE layer (ketch/layers/moe.py, moe_routing.py): routing against HF transformers' own
 routers (Qwen3-MoE, Mixtral, DeepSeek V2 and V3) on random inputs; the reference expert
-computation against a per-token loop; the module's per-expert loading, and TP=2 on gloo against
-TP=1."""
+computation against a per-token loop; the module's per-expert loading. (TP=2 against TP=1: the
+MoE models in tests/test_parallel_llama.py.)"""
 from __future__ import annotations
 
 from functools import partial
@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gloo_util import run_on_ranks
 from ketch.layers.moe import MoE, fused_experts_ref
 from ketch.layers.moe_routing import grouped_topk, softmax_topk
 from ketch.parallel import SINGLE, ParallelContext
@@ -146,12 +145,6 @@ def build_moe(parallel: ParallelContext) -> MoE:
     return moe
 
 
-@torch.inference_mode()
-def moe_output(parallel: ParallelContext) -> torch.Tensor:
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(14))
-    return build_moe(parallel)(x)
-
-
 def test_moe_module_loads_each_expert_and_matches_the_reference():
     moe = build_moe(SINGLE)
     ckpt = expert_checkpoint(8, 24)
@@ -165,11 +158,3 @@ def test_moe_module_loads_each_expert_and_matches_the_reference():
         moe.experts.weight_loader(moe.experts.w2, ckpt[(0, "w2")], (8, "w2"))
     with pytest.raises(ValueError, match="does not belong"):
         moe.experts.weight_loader(moe.experts.w13, ckpt[(0, "w2")], (0, "w2"))
-
-
-def test_tp2_experts_sum_to_tp1(tmp_path):
-    """Each rank holds half of every expert's intermediate features; one all-reduce after down."""
-    ranks = run_on_ranks(moe_output, 2, tmp_path)
-    want = moe_output(SINGLE)
-    for got in ranks:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
