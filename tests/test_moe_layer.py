@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ketch.layers.moe import MoE, fused_experts_ref
+from ketch.layers.moe import MoE, dense_experts_ref, fused_experts_ref
 from ketch.layers.moe_routing import grouped_topk, softmax_topk
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -158,3 +158,12 @@ def test_moe_module_loads_each_expert_and_matches_the_reference():
         moe.experts.weight_loader(moe.experts.w2, ckpt[(0, "w2")], (8, "w2"))
     with pytest.raises(ValueError, match="does not belong"):
         moe.experts.weight_loader(moe.experts.w13, ckpt[(0, "w2")], (0, "w2"))
+
+
+def test_dense_experts_ref_is_fused_experts_ref():
+    """The graph-capture path (every expert on every token, unpicked ones weighted 0)."""
+    w13, w2 = random_experts(8, 24)
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(15))
+    weights, ids = softmax_topk(torch.randn(TOKENS, 8, generator=torch.Generator().manual_seed(16)), 3, False)
+    torch.testing.assert_close(dense_experts_ref(x, w13, w2, weights, ids), fused_experts_ref(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-6)

@@ -16,6 +16,9 @@ the token's output is the routing-weighted sum of its experts' outputs.
                                       the torch reference: the (token, pick) rows sorted by
                                       expert, one gate|up and one down GEMM per expert that has
                                       rows, SiLU·mul between, weighted sum back per token
+    dense_experts_ref(...)            the same without host syncs (every expert on every token,
+                                      weight 0 where not picked): what MoE runs while a CUDA graph
+                                      is captured (decode graphs); untested on a GPU so far
 
 Checkpoint tensors arrive one expert and one projection at a time: shard ids (expert, "w1")
 (gate), (expert, "w3") (up) into w13, (expert, "w2") (down) into w2 (Mixtral's own names;
@@ -60,6 +63,25 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     picks = torch.empty_like(out)
     picks[order] = out  # back to (token, pick) order: each token's k rows side by side
     return picks.view(tokens, k, w2.shape[1]).sum(dim=1)
+
+
+def dense_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_experts_ref's result without reading anything back to the host (CUDA graph capture):
+    every expert runs on every token, weighted by the token's routing weight for it (0 when
+    not picked). E / k times the FLOPs; a decode batch reads every expert's weights either way
+    once it is large enough to hit them all."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights.to(x.dtype))
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    for expert in range(w13.shape[0]):
+        y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        out += y * dense[:, expert : expert + 1]
+    return out
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class Router(nn.Module):
@@ -126,5 +148,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = fused_experts_ref(x, self.experts.w13, self.experts.w2, weights, ids)
+        experts = dense_experts_ref if _capturing() else fused_experts_ref  # no host sync inside a graph
+        y = experts(x, self.experts.w13, self.experts.w2, weights, ids)
         return self.parallel.all_reduce(y) if self.reduce else y
