@@ -6,7 +6,10 @@ from one teacher-forced HF forward over each finished sequence (`check`): the sa
 `generate`, step by step, at a fraction of the time."""
 from __future__ import annotations
 
+import json
+import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,12 +128,28 @@ def test_chunked_prefill(checkpoint):
 @pytest.mark.parametrize("name,total,active", [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])
 def test_real_shape_configs(name, total, active):
     """configs/ (dummy weights of the real shapes): the published total and active parameter counts."""
-    import math
-    from pathlib import Path
-
     cfg = load_model_config(str(Path(__file__).resolve().parents[1] / "configs" / name), "dummy")
     shapes = family_for(cfg.architecture).weight_shapes(cfg)
     n = sum(math.prod(s) for s in shapes.values())
     experts = sum(math.prod(s) for k, s in shapes.items() if ".experts." in k)
     assert n == pytest.approx(total, rel=0.01)
     assert n - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts) == pytest.approx(active, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_dummy_weights_of_the_configs_cut_small(name, tmp_path):
+    """`--load-format dummy` draws every tensor `weight_shapes` names and the model loads them
+    all: the real configs with fewer, smaller layers and experts."""
+    d = json.loads((Path(__file__).resolve().parents[1] / "configs" / name / "config.json").read_text())
+    d.update(num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    d["num_experts" if "num_experts" in d else "num_local_experts"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    llm = make_llm(str(tmp_path / "config.json"), load_format="dummy")
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    assert_drained(llm.engine)
+    d["num_experts_per_tok"] = 17
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="num_experts_per_tok: 17 of 16"):
+        load_model_config(str(tmp_path / "config.json"), "dummy")

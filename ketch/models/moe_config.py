@@ -46,6 +46,10 @@ class MoEConfig(ModelConfig):
         """An expert's gate, up and down projections as the checkpoint names them."""
         return ("w1", "w3", "w2") if self.architecture == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
 
+    def __post_init__(self) -> None:
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok: {self.num_experts_per_tok} of {self.num_experts} experts")
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "MoEConfig":
         base = ModelConfig.from_hf_dict(d)
