@@ -17,7 +17,7 @@ from ketch.layers.moe import MoE
 from ketch.layers.moe_routing import softmax_topk
 from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.models.llama import PACKED, LlamaForCausalLM
-from ketch.models.moe_config import MoEConfig
+from ketch.models.moe_config import MIXTRAL, MoEConfig
 from ketch.models.param_loader import expert_name_map
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -35,4 +35,5 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not cfg.is_sparse(layer):
             return None
         select = partial(softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
-        return MoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select, parallel=parallel)
+        field = "intermediate_size" if cfg.architecture == MIXTRAL else "moe_intermediate_size"  # config.json's name
+        return MoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select, parallel=parallel, field=field)
