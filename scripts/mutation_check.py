@@ -95,6 +95,16 @@ MUTATIONS = (
             "tests/test_hiradix.py::test_evicted_pages_go_to_the_host_and_a_hit_loads_them_back[write_back]",
         ),
     ),
+    Mutation(
+        name="moe-top-k-weights-not-renormalised",
+        path="ketch/layers/moe_routing.py",
+        old="    if renormalize:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        new="    if False:  # planted: norm_topk_prob ignored\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+        tests=(
+            "tests/test_moe_layer.py::test_softmax_topk_is_mixtral_router",
+            "tests/test_moe_models.py::test_chunked_prefill[mixtral]",
+        ),
+    ),
 )
 
 

@@ -1,6 +1,8 @@
 """A tiny random Llama-family model built for TP=2 over gloo (two processes on the CPU) gives
 the TP=1 logits (fp32): a prefill of two prompts, then two decode steps that read the KV each
-rank keeps for its own kv heads (the torch attention backend over a small KVPool per rank)."""
+rank keeps for its own kv heads (the torch attention backend over a small KVPool per rank).
+The MoE family (Qwen3-MoE, Mixtral) too: each rank holds every expert's share of the
+intermediate features, one all-reduce after the experts' down projection."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ from ketch.cache.kv_pool import KVPool
 from ketch.config import ModelConfig
 from ketch.models.llama import LlamaForCausalLM
 from ketch.models.llama_family import LLAMA
+from ketch.models.registry import config_from_hf, family_for
 from ketch.parallel import SINGLE, ParallelContext
 from ketch.weights.dummy_loader import tensor_seed
 
@@ -27,6 +30,12 @@ CONFIGS = {
     # SmolLM2's shape of heads: 3 kv heads in groups of 3 over 2 ranks, split 2 + 1 (head_share)
     "uneven": dict(BASE, model_type="llama", vocab_size=300, num_attention_heads=9, num_key_value_heads=3,
                    head_dim=16, tie_word_embeddings=True),
+    # sparse layers 0 and 2 (8 experts of 32 features, top 2), dense layer 1
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=300,
+                      num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "mixtral": dict(BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=300,
+                    num_local_experts=8, num_experts_per_tok=2),
 }
 PROMPTS = [[5, 17, 42, 9, 250, 3, 77], [8, 1, 299, 64, 12]]
 DECODE_IDS = [[101, 7], [33, 290]]  # fixed inputs of the two decode steps (the same on both sides)
@@ -36,7 +45,7 @@ PAGE = 4
 def checkpoint(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Random values for every tensor (norms and biases too), seeded by name."""
     out = {}
-    for name, shape in LLAMA.weight_shapes(cfg).items():
+    for name, shape in family_for(cfg.architecture).weight_shapes(cfg).items():
         noise = 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(tensor_seed(0, name)))
         out[name] = 1.0 + noise if name.endswith("norm.weight") else noise
     return out
@@ -45,10 +54,11 @@ def checkpoint(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def run_model(parallel: ParallelContext, family: str) -> list[torch.Tensor]:
     """Each step's logits of every row (prefill) / of each sequence (decode)."""
-    cfg = LLAMA.config_from_hf(CONFIGS[family])
-    model = LlamaForCausalLM(cfg, max_positions=64, parallel=parallel)
+    cfg = config_from_hf(CONFIGS[family])
+    declared = family_for(cfg.architecture)
+    model = declared.model_class(cfg, max_positions=64, parallel=parallel)
     model.load_weights(checkpoint(cfg).items())
-    spec = LLAMA.kv_spec(cfg, parallel)
+    spec = declared.kv_spec(cfg, parallel)
     assert spec.tensors[0].shape == (parallel.head_share(cfg.num_heads, cfg.num_kv_heads).num_kv, cfg.head_dim)
     attn = TorchAttentionBackend(KVPool(spec, 8, PAGE, torch.float32, "cpu"), cfg.head_dim, torch.device("cpu"))
     tables = [[0, 1, 2], [3, 4, 5]]

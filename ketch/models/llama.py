@@ -72,12 +72,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps, parallel: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, parallel: ParallelContext,
+                 intermediate_size: int | None = None) -> None:
+        """intermediate_size: None is the config's (a MoE model's dense or shared-expert MLP may
+        have another)."""
         super().__init__()
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.silu_and_mul = ops.silu_and_mul  # pairs [gate_r | up_r], this rank's features
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False,
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=False,
                                                        parallel=parallel, dense=ops.linear, field="intermediate_size")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False, parallel=parallel,
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, parallel=parallel,
                                            dense=ops.linear, field="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,14 +89,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: LayerOps, parallel: ParallelContext) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: LayerOps, parallel: ParallelContext,
+                 mlp: nn.Module | None = None) -> None:
+        """mlp: what follows attention (x [T, H] -> [T, H], whole on every rank); None: LlamaMLP."""
         super().__init__()
         self.ops = ops
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer, ops, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, ops, parallel)
+        self.mlp = LlamaMLP(cfg, ops, parallel) if mlp is None else mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +115,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    packed = PACKED  # checkpoint projection -> fused parameter (subclasses: their own names)
+    name_maps: tuple = ()  # param_loader.NameMap, tried before `packed` (MoE experts)
+
     def __init__(self, cfg: ModelConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
@@ -119,12 +128,17 @@ class LlamaForCausalLM(nn.Module):
         logits_dense = None if ops is TORCH_OPS else ops.linear
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=parallel,
                                                    dense=logits_dense)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, parallel) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, parallel, self.make_mlp(cfg, i, ops, parallel))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head = None if cfg.tie_word_embeddings else \
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size, parallel=parallel, dense=logits_dense)
         self.requires_grad_(False)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, ops: LayerOps, parallel: ParallelContext) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the dense LlamaMLP (a MoE family returns its sparse block)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
         """Hidden states after the final norm, [tokens, hidden]."""
@@ -143,9 +157,9 @@ class LlamaForCausalLM(nn.Module):
         """HF-named full tensors; each layer takes its rank's slice (q/k/v and gate/up into their
         fused slots); fails loudly on missing or unknown names. Tied checkpoints sometimes still
         carry an lm_head copy: skipped."""
-        load_parameters(self, weights, PACKED, optional=frozenset({"lm_head.weight"}))
+        load_parameters(self, weights, self.packed, optional=frozenset({"lm_head.weight"}), name_maps=self.name_maps)
 
     def load_int4(self, weights: Iterable[tuple[str, Q4Weight]]) -> int:
         """Attach 4-bit copies to the linear layers whose every part came as 4-bit blocks.
         Returns how many layers got one."""
-        return load_int4_parts(self, weights, PACKED)
+        return load_int4_parts(self, weights, self.packed)

@@ -1,0 +1,153 @@
+"""Sparse mixture of experts: a router picks k experts per token, each expert is a SwiGLU MLP,
+the token's output is the routing-weighted sum of its experts' outputs.
+
+    Router(hidden, experts, select)   the gate: logits = x @ W^T ([experts, hidden], replicated),
+                                      then `select(logits)` -> (weights, ids) (moe_routing.py);
+                                      optional fp32 logits and DeepSeek's
+                                      `e_score_correction_bias` (handed to select)
+    FusedExperts(experts, hidden, intermediate)
+                                      w13 [E, 2 I_r, H] (gate_r | up_r, as the dense
+                                      MergedColumnParallelLinear stacks them) and w2 [E, H, I_r]:
+                                      each rank holds its slice of every expert's intermediate
+                                      features (TP by intermediate size, no expert parallelism)
+    MoE(...)                          gate + experts; forward(x [T, H]) -> [T, H], all-reduced
+                                      once across ranks (as the dense row-parallel down_proj)
+    fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+                                      the torch reference: the (token, pick) rows sorted by
+                                      expert, one gate|up and one down GEMM per expert that has
+                                      rows, SiLU·mul between, weighted sum back per token
+    dense_experts_ref(...)            the same without host syncs (every expert on every token,
+                                      weight 0 where not picked): what MoE runs while a CUDA graph
+                                      is captured (decode graphs); untested on a GPU so far
+
+Checkpoint tensors arrive one expert and one projection at a time: shard ids (expert, "w1")
+(gate), (expert, "w3") (up) into w13, (expert, "w2") (down) into w2 (Mixtral's own names;
+ketch/models/param_loader.py `expert_name_map` maps a family's names onto them). With TP=1
+the math is the unsharded one: no reduce, the whole intermediate size in one slot.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ketch.layers.activation import silu_and_mul
+from ketch.layers.sharding import load_shard
+from ketch.parallel import SINGLE, ParallelContext
+
+Select = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (logits[, correction_bias=]) -> (weights, ids)
+ExpertShard = tuple[int, str]  # (expert, "w1" | "w3" | "w2")
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights / topk_ids [T, k] -> [T, H] in x's
+    dtype. The weights multiply in x's dtype; each token's k rows are summed in pick order (a
+    scatter and a sum: index_add_ is slow on the CPU)."""
+    tokens, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, pick) rows grouped by expert, tokens in order
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = x[token_of]
+    out = torch.empty(rows.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            part = rows[start : start + n]
+            out[start : start + n] = F.linear(silu_and_mul(F.linear(part, w13[expert])), w2[expert])
+            start += n
+    out *= topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    picks = torch.empty_like(out)
+    picks[order] = out  # back to (token, pick) order: each token's k rows side by side
+    return picks.view(tokens, k, w2.shape[1]).sum(dim=1)
+
+
+def dense_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_experts_ref's result without reading anything back to the host (CUDA graph capture):
+    every expert runs on every token, weighted by the token's routing weight for it (0 when
+    not picked). E / k times the FLOPs; a decode batch reads every expert's weights either way
+    once it is large enough to hit them all."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights.to(x.dtype))
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    for expert in range(w13.shape[0]):
+        y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        out += y * dense[:, expert : expert + 1]
+    return out
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Router(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, select: Select, *,
+                 correction_bias: bool = False, fp32_logits: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # DeepSeek V3 (noaux_tc): added to the scores for the choice of experts only
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
+        self.select = select
+        self.fp32_logits = fp32_logits
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fp32_logits:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        if self.e_score_correction_bias is None:
+            return self.select(logits)
+        return self.select(logits, correction_bias=self.e_score_correction_bias)
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size") -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_experts = num_experts
+        self.local_intermediate = parallel.split(intermediate_size, field)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate))
+
+    def param_shard_ids(self, param_name: str) -> tuple[ExpertShard, ...]:
+        """The checkpoint tensors each parameter is made of (param_loader's completeness check)."""
+        parts = ("w2",) if param_name == "w2" else ("w1", "w3")
+        return tuple((e, p) for e in range(self.num_experts) for p in parts)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> None:
+        """One expert's full gate / up ([I, H]: this rank's rows) or down ([H, I]: its columns)."""
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"names expert {expert}, the layer has {self.num_experts}")
+        if (part == "w2") != (param is self.w2) or part not in ("w1", "w2", "w3"):
+            raise ValueError(f"shard {part!r} does not belong in this parameter")
+        if part == "w2":
+            load_shard(param.data[expert], loaded, self.parallel, dim=1)
+            return
+        n = self.local_intermediate
+        load_shard(param.data[expert].narrow(0, 0 if part == "w1" else n, n), loaded, self.parallel, dim=0)
+
+
+class MoE(nn.Module):
+    """gate + experts; forward(x [T, H]) -> [T, H]: the whole output on every rank."""
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, select: Select, *,
+                 parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size",
+                 correction_bias: bool = False, fp32_router_logits: bool = False) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, select, correction_bias=correction_bias,
+                           fp32_logits=fp32_router_logits)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field)
+        self.parallel = parallel
+        self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs no collective
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        experts = dense_experts_ref if _capturing() else fused_experts_ref  # no host sync inside a graph
+        y = experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        return self.parallel.all_reduce(y) if self.reduce else y
