@@ -56,7 +56,8 @@ class YarnScaling:
 
     def inverse_frequencies(self, dim: int, theta: float) -> torch.Tensor:
         def correction_dim(rotations: float) -> float:
-            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+            wavelengths = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return dim * math.log(wavelengths) / (2 * math.log(theta))
 
         low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
         if self.truncate:
