@@ -12,7 +12,7 @@ teacher-forced HF forward per run, plus HF `generate` on two prompts). Checkpoin
 
 Prefill and extend chunks run MLA in the expanded form, decode rows in the absorbed form
 (ketch/attention/mla_backend.py), so every run below checks both against HF; prefix-cache hits,
-chunked prefill and preemption only move pages and must change nothing.
+chunked prefill, preemption and overlap scheduling only move pages and must change nothing.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def test_greedy_matches_hf_then_hits_the_prefix_cache(checkpoint):
     assert_drained(llm.engine)
 
 
-def test_chunked_prefill_and_preemption(checkpoint):
+def test_chunked_prefill_and_preemption_with_overlap(checkpoint):
     name, path, hf, _ = checkpoint
     cfg = hf.config
     if name == LIGHT:
@@ -115,7 +115,8 @@ def test_chunked_prefill_and_preemption(checkpoint):
     page_bytes = PAGE * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     longest = -(-(max(map(len, PROMPTS)) + NEW_TOKENS) // PAGE)
     llm = make_llm(path, kv_cache_memory=3 * longest * page_bytes, chunked_prefill_size=16,
-                   max_num_batched_tokens=32)
+                   max_num_batched_tokens=32, overlap_schedule=True)  # tokens processed one step late
+    assert llm.engine.overlap
     assert llm.engine.runner.pool.num_pages == 3 * longest  # room for about three requests at a time
     check(llm.generate(PROMPTS, PARAMS), checkpoint)
     assert llm.engine.scheduler.stats.preemptions > 0
