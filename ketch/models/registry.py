@@ -15,11 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ketch.models.family import ModelFamily
+from ketch.models.deepseek_family import DEEPSEEK
 from ketch.models.llama_family import LLAMA
 from ketch.models.moe_family import MOE
 from ketch.weights import ModelSource, read_config
 
-FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA, MOE)  # built in; register_family adds others
+FAMILIES: tuple[ModelFamily[Any], ...] = (LLAMA, MOE, DEEPSEEK)  # built in; register_family adds others
 _BY_ARCHITECTURE: dict[str, ModelFamily[Any]] = {arch: family for family in FAMILIES for arch in family.architectures}
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"  # config.json files without `architectures`
 

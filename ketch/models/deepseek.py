@@ -1,0 +1,152 @@
+"""DeepSeek-V2/V3 (dense layers): multi-head latent attention over a latent KV cache.
+
+A layer's attention, per token (the declaration, deepseek_family.py, has the shapes):
+
+    q        = q_proj(x)                     or  q_b_proj(q_a_layernorm(q_a_proj(x)))   (q LoRA)
+             -> [heads, nope | rope], the rope part rotated
+    c | k_pe = kv_a_proj_with_mqa(x)         c -> kv_a_layernorm; k_pe (one for all heads) rotated
+    latent   = c | k_pe                      the only thing the KV pool keeps
+    out      = o_proj(MLA(q, latent; kv_b_proj))   ketch/attention/mla_backend.py
+
+RoPE touches only the qk_rope_head_dim part, with YaRN scaling (layers/yarn.py): the tables
+carry YaRN's rope factor, the backend's softmax scale its mscale^2. DeepSeek lays the rope dims
+out in interleaved pairs (x0, x1), (x2, x3)... (V2 always, V3 unless rope_interleave is false):
+they are gathered to [even | odd] and rotated in the rotate-half layout, which is HF V3's own
+formula; V2's complex product keeps the pairs in place instead, a permutation of the same
+numbers applied to q_pe and k_pe alike, so every score is the same.
+
+The residual adds are fused into the next norm as in the Llama family (llama.py), whose MLP
+(gate|up fused, SiLU) the dense layers reuse. One rank only for now (the family's kv_spec).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch import nn
+
+from ketch.layers.linear import Linear
+from ketch.layers.norm import RMSNorm
+from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.rotary import apply_rotary
+from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from ketch.layers.yarn import ScaledRotary
+from ketch.models.llama import LlamaMLP
+from ketch.models.param_loader import load_parameters
+from ketch.parallel import SINGLE, ParallelContext
+
+if TYPE_CHECKING:
+    from ketch.models.deepseek_family import DeepseekConfig
+
+PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # not Llama's q/k/v
+LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the norms' default, not rms_norm_eps (as HF)
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps) -> None:
+        super().__init__()
+        self.layer, self.ops, self.interleave = layer, ops, c.rope_interleave
+        self.heads, self.nope, self.rank = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        q_out, lin = c.num_heads * c.qk_head_dim, ops.linear
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, q_out, bias=False, dense=lin)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, dense=lin)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False, dense=lin)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, bias=c.attention_bias, dense=lin)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, dense=lin)
+
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [tokens, heads, rope_dim] -> rotated (interleaved pairs gathered to [even | odd] first)."""
+        if self.interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+        return apply_rotary(x, *rope)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        n = self.q_a_layernorm
+        return self.q_b_proj(self.ops.rms_norm(self.q_a_proj(x), n.weight, n.eps))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q = self._query(x).view(t, self.heads, -1)
+        q = torch.cat((q[..., : self.nope], self._rotate(q[..., self.nope :], rope)), -1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        n = self.kv_a_layernorm
+        c = self.ops.rms_norm(ckv[:, : self.rank], n.weight, n.eps)
+        latent = torch.cat((c, self._rotate(ckv[:, None, self.rank :], rope)[:, 0]), -1)
+        w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
+        o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :])
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps) -> None:
+        super().__init__()
+        self.ops, self.eps = ops, c.rms_norm_eps
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DeepseekAttention(c, layer, ops)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = LlamaMLP(c, ops, SINGLE)  # type: ignore[arg-type]  # reads hidden/intermediate_size
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: returns this layer's MLP output and the residual before it."""
+        if residual is None:
+            h, residual = self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), x
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        h = self.self_attn(h, rope, attn, meta)
+        h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(h), residual
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The `CausalLM` contract (ketch/models/family.py)."""
+
+    def __init__(self, cfg: DeepseekConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
+                 parallel: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        if parallel.world_size != 1:
+            raise ValueError("tensor_parallel_size: the DeepSeek family runs on one rank for now")
+        cfg.require_dense()
+        self.config, self.ops, self.parallel = cfg, ops, parallel
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = ScaledRotary(cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.yarn)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, attn, meta)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.project(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named tensors (gate/up into the fused MLP slot). V3 checkpoints also carry their
+        multi-token-prediction layer(s) after the last decoder layer: not used, skipped."""
+        n = self.config.num_layers
+        load_parameters(self, ((k, v) for k, v in weights if _layer_index(k) < n), PACKED,
+                        optional=frozenset({"lm_head.weight"}))
+
+    def load_int4(self, weights: Iterable[tuple[str, Any]]) -> int:
+        return 0  # no GGUF of this family yet
+
+
+def _layer_index(name: str) -> int:
+    """model.layers.<i>. -> i; -1 for names outside the decoder layers."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else -1

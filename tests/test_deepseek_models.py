@@ -1,0 +1,135 @@
+"""The DeepSeek-V2/V3 family (dense layers, MLA over a latent KV pool) against HF transformers.
+
+Tiny random checkpoints are built here with transformers' own classes (`from_config` +
+`save_pretrained`) and served by in-process `ketch.LLM` in fp32 on the CPU: 16 prompts x 32
+greedy tokens must be HF's greedy ids, chosen-token logprobs within 1e-4 (`check`: one
+teacher-forced HF forward per run, plus HF `generate` on two prompts). Checkpoints:
+
+    v2-lite   DeepseekV2, no q LoRA (plain q_proj), YaRN with mscale != mscale_all_dim (both the
+              rope factor and the softmax mscale^2 differ from 1), complex (interleaved) RoPE
+    v3        DeepseekV3, q LoRA, YaRN as above, interleaved rope, 3 layers
+    v3-neox   DeepseekV3, rope_interleave=False (rotate-half layout), plain RoPE, attention biases
+
+Prefill and extend chunks run MLA in the expanded form, decode rows in the absorbed form
+(ketch/attention/mla_backend.py), so every run below checks both against HF; prefix-cache hits,
+chunked prefill, preemption and overlap scheduling only move pages and must change nothing.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import assert_drained
+from ketch.llm import LLM
+from ketch.models.deepseek_family import LATENT, DeepseekConfig
+from ketch.sampling.params import SamplingParams
+from ketch.weights.source import default_model_path
+
+NEW_TOKENS, PAGE = 32, 8
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.9}
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.3,
+            eos_token_id=299, bos_token_id=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+CHECKPOINTS = {  # first_k_dense_replace = num_hidden_layers: every layer dense
+    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=2, rope_parameters=YARN)),
+    "v3": ("DeepseekV3Config", dict(num_hidden_layers=3, first_k_dense_replace=3, rope_parameters=YARN)),
+    "v3-neox": ("DeepseekV3Config", dict(first_k_dense_replace=2, rope_interleave=False, attention_bias=True,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+}
+LIGHT = "v3-neox"  # a rope-layout variant: no chunked/preemption run (CI time)
+_rng = random.Random(7)
+_SHARED = [_rng.randrange(3, 299) for _ in range(24)]
+# 16 prompts of 10..40 tokens; most share a prefix of 8..24 tokens (page hits on a second pass)
+PROMPTS = [_SHARED[: 8 + (i * 5) % 17] + [_rng.randrange(3, 299) for _ in range(2 + (i * 7) % 17)] for i in range(12)]
+PROMPTS += [[_rng.randrange(3, 299) for _ in range(10 + 9 * i)] for i in range(4)]
+GENERATED = (0, 15)  # also checked against HF `generate` token by token
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+    """(name, path, HF model, HF `generate`'s greedy ids for GENERATED prompts)."""
+    import transformers
+
+    cls_name, extra = CHECKPOINTS[request.param]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    generated = {}
+    with torch.inference_mode():
+        for i in GENERATED:
+            out = hf.generate(torch.tensor([PROMPTS[i]]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+            generated[i] = out[0, len(PROMPTS[i]):].tolist()
+    return request.param, str(path), hf, generated
+
+
+def make_llm(path: str, **kw) -> LLM:
+    # the checkpoint has no tokenizer: the bundled one (prompts are token ids anyway)
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    return LLM(path, tokenizer=default_model_path(), dtype="float32", page_size=PAGE, **kw)
+
+
+def check(outputs, checkpoint) -> None:
+    """Every token ketch chose is the argmax of HF's logits over the prompt and ketch's tokens
+    before it (one teacher-forced HF forward of all sequences, right-padded: causal attention
+    never sees the padding), which by induction is HF's greedy sequence; its logprob within 1e-4
+    of HF's. And HF `generate` itself agrees on GENERATED prompts (its KV-cache path)."""
+    name, _, hf, generated = checkpoint
+    seqs = [p + out.token_ids for p, out in zip(PROMPTS, outputs, strict=True)]
+    width = max(map(len, seqs))
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([s + [0] * (width - len(s)) for s in seqs]), use_cache=False).logits
+    for i, (p, out) in enumerate(zip(PROMPTS, outputs)):
+        ref = logits[i, len(p) - 1 : len(p) - 1 + NEW_TOKENS].log_softmax(-1)  # predicts each new token
+        assert len(out.token_ids) == NEW_TOKENS
+        assert out.token_ids == ref.argmax(-1).tolist(), f"{name}: prompt {i} diverges from HF"
+        want = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        assert (got - want).abs().max() < 1e-4, f"{name}: prompt {i} logprobs"
+    for i, ids in generated.items():
+        assert outputs[i].token_ids == ids, f"{name}: prompt {i} differs from HF generate"
+
+
+def test_greedy_matches_hf_then_hits_the_prefix_cache(checkpoint):
+    llm = make_llm(checkpoint[1])
+    first = llm.generate(PROMPTS, PARAMS)
+    check(first, checkpoint)
+    second = llm.generate(PROMPTS, PARAMS)  # every whole page of each prompt is cached now
+    assert [o.num_cached_tokens for o in second] == [(len(p) - 1) // PAGE * PAGE for p in PROMPTS]
+    check(second, checkpoint)
+    assert_drained(llm.engine)
+
+
+def test_chunked_prefill_and_preemption_with_overlap(checkpoint):
+    name, path, hf, _ = checkpoint
+    cfg = hf.config
+    if name == LIGHT:
+        pytest.skip("the layout-independent paths run on v2-lite and v3 (CI time)")
+    page_bytes = PAGE * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    longest = -(-(max(map(len, PROMPTS)) + NEW_TOKENS) // PAGE)
+    llm = make_llm(path, kv_cache_memory=3 * longest * page_bytes, chunked_prefill_size=16,
+                   max_num_batched_tokens=32, overlap_schedule=True)  # tokens processed one step late
+    assert llm.engine.overlap
+    assert llm.engine.runner.pool.num_pages == 3 * longest  # room for about three requests at a time
+    check(llm.generate(PROMPTS, PARAMS), checkpoint)
+    assert llm.engine.scheduler.stats.preemptions > 0
+    assert_drained(llm.engine)
+
+
+def test_pool_holds_one_latent_per_layer(checkpoint):
+    _, path, hf, _ = checkpoint
+    cfg = hf.config
+    llm = make_llm(path, kv_cache_memory=1 << 20)
+    pool = llm.engine.runner.pool
+    assert pool.spec.names == (LATENT,) and len(pool.layers) == cfg.num_hidden_layers
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert all(t[LATENT].shape == (pool.num_pages, PAGE, width) for t in pool.layers)
+    assert pool.bytes_per_page == PAGE * cfg.num_hidden_layers * width * 4
+    assert isinstance(llm.engine.model_config, DeepseekConfig)
