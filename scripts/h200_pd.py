@@ -8,7 +8,9 @@ transfers the servers counted, and the mean TTFT / end-to-end time of the PD and
 
     usage: python scripts/h200_pd.py [BACKEND ...]          (default: nixl tcp)
     env:   MODEL (configs/llama-3.1-8b-smollm2-vocab), TOKENIZER (carry/smollm2-tokenizer),
-           NEW_TOKENS (32), FRACTION (0.28 per server), OUT (the log folder)
+           NEW_TOKENS (32), FRACTION (0.28 per server), OUT (the log folder),
+           SERVER_ARGS (more `ketch serve` flags for every server, e.g. "--chunked-prefill-size 16":
+           prompts in several chunks, so the prefill side sends its KV in parts while it runs)
 UCX_TLS is left as it is (unset: UCX may choose cuda_ipc / cuda_copy for GPU memory).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ TOKENIZER = os.environ.get("TOKENIZER", "carry/smollm2-tokenizer")
 NEW_TOKENS = int(os.environ.get("NEW_TOKENS", "32"))
 FRACTION = os.environ.get("FRACTION", "0.28")
 OUT = os.environ.get("OUT", "out")
+SERVER_ARGS = os.environ.get("SERVER_ARGS", "").split()
 ENDED = 'ketch_pd_transfers_ended_total{outcome="%s"}'
 
 
@@ -39,7 +42,7 @@ def start(name: str, port: int, *extra: str) -> subprocess.Popen:
 
 def serve(name: str, port: int, *extra: str) -> subprocess.Popen:
     return start(name, port, "serve", "--model", MODEL, "--load-format", "dummy", "--tokenizer", TOKENIZER,
-                 "--mem-fraction-static", FRACTION, *extra)
+                 "--mem-fraction-static", FRACTION, *SERVER_ARGS, *extra)
 
 
 def get(url: str) -> tuple[int, str]:
@@ -113,7 +116,7 @@ def main() -> int:
     backends = sys.argv[1:] or ["nixl", "tcp"]
     os.makedirs(OUT, exist_ok=True)
     print(f"# h200_pd: model {MODEL} (dummy), {len(PROMPTS)} prompts one at a time, {NEW_TOKENS} new tokens, greedy; "
-          f"{FRACTION} of the GPU per server; UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; "
+          f"{FRACTION} of the GPU per server; server args {' '.join(SERVER_ARGS) or '(none)'}; UCX_TLS={os.environ.get('UCX_TLS', '(unset)')}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", flush=True)
     colo = serve("colocated", 30000)
     try:
