@@ -293,6 +293,7 @@ def test_a_long_prompt_moves_its_kv_while_its_later_chunks_run(tiny_config_path,
         # the pages on their way are held by the transfer itself: a preemption or abort of the
         # request must not hand them to another request while the transport may read them
         assert long.hold is not None and long.hold.page_table == long.req.page_table[:long.given]
+        assert pd.stats(prefill)["pd_pages_sent_early"] >= long.given  # /metrics' ketch_pd_pages_sent_early
         wait_until(lambda: pd.stats(decode)["pd_live"][2] >= 1, 30, "the decode side to be Transferring")
         prefill.abort("cut")  # its first pages may be moving: both sides end it, no page is lost
         pre_outs, dec_outs = run_pair(prefill, decode)

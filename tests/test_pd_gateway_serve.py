@@ -6,6 +6,8 @@ server's: text, finish reason and token counts. With tcp, nixl and mooncake the 
 decodes from the KV that crossed the wire; with fake it runs each prompt itself (moves no bytes).
 Afterwards every page is back on both servers and the transfers are counted as they happened.
 Each answer's usage carries the decode server's TTFT split (`pd_timing`) through the gateway.
+The PD servers prefill in chunks of 16 tokens (the colocated one in one go: fp32 output does not
+depend on it), so the prefill server sends each prompt's KV in parts while the prompt runs.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ketch.disagg.config import IMPLEMENTED_BACKENDS
 
 MAX_TOKENS = 16
 CLIENTS = 4  # requests in flight at once: the servers batch, as under real load
+CHUNK = 16  # the PD servers' prefill chunk: the prompts' first pages travel before their last chunk runs
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -77,7 +80,8 @@ def deployment(request):
     saved = os.environ.get("UCX_TLS")
     os.environ["UCX_TLS"] = "tcp"  # nixl's UCX over loopback tcp (the servers inherit it)
     boot = free_port()
-    pd = ("--disaggregation-transfer-backend", backend, "--disaggregation-timeout", "60")
+    pd = ("--disaggregation-transfer-backend", backend, "--disaggregation-timeout", "60", "--chunked-prefill-size",
+          str(CHUNK))
     prefill = start_replica(free_port(), "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                             str(boot), *pd)
     decode = start_replica(free_port(), "--disaggregation-mode", "decode", *pd)
@@ -122,3 +126,5 @@ def test_gateway_pd_answers_equal_colocated(deployment, colocated, stream):
     assert received == (0 if backend == "fake" else len(PROMPTS))
     for m in after:
         assert m[ended % "failed"] == 0
+    early = "ketch_pd_pages_sent_early_total"
+    assert after[0][early] > before[0][early], "the prompts' first pages went while their later chunks ran"

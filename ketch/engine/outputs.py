@@ -103,6 +103,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     pd_live: tuple[int, int, int] = (0, 0, 0)
     pd_succeeded: int = 0
     pd_failed: int = 0
+    pd_pages_sent_early: int = 0  # prefill: pages handed to the transport while their prompt still ran
 
     @property
     def kv_pages_in_use(self) -> int:

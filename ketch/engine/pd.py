@@ -100,7 +100,9 @@ def stats(engine: Engine) -> dict[str, object]:
     states = side.live_states()
     live = tuple(sum(1 for s in states if s == want)
                  for want in (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring))
-    return {"pd_enabled": True, "pd_live": live, "pd_succeeded": side.succeeded, "pd_failed": side.failed}
+    early = engine.pd_sends.pages_sent_early if engine.pd_sends is not None else 0
+    return {"pd_enabled": True, "pd_live": live, "pd_succeeded": side.succeeded, "pd_failed": side.failed,
+            "pd_pages_sent_early": early}
 
 
 def holds(engine: Engine) -> list[PageHold]:

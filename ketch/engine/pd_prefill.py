@@ -68,6 +68,7 @@ class PrefillSends:
         self.transport, self.kv = transport, kv
         self.sends: dict[str, _Send] = {}  # rid -> its transfer, from add_request to a terminal poll
         self.succeeded = self.failed = 0  # ended transfers (for /metrics)
+        self.pages_sent_early = 0  # pages given by send_part (for /metrics)
 
     def start(self, req: Request, room: int) -> None:
         sender = self.transport.sender(room)
@@ -94,6 +95,7 @@ class PrefillSends:
             self._hold(s, pages)
             s.sender.send_part(pages, written)
             s.given = full
+            self.pages_sent_early += len(pages)
 
     def _hold(self, s: _Send, pages: list[int]) -> None:
         self.kv.allocator.incref(pages)

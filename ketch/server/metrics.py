@@ -127,6 +127,8 @@ def _pd_metrics(s: EngineStats) -> Iterator[Metric]:
     ended.add_metric(["succeeded"], s.pd_succeeded)
     ended.add_metric(["failed"], s.pd_failed)
     yield ended
+    yield CounterMetricFamily("ketch_pd_pages_sent_early", "Prefill: KV pages handed to the transport while their "
+                              "prompt's later chunks still ran (pipelined transfers)", value=s.pd_pages_sent_early)
 
 
 def _storage_metrics(s: EngineStats) -> Iterator[Metric]:
