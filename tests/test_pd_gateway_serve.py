@@ -19,7 +19,7 @@ import pytest
 
 from gateway_util import running_gateway, start_replica, stop, wait_healthy
 from pd_util import answer, call
-from server_util import free_port, metrics, pages_all_back, wait_for
+from server_util import free_port, metrics, pages_all_back, post, wait_for
 from test_parity import PROMPTS
 
 from ketch.disagg.config import IMPLEMENTED_BACKENDS
@@ -103,6 +103,8 @@ def deployment(request):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_gateway_pd_answers_equal_colocated(deployment, colocated, stream):
     base, prefill, decode, backend = deployment
+    for url in (prefill, decode):  # the other pass's prompts cached: each prompt would be one last chunk
+        assert post(url, "/flush_cache", {})[0] == 200
     before = [metrics(url) for url in (prefill, decode)]
     usages: list[dict] = []
     got = _answers(base, stream, usages)
