@@ -9,10 +9,12 @@ teacher-forced HF forward per run, plus HF `generate` on two prompts). Checkpoin
               rope factor and the softmax mscale^2 differ from 1), complex (interleaved) RoPE
     v3        DeepseekV3, q LoRA, YaRN as above, interleaved rope, 3 layers
     v3-neox   DeepseekV3, rope_interleave=False (rotate-half layout), plain RoPE, attention biases
-    v2-moe    DeepseekV2, layers 1-2 MoE (ketch/models/deepseek_moe.py): 8 routed experts, top-2,
-              1 shared; softmax, group_limited_greedy (4 groups, 2 kept), routed_scaling_factor 2
-    v3-moe    DeepseekV3, layers 1-2 MoE as above; sigmoid, noaux_tc with a random (non-zero)
-              e_score_correction_bias, norm_topk_prob, routed_scaling_factor 2.5
+    v2-moe    DeepseekV2, layers 1-2 MoE (ketch/models/deepseek_moe.py): 8 routed experts, top-3,
+              1 shared; softmax, group_limited_greedy (4 groups, 2 kept), routed_scaling_factor 2,
+              norm_topk_prob true in config.json (which HF's V2 ignores)
+    v3-moe    DeepseekV3, layers 1-2 MoE: 8 routed experts, top-2, 1 shared; sigmoid, noaux_tc
+              (4 groups, 2 kept) with a random (non-zero) e_score_correction_bias,
+              norm_topk_prob, routed_scaling_factor 2.5
 
 Prefill and extend chunks run MLA in the expanded form, decode rows in the absorbed form
 (ketch/attention/mla_backend.py), so every run below checks both against HF; prefix-cache hits,
@@ -45,7 +47,11 @@ CHECKPOINTS = {  # dense: first_k_dense_replace = num_hidden_layers
     "v3": ("DeepseekV3Config", dict(num_hidden_layers=3, first_k_dense_replace=3, rope_parameters=YARN)),
     "v3-neox": ("DeepseekV3Config", dict(first_k_dense_replace=2, rope_interleave=False, attention_bias=True,
                                          rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
-    "v2-moe": ("DeepseekV2Config", dict(MOE, topk_method="group_limited_greedy", routed_scaling_factor=2.0)),
+    # top-3: with k <= topk_group, group_limited_greedy picks what plain greedy picks (the k best
+    # experts' groups are always among the k best groups by their best expert)
+    # norm_topk_prob: HF's V2 router never reads it (nor may we)
+    "v2-moe": ("DeepseekV2Config", dict(MOE, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                                        routed_scaling_factor=2.0, norm_topk_prob=True)),
     "v3-moe": ("DeepseekV3Config", dict(MOE, norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 LIGHT = "v3-neox"  # a rope-layout variant: no chunked/preemption run (CI time)
