@@ -1,4 +1,4 @@
-"""The DeepSeek-V2/V3 family (dense layers, MLA over a latent KV pool) against HF transformers.
+"""The DeepSeek-V2/V3 family (MLA over a latent KV pool; dense and MoE layers) against HF transformers.
 
 Tiny random checkpoints are built here with transformers' own classes (`from_config` +
 `save_pretrained`) and served by in-process `ketch.LLM` in fp32 on the CPU: 16 prompts x 32
@@ -9,6 +9,12 @@ teacher-forced HF forward per run, plus HF `generate` on two prompts). Checkpoin
               rope factor and the softmax mscale^2 differ from 1), complex (interleaved) RoPE
     v3        DeepseekV3, q LoRA, YaRN as above, interleaved rope, 3 layers
     v3-neox   DeepseekV3, rope_interleave=False (rotate-half layout), plain RoPE, attention biases
+    v2-moe    DeepseekV2, layers 1-2 MoE (ketch/models/deepseek_moe.py): 8 routed experts, top-3,
+              1 shared; softmax, group_limited_greedy (4 groups, 2 kept), routed_scaling_factor 2,
+              norm_topk_prob true in config.json (which HF's V2 ignores)
+    v3-moe    DeepseekV3, layers 1-2 MoE: 8 routed experts, top-2, 1 shared; sigmoid, noaux_tc
+              (4 groups, 2 kept) with a random (non-zero) e_score_correction_bias,
+              norm_topk_prob, routed_scaling_factor 2.5
 
 Prefill and extend chunks run MLA in the expanded form, decode rows in the absorbed form
 (ketch/attention/mla_backend.py), so every run below checks both against HF; prefix-cache hits,
@@ -34,13 +40,22 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.3,
             eos_token_id=299, bos_token_id=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
             qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
-CHECKPOINTS = {  # first_k_dense_replace = num_hidden_layers: every layer dense
+MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+           n_shared_experts=1, n_group=4, topk_group=2, rope_parameters=YARN)
+CHECKPOINTS = {  # dense: first_k_dense_replace = num_hidden_layers
     "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=2, rope_parameters=YARN)),
     "v3": ("DeepseekV3Config", dict(num_hidden_layers=3, first_k_dense_replace=3, rope_parameters=YARN)),
     "v3-neox": ("DeepseekV3Config", dict(first_k_dense_replace=2, rope_interleave=False, attention_bias=True,
                                          rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    # top-3: with k <= topk_group, group_limited_greedy picks what plain greedy picks (the k best
+    # experts' groups are always among the k best groups by their best expert)
+    # norm_topk_prob: HF's V2 router never reads it (nor may we)
+    "v2-moe": ("DeepseekV2Config", dict(MOE, num_experts_per_tok=3, topk_method="group_limited_greedy",
+                                        routed_scaling_factor=2.0, norm_topk_prob=True)),
+    "v3-moe": ("DeepseekV3Config", dict(MOE, norm_topk_prob=True, routed_scaling_factor=2.5)),
 }
 LIGHT = "v3-neox"  # a rope-layout variant: no chunked/preemption run (CI time)
+FULL = sorted(set(CHECKPOINTS) - {LIGHT})  # every path
 _rng = random.Random(7)
 _SHARED = [_rng.randrange(3, 299) for _ in range(24)]
 # 16 prompts of 10..40 tokens; most share a prefix of 8..24 tokens (page hits on a second pass)
@@ -50,16 +65,49 @@ GENERATED = (0, 15)  # also checked against HF `generate` token by token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops run fastest on one thread (CI has two cores); given back at module teardown."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+_BUILT: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory):
     """(name, path, HF model, HF `generate`'s greedy ids for GENERATED prompts)."""
+    return build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=FULL)
+def full_checkpoint(request, tmp_path_factory):
+    """`checkpoint` without the rope-layout variant (LIGHT): for the layout-independent paths."""
+    return build(request.param, tmp_path_factory)
+
+
+def build(name: str, tmp_path_factory) -> tuple:
+    """Each checkpoint once per module, whichever fixture asks first."""
+    if name not in _BUILT:
+        _BUILT[name] = _build(name, tmp_path_factory)
+    return _BUILT[name]
+
+
+def _build(name: str, tmp_path_factory) -> tuple:
     import transformers
 
-    cls_name, extra = CHECKPOINTS[request.param]
+    cls_name, extra = CHECKPOINTS[name]
     cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp(request.param)
+    for layer in hf.model.layers:  # V3 MoE: HF initialises the correction bias to 0; make it matter
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.rand(bias.shape, generator=torch.Generator().manual_seed(1)) - 0.5)
+    path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     generated = {}
     with torch.inference_mode():
@@ -67,7 +115,7 @@ def checkpoint(request, tmp_path_factory):
             out = hf.generate(torch.tensor([PROMPTS[i]]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
             generated[i] = out[0, len(PROMPTS[i]):].tolist()
-    return request.param, str(path), hf, generated
+    return name, str(path), hf, generated
 
 
 def make_llm(path: str, **kw) -> LLM:
@@ -107,11 +155,10 @@ def test_greedy_matches_hf_then_hits_the_prefix_cache(checkpoint):
     assert_drained(llm.engine)
 
 
-def test_chunked_prefill_and_preemption_with_overlap(checkpoint):
-    name, path, hf, _ = checkpoint
+def test_chunked_prefill_and_preemption_with_overlap(full_checkpoint):
+    checkpoint = full_checkpoint
+    _, path, hf, _ = checkpoint
     cfg = hf.config
-    if name == LIGHT:
-        pytest.skip("the layout-independent paths run on v2-lite and v3 (CI time)")
     page_bytes = PAGE * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
     longest = -(-(max(map(len, PROMPTS)) + NEW_TOKENS) // PAGE)
     llm = make_llm(path, kv_cache_memory=3 * longest * page_bytes, chunked_prefill_size=16,
@@ -133,3 +180,21 @@ def test_pool_holds_one_latent_per_layer(checkpoint):
     assert all(t[LATENT].shape == (pool.num_pages, PAGE, width) for t in pool.layers)
     assert pool.bytes_per_page == PAGE * cfg.num_hidden_layers * width * 4
     assert isinstance(llm.engine.model_config, DeepseekConfig)
+
+
+def test_weight_shapes_are_the_saved_checkpoint(checkpoint):
+    """The family's `weight_shapes` names exactly the tensors HF's `save_pretrained` wrote, with
+    their shapes: each routed expert's projections, the router (and V3's correction bias), the
+    shared experts."""
+    from safetensors import safe_open
+
+    from ketch.models.deepseek_family import DEEPSEEK
+    from ketch.models.registry import load_model_config
+
+    name, path, _, _ = checkpoint
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert DEEPSEEK.weight_shapes(load_model_config(path)) == saved
+    moe = {k for k in saved if ".mlp.experts." in k or ".shared_experts." in k or ".mlp.gate." in k}
+    assert bool(moe) == name.endswith("-moe")
+    assert any(k.endswith("gate.e_score_correction_bias") for k in moe) == (name == "v3-moe")

@@ -1,6 +1,6 @@
 """MLA's two forms of one product, YaRN's three numbers against HF transformers, and the released
-DeepSeek-V2-Lite config (configs/deepseek-v2-lite): parsed, its latent sized, its MoE layers
-refused with a message naming what is missing. No model is generated from here (that is
+DeepSeek-V2-Lite config (configs/deepseek-v2-lite): parsed, its latent sized, its MoE layers'
+routing and published parameter counts. No model is generated from here (that is
 tests/test_deepseek_models.py)."""
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_yarn_matches_hf(params):
     assert ours.softmax_scale == pytest.approx(hf_attn.scaling, rel=1e-12)
 
 
-def test_v2_lite_config_parses_and_its_moe_layers_are_refused():
+def test_v2_lite_config_parses_with_its_moe_layers():
     cfg = load_model_config(str(V2_LITE))
     assert isinstance(cfg, DeepseekConfig) and family_for(cfg.architecture) is DEEPSEEK
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim) == (None, 512, 192, 128)
@@ -89,10 +89,21 @@ def test_v2_lite_config_parses_and_its_moe_layers_are_refused():
     # 576 values per layer and token: the latent of MLA, not 2 x 16 heads x (192 | 128)
     assert DEEPSEEK.kv_spec(cfg, SINGLE) == KVSpec(27, (KVTensorSpec(LATENT, (576,)),))
     assert [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] == list(range(1, 27))
-    with pytest.raises(NotImplementedError, match=r"layers 1\.\.26 are mixture-of-experts.*ketch/layers/moe\.py"):
-        DEEPSEEK.weight_shapes(cfg)
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        DEEPSEEK.model_class(cfg, 64)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.moe_intermediate_size) == \
+        (64, 6, 2, 1408)
+    assert (cfg.topk_method, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor) == \
+        ("greedy", 1, 1, False, 1.0)
+    # the published sizes: 15.7 B parameters, 2.4 B active per token (6 of 64 routed experts;
+    # the input embedding, a lookup, not counted)
+    shapes = DEEPSEEK.weight_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    routed = sum(math.prod(s) for k, s in shapes.items() if ".mlp.experts." in k)
+    assert total == pytest.approx(15.7e9, rel=0.01)
+    active = total - routed * (1 - 6 / 64) - math.prod(shapes["model.embed_tokens.weight"])
+    assert active == pytest.approx(2.4e9, rel=0.03)
+    assert shapes["model.layers.26.mlp.experts.63.down_proj.weight"] == (2048, 1408)
+    assert shapes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (2 * 1408, 2048)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" not in shapes  # V2: no noaux_tc
 
 
 def test_v2_lite_dense_prefix_shapes_match_hf_names():

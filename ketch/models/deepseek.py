@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 (dense layers): multi-head latent attention over a latent KV cache.
+"""DeepSeek-V2/V3: multi-head latent attention over a latent KV cache.
 
 A layer's attention, per token (the declaration, deepseek_family.py, has the shapes):
 
@@ -16,7 +16,8 @@ formula; V2's complex product keeps the pairs in place instead, a permutation of
 numbers applied to q_pe and k_pe alike, so every score is the same.
 
 The residual adds are fused into the next norm as in the Llama family (llama.py), whose MLP
-(gate|up fused, SiLU) the dense layers reuse. One rank only for now (the family's kv_spec).
+(gate|up fused, SiLU) the dense layers reuse; the mixture-of-experts layers' block (routed +
+shared experts) is deepseek_moe.py. One rank only for now (the family's kv_spec).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
+from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekMoE
 from ketch.models.llama import LlamaMLP
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
@@ -91,7 +93,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DeepseekAttention(c, layer, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c, ops, SINGLE)  # type: ignore[arg-type]  # reads hidden/intermediate_size
+        # the dense MLP reads hidden/intermediate_size off the config
+        self.mlp = DeepseekMoE(c, ops) if c.is_moe_layer(layer) else LlamaMLP(c, ops, SINGLE)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +116,6 @@ class DeepseekForCausalLM(nn.Module):
         super().__init__()
         if parallel.world_size != 1:
             raise ValueError("tensor_parallel_size: the DeepSeek family runs on one rank for now")
-        cfg.require_dense()
         self.config, self.ops, self.parallel = cfg, ops, parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
@@ -136,11 +138,12 @@ class DeepseekForCausalLM(nn.Module):
         return head.project(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named tensors (gate/up into the fused MLP slot). V3 checkpoints also carry their
-        multi-token-prediction layer(s) after the last decoder layer: not used, skipped."""
+        """HF-named tensors (gate/up into the fused MLP slot, each routed expert's projections into
+        its layer's w13 / w2). V3 checkpoints also carry their multi-token-prediction layer(s) after
+        the last decoder layer: not used, skipped."""
         n = self.config.num_layers
         load_parameters(self, ((k, v) for k, v in weights if _layer_index(k) < n), PACKED,
-                        optional=frozenset({"lm_head.weight"}))
+                        optional=frozenset({"lm_head.weight"}), name_maps=(EXPERT_NAMES,))
 
     def load_int4(self, weights: Iterable[tuple[str, Any]]) -> int:
         return 0  # no GGUF of this family yet

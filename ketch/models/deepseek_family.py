@@ -2,10 +2,10 @@
 (one MLA latent per layer and token), its checkpoint names and its attention backend; the model
 is deepseek.py.
 
-Dense layers only for now: a layer that the config makes a mixture of experts (index >=
-first_k_dense_replace, every moe_layer_freq-th, with n_routed_experts set) is a
-NotImplementedError naming the missing piece, at weight_shapes and at model build; the config
-itself parses (a released MoE config can be read, its KV sized).
+A layer that the config makes a mixture of experts (index >= first_k_dense_replace, every
+moe_layer_freq-th, with n_routed_experts set) has routed and shared experts in place of the dense
+MLP: deepseek_moe.py (routing fields, checkpoint names, the block). `moe_layer_freq` is the
+original DeepSeek code's rule; transformers 5 ignores it (every released config says 1).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ketch.attention.mla_backend import MLAAttentionBackend
 from ketch.config import KVSpec, KVTensorSpec
 from ketch.layers.yarn import YarnScaling
 from ketch.models.deepseek import DeepseekForCausalLM
+from ketch.models.deepseek_moe import FP32_WEIGHTS, moe_fields, moe_shapes
 from ketch.models.family import ModelFamily
 from ketch.parallel import ParallelContext
 
@@ -48,6 +49,14 @@ class DeepseekConfig:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     n_routed_experts: int | None = None
+    moe_intermediate_size: int = 0  # each routed expert's; the shared MLP is n_shared_experts times it
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    topk_method: str = "greedy"  # V2: greedy | group_limited_greedy; V3: noaux_tc (always)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False  # V3 only (HF's V2 router never renormalises)
+    routed_scaling_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -66,15 +75,6 @@ class DeepseekConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
-
-    def require_dense(self) -> None:
-        moe = [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-        if moe:
-            raise NotImplementedError(
-                f"{self.architecture}: layers {moe[0]}..{moe[-1]} are mixture-of-experts (n_routed_experts="
-                f"{self.n_routed_experts}, first_k_dense_replace={self.first_k_dense_replace}); the DeepSeek "
-                "family runs dense layers only until its MoE block (routed + shared experts, grouped top-k "
-                "routing) is wired to ketch/layers/moe.py")
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "DeepseekConfig":
@@ -96,7 +96,7 @@ class DeepseekConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             first_k_dense_replace=d.get("first_k_dense_replace") or 0, moe_layer_freq=d.get("moe_layer_freq") or 1,
-            n_routed_experts=d.get("n_routed_experts"), bos_token_id=d.get("bos_token_id"),
+            n_routed_experts=d.get("n_routed_experts"), **moe_fields(d), bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         )
 
@@ -127,8 +127,7 @@ def kv_spec(cfg: DeepseekConfig, parallel: ParallelContext) -> KVSpec:
 
 
 def weight_shapes(c: DeepseekConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> full shape, in loading order (dense layers; MoE layers raise)."""
-    c.require_dense()
+    """HF name -> full shape, in loading order (an MoE layer's experts in place of the dense MLP)."""
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     q_out = c.num_heads * c.qk_head_dim
     for i in range(c.num_layers):
@@ -151,9 +150,12 @@ def weight_shapes(c: DeepseekConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes[a + "o_proj.bias"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        if c.is_moe_layer(i):
+            shapes |= moe_shapes(c, p + "mlp.")
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+            shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
     shapes["model.norm.weight"] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
@@ -175,4 +177,5 @@ DEEPSEEK: ModelFamily[DeepseekConfig] = ModelFamily(
     weight_shapes=weight_shapes,
     model_class=DeepseekForCausalLM,
     attention_backend=mla_attention,
+    fp32_weights=FP32_WEIGHTS,
 )

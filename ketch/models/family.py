@@ -99,6 +99,9 @@ class ModelFamily(Generic[C]):
     weight_shapes: Callable[[C], dict[str, tuple[int, ...]]]
     model_class: Callable[..., nn.Module]  # (config, max_positions, *, ops, parallel) -> CausalLM
     attention_backend: AttentionFactory | None = None  # None: mha_attention_backend
+    # name suffixes (checkpoint names, and parameter names without "model.") of tensors kept fp32
+    # in a model of any dtype: read, drawn and held in fp32 (DeepSeek's router)
+    fp32_weights: tuple[str, ...] = ()
 
     def make_attention(self, config: C, pool: Any, *, backend: str, parallel: ParallelContext,
                        device: torch.device, max_model_len: int) -> AttentionBackend:

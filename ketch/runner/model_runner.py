@@ -111,12 +111,13 @@ class ModelRunner:
         # Rotary tables are built with an explicit fp32 dtype, so they stay fp32 here.
         with torch.device(self.device), default_dtype(self.dtype):
             model = family.model_class(cfg, max_positions=max_model_len, ops=self.ops, parallel=self.parallel)
-        for param in model.parameters():  # a no-op unless a layer pins its own dtype
-            param.data = param.data.to(self.dtype)
+        fp32 = family.fp32_weights  # those stay fp32 whatever the model's dtype (name suffixes)
+        for name, param in model.named_parameters():  # a no-op unless a layer pins its own dtype
+            param.data = param.data.to(torch.float32 if name.endswith(fp32) else self.dtype)
         # Every rank reads the full tensors and keeps its slice. Dummy weights are drawn on the
         # target device (seconds for 8B on a GPU, not minutes on the CPU).
         weights = iter_weights(self.source, family.weight_shapes(cfg), self.dtype, seed=self.config.seed,
-                               device=self.device)
+                               device=self.device, fp32=fp32)
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))

@@ -60,8 +60,10 @@ def iter_weights(
     load_format: str = "auto",
     seed: int = 0,
     device: torch.device | str = "cpu",
+    fp32: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, tensor) in `dtype` on `device`, with a "Loading weights" progress bar.
+    """Yield (hf_name, tensor) in `dtype` on `device`, with a "Loading weights" progress bar;
+    names ending in one of `fp32` in float32 instead (a router a bf16 model keeps in fp32).
 
     The path is checked and the file header parsed here, so bad input fails at the call, not at
     the first `next()`. `seed` only matters for dummy weights.
@@ -72,9 +74,9 @@ def iter_weights(
     if fmt == "gguf":
         source = GGUFWeights(path, dtype)
     elif fmt == "hf":
-        source = SafetensorsWeights(path, shapes, dtype)
+        source = SafetensorsWeights(path, shapes, dtype, fp32)
     else:
-        source = DummyWeights(shapes, dtype, seed=seed, device=device)
+        source = DummyWeights(shapes, dtype, seed=seed, device=device, fp32=fp32)
     return _checked(source, shapes, torch.device(device))
 
 

@@ -24,11 +24,12 @@ def tensor_seed(seed: int, name: str) -> int:
 class DummyWeights:
     def __init__(
         self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, seed: int = 0,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", fp32: tuple[str, ...] = (),
     ) -> None:
-        """shapes: name -> shape of every tensor to draw (the family's `weight_shapes`)."""
+        """shapes: name -> shape of every tensor to draw (the family's `weight_shapes`); names
+        ending in one of `fp32` are drawn in float32, not `dtype`."""
         self.shapes = dict(shapes)
-        self.dtype = dtype
+        self.dtype, self.fp32 = dtype, fp32
         self.seed = seed
         self.device = torch.device(device)
 
@@ -40,9 +41,10 @@ class DummyWeights:
             yield name, self.make(name, shape)
 
     def make(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype = torch.float32 if name.endswith(self.fp32) else self.dtype
         if name.endswith(".bias"):
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
         if len(shape) == 1:  # RMSNorm scales: identity at init
-            return torch.ones(shape, dtype=self.dtype, device=self.device)
+            return torch.ones(shape, dtype=dtype, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(tensor_seed(self.seed, name))
-        return torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, _STD, generator=gen)
+        return torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, _STD, generator=gen)

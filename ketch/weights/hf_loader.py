@@ -68,9 +68,11 @@ def _skip(name: str, shapes: Mapping[str, tuple[int, ...]]) -> bool:
 class SafetensorsWeights:
     """Iterates (name, tensor) over every shard, one tensor in memory at a time."""
 
-    def __init__(self, directory: str, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> None:
-        """shapes: the tensors the model expects (its family's `weight_shapes`)."""
-        self.dtype = dtype
+    def __init__(self, directory: str, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+                 fp32: tuple[str, ...] = ()) -> None:
+        """shapes: the tensors the model expects (its family's `weight_shapes`); names ending in
+        one of `fp32` are read in float32, not `dtype`."""
+        self.dtype, self.fp32 = dtype, fp32
         self.entries: list[tuple[str, str]] = []  # (file, tensor name), in file order
         for path in safetensors_files(directory):
             try:
@@ -92,4 +94,4 @@ class SafetensorsWeights:
                 tensor = handle.get_tensor(name)
             except Exception as e:
                 raise ValueError(f"model: cannot read tensor {name!r} from {path!r}: {e}") from None
-            yield name, tensor.to(self.dtype)
+            yield name, tensor.to(torch.float32 if name.endswith(self.fp32) else self.dtype)
