@@ -203,3 +203,25 @@ def test_mla_triton_decode_graph_inputs_match_eager_and_padding_writes_nothing()
     assert torch.count_nonzero(graphed[3]) == 0
     changed = (pools[1].tensor(0, "latent") != before).any(-1).nonzero().tolist()
     assert changed == [[5, 15], [7, 14], [9, 0]]  # the three new tokens' slots only
+
+
+def test_mla_kernels_compile_for_sm90_without_spills() -> None:
+    """DeepSeek-V2-Lite shapes (16 heads, rank 512 + rope 64, qk 192 / v 128) for an sm_90 target
+    (the ptxas in the triton wheel, no GPU needed): no spills, nothing stored or loaded before
+    the PDL wait."""
+    import re
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "ketch.kernels.compile_check", "--arch", "90", "--mla"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
+    assert {name for name, _, _ in found} == {"mla_store_rows", "mla_decode", "mla_merge", "mla_extend"}, proc.stdout
+    assert all(spill == "0" for _, spill, _ in found), proc.stdout
+    assert all(wait in ("0 loads / 0 stores", "no wait") for _, _, wait in found), proc.stdout
