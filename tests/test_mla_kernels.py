@@ -132,9 +132,10 @@ def test_store_rows_writes_each_slot_and_skips_padding() -> None:
 # ---------------------------------------------------------------- backend end to end
 
 
-def backends(heads: int, dtype: torch.dtype, num_pages: int, gen: torch.Generator, layers: int = 2):
+def backends(heads: int, dtype: torch.dtype, num_pages: int, gen: torch.Generator, layers: int = 2,
+             kv_dtype: torch.dtype | None = None):
     spec = KVSpec(layers, (KVTensorSpec("latent", (RANK + ROPE,)),))
-    pools = [KVPool(spec, num_pages, PAGE, dtype, DEVICE) for _ in range(2)]
+    pools = [KVPool(spec, num_pages, PAGE, kv_dtype or dtype, DEVICE, compute_dtype=dtype) for _ in range(2)]
     for layer in range(layers):  # the same history in both pools
         pools[0].tensor(layer, "latent").copy_(torch.randn(num_pages, PAGE, RANK + ROPE, generator=gen))
         pools[1].tensor(layer, "latent").copy_(pools[0].tensor(layer, "latent"))
@@ -149,10 +150,12 @@ def layer_inputs(tokens: int, heads: int, dtype: torch.dtype, gen: torch.Generat
     return q, torch.randn(tokens, RANK + ROPE, generator=gen).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mla_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.float16, None),
+                                            (torch.float32, torch.float8_e4m3fn)], ids=["fp32", "fp16", "fp8-pool"])
+def test_mla_triton_backend_matches_torch_backend(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> None:
+    """fp8 pool: both read cached latents cast up and a chunk's own new latents at full precision."""
     gen, heads, layers = torch.Generator().manual_seed(4), 16, 2
-    pools, ref, tri = backends(heads, dtype, 40, gen, layers)
+    pools, ref, tri = backends(heads, dtype, 40, gen, layers, kv_dtype)
     w = [weights(heads, gen, dtype) for _ in range(layers)]
     perm = torch.randperm(40, generator=gen).tolist()
     steps = [
