@@ -58,7 +58,7 @@ def weights(heads: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[torch
 LENS = [1, 16, 37, 70, 5]  # one token, a whole page, non-multiples of the page
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,splits", [(4, 1), (16, 3), (12, 16)])
 def test_mla_decode_matches_reference(dtype: torch.dtype, heads: int, splits: int) -> None:
     gen = torch.Generator().manual_seed(heads)
@@ -71,7 +71,7 @@ def test_mla_decode_matches_reference(dtype: torch.dtype, heads: int, splits: in
     close(out, mla_decode_ref(q_lat, q_pe, cache, table, lens, 0.15), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_decode_with_w_uv_is_the_absorbed_form(dtype: torch.dtype) -> None:
     """q_nope W_UK in, W_UV out: mla_backend.py's `mla_absorbed` over the gathered, masked pages;
     a padded row (length 0) gives zeros."""
@@ -100,7 +100,7 @@ def test_mla_splits_count_head_blocks() -> None:
     assert mla_num_splits(8, 128, 40, block_h=16, block_n=32) == 1  # never a split under two blocks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_attention_with_a_narrower_value_dim(dtype: torch.dtype) -> None:
     """MLA's expanded form: qk dim nope + rope = 48, v dim 24, MHA (kv heads = heads)."""
     gen, heads, qk = torch.Generator().manual_seed(2), 4, NOPE + ROPE
@@ -150,8 +150,8 @@ def layer_inputs(tokens: int, heads: int, dtype: torch.dtype, gen: torch.Generat
     return q, torch.randn(tokens, RANK + ROPE, generator=gen).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.float16, None),
-                                            (torch.float32, torch.float8_e4m3fn)], ids=["fp32", "fp16", "fp8-pool"])
+@pytest.mark.parametrize("dtype,kv_dtype", [(d, None) for d in DTYPES] + [(DTYPES[-1], torch.float8_e4m3fn)],
+                         ids=[str(d)[6:] for d in DTYPES] + ["fp8-pool"])
 def test_mla_triton_backend_matches_torch_backend(dtype: torch.dtype, kv_dtype: torch.dtype | None) -> None:
     """fp8 pool: both read cached latents cast up and a chunk's own new latents at full precision."""
     gen, heads, layers = torch.Generator().manual_seed(4), 16, 2
