@@ -6,6 +6,7 @@ pressure, so CPU CI runs this too. Launch settings mirror the wrappers' defaults
 the 16-divisibility the JIT infers on a GPU from aligned pointers and strides.
 
     python -m ketch.kernels.compile_check [--arch 90] [--heads 32 --kv-heads 8 --head-dim 128]
+    python -m ketch.kernels.compile_check --mla [--heads 16] [--kv-dtype fp8e4nv]   (DeepSeek MLA)
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions).
 """
@@ -29,7 +30,8 @@ from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_k
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel
-from ketch.kernels.kv_store import _store_kv_kernel
+from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
+from ketch.kernels.mla_decode import _mla_decode_split_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
 from ketch.kernels.rmsnorm import _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
@@ -98,7 +100,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
-         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd, "PRECISION": prec}, 4, 2),
+         {"GROUP": group, "HEAD_DIM": head_dim, "V_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd,
+          "BLOCK_DV": bd, "PRECISION": prec}, 4, 2),
         ("add_rms_norm", _rms_norm_kernel, {"N": hidden, "BLOCK": pow2(hidden), "HAS_RESIDUAL": True},
          min(16, max(1, pow2(hidden) // 256)), 3),
         ("rotary", _rotary_kernel,
@@ -110,6 +113,36 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
+    return _build(cases, fixed, p, arch, pdl)
+
+
+def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128, v_dim: int = 128,
+                dtype: str = "bf16", pdl: bool = True, kv_dtype: str | None = None) -> list[Usage]:
+    """The MLA kernels at DeepSeek-V2-Lite's shapes, launched as MLATritonBackend launches them
+    (ketch/attention/mla_triton_backend.py: decode block_h 16 / block_n 32 / 4 warps, extend
+    64 x 32 tiles / 8 warps)."""
+    p, kv = f"*{dtype}", f"*{kv_dtype or dtype}"
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
+             "Cache": kv}
+    cases = [
+        ("mla_store_rows", _store_rows_kernel,
+         {"WIDTH": rank + rope, "BLOCK": pow2(rank + rope), "TO_FP8": kv != p}, 4 if rank + rope >= 1024 else 2, 3),
+        ("mla_decode", _mla_decode_split_kernel,
+         {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
+          "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
+          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16"}, 4, 2),
+        ("mla_merge", _decode_merge_kernel, {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16)}, 4, 3),
+        ("mla_extend", _extend_kernel,  # expanded form, K/V up-projected in the model's dtype
+         {"GROUP": 1, "HEAD_DIM": nope + rope, "V_DIM": v_dim, "BLOCK_M": 64, "BLOCK_N": 32,
+          "BLOCK_D": pow2(nope + rope, 16), "BLOCK_DV": pow2(v_dim, 16), "PRECISION": prec}, 8, 2),
+    ]
+    return _build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl)
+
+
+def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[str, str], p: str, arch: int,
+           pdl: bool) -> list[Usage]:
     out = []
     for name, fn, consts, warps, stages in cases:
         if "USE_PDL" in fn.arg_names:
@@ -124,7 +157,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=None, help="query heads (default 32; 16 with --mla)")
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -132,8 +165,15 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--no-pdl", action="store_true", help="build without the griddepcontrol calls")
     ap.add_argument("--kv-dtype", choices=("fp8e4nv",), default=None, help="KV pool type (default: --dtype)")
+    ap.add_argument("--mla", action="store_true", help="the MLA kernels instead (DeepSeek-V2-Lite: --heads 16, "
+                    "rank 512 + rope 64, nope 128, v 128)")
     a = ap.parse_args()
-    for u in compile_all(a.arch, a.heads, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl, a.kv_dtype):
+    if a.mla:
+        usages = compile_mla(a.arch, a.heads or 16, dtype=a.dtype, pdl=not a.no_pdl, kv_dtype=a.kv_dtype)
+    else:
+        usages = compile_all(a.arch, a.heads or 32, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl,
+                             a.kv_dtype)
+    for u in usages:
         pdl = "no wait" if u.loads_before_wait < 0 else f"{u.loads_before_wait} loads / {u.stores_before_wait} stores"
         print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B  before PDL wait: {pdl}")
 

@@ -179,12 +179,18 @@ def decode_attention(
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
+    return merge_splits(mid_o, mid_lse, out, num_splits)
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
+    """Stage 2: out [batch, heads, dim] from the partials of `num_splits` splits (also MLA's, mla_decode.py)."""
+    batch, num_heads, dim = out.shape
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=pow2(num_splits), BLOCK_D=block_d,
-        num_warps=1 if head_dim <= 64 else 2, **pdl,
+        HEAD_DIM=dim, BLOCK_S=pow2(num_splits), BLOCK_D=pow2(dim, 16),
+        num_warps=1 if dim <= 64 else (2 if dim <= 128 else 4), **pdl_launch(),
     )
     return out
 

@@ -1,4 +1,4 @@
-"""KV store: write the new tokens' K and V rows into the paged pool.
+"""KV store: write the new tokens' K and V rows (or, `store_rows`, MLA's one latent row) into the paged pool.
 
 Slot of a token = page_table[pos // page_size] * page_size + pos % page_size (computed once
 per step by the attention backend). A negative slot means "padding, write nothing", so a
@@ -75,3 +75,40 @@ def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     vc = v_cache.view(-1, *v.shape[1:])
     kc[slots[keep].long()] = to_kv_dtype(k[keep], kc.dtype)
     vc[slots[keep].long()] = to_kv_dtype(v[keep], vc.dtype)
+
+
+@triton.jit(do_not_specialize_on_alignment=["Slots"])
+def _store_rows_kernel(X, Cache, Slots, stride_xt, stride_cs,
+                       WIDTH: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+    t = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < WIDTH) & (slot >= 0)
+    x = tl.load(X + t.to(tl.int64) * stride_xt + offs, mask=mask)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if TO_FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(Cache.dtype.element_ty)
+    tl.store(Cache + tl.maximum(slot, 0) * stride_cs + offs, x, mask=mask)
+
+
+def store_rows(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """One tensor per token (MLA's latent): cache [pages, page_size, width] (contiguous), x
+    [tokens, width], slots [tokens] int32/int64, < 0 = padding (nothing written)."""
+    tokens, width = x.shape
+    if tokens == 0:
+        return
+    x = last_dim_contiguous(x)
+    c = cache.view(-1, width)
+    _store_rows_kernel[(tokens,)](
+        x, c, slots, x.stride(0), c.stride(0),
+        WIDTH=width, BLOCK=pow2(width), TO_FP8=cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype,
+        num_warps=4 if width >= 1024 else 2, **pdl_launch(),
+    )
+
+
+def store_rows_ref(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0
+    cache.view(-1, x.shape[1])[slots[keep].long()] = to_kv_dtype(x[keep], cache.dtype)

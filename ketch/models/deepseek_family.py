@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ketch.attention.base import AttentionBackend
 from ketch.attention.mla_backend import MLAAttentionBackend
 from ketch.config import KVSpec, KVTensorSpec
 from ketch.layers.yarn import YarnScaling
@@ -163,9 +164,16 @@ def weight_shapes(c: DeepseekConfig) -> dict[str, tuple[int, ...]]:
 
 
 def mla_attention(config: DeepseekConfig, pool: Any, *, backend: str, parallel: ParallelContext,
-                  device: torch.device, max_model_len: int) -> MLAAttentionBackend:
-    """The family's AttentionFactory: the torch MLA reference, whatever `backend` says (no
-    Triton MLA kernels yet)."""
+                  device: torch.device, max_model_len: int) -> AttentionBackend:
+    """The family's AttentionFactory: "triton" (the engine's pick on CUDA) the MLA Triton kernels
+    (ketch/attention/mla_triton_backend.py, imported only then), "torch" the reference."""
+    if backend == "triton":
+        from ketch.attention.mla_triton_backend import MLATritonBackend
+
+        return MLATritonBackend(pool, LATENT, config.num_heads, config.kv_lora_rank, config.softmax_scale, device,
+                                decode_splits_len=max_model_len)
+    if backend != "torch":
+        raise ValueError(f"attention_backend: unknown {backend!r} (expected torch or triton)")
     return MLAAttentionBackend(pool, LATENT, config.softmax_scale, device)
 
 
