@@ -149,7 +149,7 @@ def test_config_table_shares_block_m_and_fits_fp8():
 def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
     and the weighted GEMM, bf16 and fp8 weights, at the Qwen3-30B-A3B shape's configs."""
-    script = f"""
+    script = """
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
 for tokens, kind in ((1, "16"), (512, "fp8"), (4096, "16")):
@@ -157,9 +157,9 @@ for tokens, kind in ((1, "16"), (512, "fp8"), (4096, "16")):
     for gated, g in ((True, cfg.up), (False, cfg.down)):
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
-        sig = {{n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}}
+        sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")
-        sig.update({{n: "i32" for n in fn.arg_names if n not in sig}})
+        sig.update({n: "i32" for n in fn.arg_names if n not in sig})
         u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))
         print(tokens, kind, gated, u.registers, u.spill_bytes, u.stores_before_wait)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
@@ -167,3 +167,27 @@ for tokens, kind in ((1, "16"), (512, "fp8"), (4096, "16")):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_moe_layer_picks_the_kernel_at_build():
+    """MoE(ops=triton_ops()) runs the fused kernel (no branch in forward), MoE() the torch path;
+    the two give the same output."""
+    from functools import partial
+
+    from ketch.layers.moe import MoE, torch_experts
+    from ketch.layers.ops import triton_ops
+
+    select = partial(softmax_topk, top_k=K, renormalize=True)
+    torch_moe, triton_moe = MoE(H, E, I, select), MoE(H, E, I, select, ops=triton_ops())
+    assert torch_moe.run_experts is torch_experts and triton_moe.run_experts is fused_experts_triton
+    w13, w2 = experts(torch.float32, seed=3)
+    gate = torch.randn(E, H, generator=torch.Generator().manual_seed(4))
+    for moe in (torch_moe, triton_moe):
+        moe.to(DEVICE)
+        with torch.no_grad():
+            moe.gate.weight.copy_(gate)
+            moe.experts.w13.copy_(w13)
+            moe.experts.w2.copy_(w2)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(triton_moe(x), torch_moe(x), atol=2e-5, rtol=2e-5)
