@@ -10,6 +10,8 @@ bandwidth (every picked expert's w13 + w2 read once).
     python benchmarks/fused_moe.py                       # both shapes, batches 1 64 512, bf16
     python benchmarks/fused_moe.py --fp8                 # also fp8 weights, 128x128 block scales
     python benchmarks/fused_moe.py --shapes qwen3 --batches 1 8 --dtype fp16
+    python benchmarks/fused_moe.py --sweep               # a small block-size sweep per shape and
+                                                         # batch (CUDA graphs), printed as TUNED entries
 
 Block sizes come from ketch.kernels.fused_moe.pick_config (TUNED, then the heuristic); the
 config used is printed per row, for filling TUNED after a sweep.
@@ -50,6 +52,40 @@ def describe(cfg) -> str:  # noqa: ANN001  (a fused_moe.MoEConfig)
     return " | ".join(parts)
 
 
+SWEEP_UP = ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3))  # (BN, BK, warps, stages)
+SWEEP_DOWN = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3))
+
+
+def sweep(fm, key: tuple, run, rep: int) -> tuple[float, object]:
+    """For each BLOCK_M: the gate|up config with down at its first, then the down config with the
+    best gate|up; (µs, best MoEConfig). Configs go in through fused_moe.TUNED (restored after)."""
+    saved = fm.TUNED.get(key)
+    best = (float("inf"), None)
+    try:
+        for bm in (16, 32, 64):
+            up = min(((_time(fm, key, fm.MoEConfig(bm, fm.GemmConfig(*u), fm.GemmConfig(*SWEEP_DOWN[0])), run, rep), u)
+                      for u in SWEEP_UP), key=lambda t: t[0])[1]
+            for d in SWEEP_DOWN:
+                cfg = fm.MoEConfig(bm, fm.GemmConfig(*up), fm.GemmConfig(*d))
+                best = min(best, (_time(fm, key, cfg, run, rep), cfg), key=lambda t: t[0])
+    finally:
+        fm.TUNED.pop(key, None)
+        if saved is not None:
+            fm.TUNED[key] = saved
+    return best
+
+
+def _time(fm, key: tuple, cfg, run, rep: int) -> float:
+    import triton.testing
+
+    fm.TUNED[key] = ((1 << 62, cfg),)
+    try:
+        return triton.testing.do_bench_cudagraph(run, rep=rep) * 1e3
+    except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the config)
+        print(f"  skipped {describe(cfg)}: {type(e).__name__}", flush=True)
+        return float("inf")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -58,12 +94,14 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--fp8", action="store_true", help="also fp8 e4m3 weights with 128x128 block scales")
     ap.add_argument("--rep", type=int, default=50, help="do_bench ms per measurement")
+    ap.add_argument("--sweep", action="store_true", help="block-size sweep instead of the comparison")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_moe.py needs CUDA")
 
     import triton.testing
 
+    import ketch.kernels.fused_moe as fm
     from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
     from ketch.kernels.moe_align import moe_align
     from ketch.layers.moe import fused_experts_ref
@@ -100,6 +138,11 @@ def main() -> None:
                 def ref(rw13=rw13, rw2=rw2):
                     return fused_experts_ref(x, rw13, rw2, weights, ids)
 
+                if a.sweep:
+                    t, cfg = sweep(fm, (e, h, inter, k, kind), tri, rep=min(a.rep, 20))
+                    print(f"{name:17s} {kind:4s} {tokens:5d} best {t:8.1f} µs  TUNED[{(e, h, inter, k, kind)}]: "
+                          f"({tokens}, {cfg!r})", flush=True)
+                    continue
                 err = (tri().float() - ref().float()).abs().max().item()
                 t_ref = triton.testing.do_bench(ref, rep=a.rep) * 1e3
                 t_tri = triton.testing.do_bench(tri, rep=a.rep) * 1e3

@@ -138,11 +138,17 @@ def test_fp8_block_scaled_weights_are_the_dequantized_reference(tokens):
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_config_table_shares_block_m_and_fits_fp8():
-    for tokens in (1, 64, 512, 8192):
+def test_config_table_tuned_buckets_then_heuristic(monkeypatch):
+    import ketch.kernels.fused_moe as fm
+
+    monkeypatch.setattr(fm, "interpreting", lambda: False)
+    for tokens in (1, 64, 512, 8192):  # the heuristic: every K step inside one fp8 scale block
         cfg = pick_config(tokens, 128, 2048, 768, 8, "fp8")
-        for g in (cfg.up, cfg.down):
-            assert FP8_BLOCK % g.block_k == 0 and cfg.block_m >= 16
+        assert cfg.block_m >= 16 and all(FP8_BLOCK % g.block_k == 0 for g in (cfg.up, cfg.down))
+    small, large = (fm.MoEConfig(m, fm.GemmConfig(32, 64, 4, 3), fm.GemmConfig(64, 64, 4, 3)) for m in (16, 64))
+    monkeypatch.setitem(fm.TUNED, (128, 2048, 768, 8, "16"), ((8, small), (256, large)))
+    assert [pick_config(t, 128, 2048, 768, 8, "16") for t in (1, 8, 9, 256)] == [small, small, large, large]
+    assert pick_config(257, 128, 2048, 768, 8, "16") == pick_config(257, 128, 2048, 768, 8, "fp8")  # past the table
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
