@@ -121,7 +121,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full[:, : q.shape[1], : q.shape[2]]
 
 
-@pytest.mark.parametrize("tokens", [5, 64])
+@pytest.mark.parametrize("tokens", [12])
 def test_fp8_block_scaled_weights_are_the_dequantized_reference(tokens):
     """DeepSeek-V3-style fp8 weights, 128x128 block scales; I = 192 rows of w13 (two gate and two
     up scale rows, one of each partial) and H = 160 columns of w2's K (a partial block)."""
@@ -154,13 +154,14 @@ def test_config_table_tuned_buckets_then_heuristic(monkeypatch):
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
-    and the weighted GEMM, bf16 and fp8 weights, at the Qwen3-30B-A3B shape's configs."""
+    and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs, the fp8 gated one (two
+    accumulators and the scales) and the prefill down GEMM (the widest tile)."""
     script = """
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
-for tokens, kind in ((1, "16"), (512, "fp8"), (4096, "16")):
+for tokens, kind, which in ((1, "16", "up down"), (512, "fp8", "up"), (4096, "16", "down")):
     cfg = pick_config(tokens, 128, 2048, 768, 8, kind)
-    for gated, g in ((True, cfg.up), (False, cfg.down)):
+    for gated, g in [(w == "up", getattr(cfg, w)) for w in which.split()]:
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
         sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
@@ -227,3 +228,31 @@ def test_no_host_sync_and_replays_in_a_cuda_graph():
     ids.copy_(new_ids)
     graph.replay()
     torch.testing.assert_close(out.float(), fused_experts_ref(x, w13, w2, weights, ids).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_moe_model_with_the_triton_layer_kernels_gives_the_torch_tokens(tmp_path):
+    """End to end: Qwen3-30B-A3B's config cut small (dummy weights, fp32), greedy tokens and
+    their logprobs with layer_kernels="triton" (the fused MoE kernel in every sparse layer; in
+    the interpreter here) equal the torch layer kernels'."""
+    import json
+    from pathlib import Path
+
+    from ketch.llm import LLM
+    from ketch.sampling.params import SamplingParams
+    from ketch.weights.source import default_model_path
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "configs" / "qwen3-30b-a3b" / "config.json").read_text())
+    d.update(num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, num_experts=8)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+    runs, threads = {}, torch.get_num_threads()
+    for kernels in ("torch", "triton"):
+        llm = LLM(str(tmp_path / "config.json"), dtype="float32", load_format="dummy", kv_cache_memory=4 << 20,
+                  page_size=8, tokenizer=default_model_path(), num_threads=1, attention_backend="torch",
+                  layer_kernels=kernels, device=DEVICE.type, cuda_graph=False)
+        runs[kernels] = llm.generate([[5, 6, 7, 8, 9], [11, 12]], params)
+        torch.set_num_threads(threads)  # LLM(num_threads=1) sets torch's global count
+    for t, r in zip(runs["triton"], runs["torch"], strict=True):
+        assert t.token_ids == r.token_ids
+        assert t.logprobs == pytest.approx(r.logprobs, abs=1e-4)
