@@ -104,7 +104,8 @@ def _k_step(acc, a, W, w_off, Scale, n_rows, n_mask, k0, offs_k, k_mask, stride_
     return acc
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"], do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"],  # per step: T * k, padded blocks
+            do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
 def _moe_gemm_kernel(
     A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad,
     N, K, num_rows, num_m_blocks,
