@@ -10,8 +10,11 @@ the token's output is the routing-weighted sum of its experts' outputs.
                                       MergedColumnParallelLinear stacks them) and w2 [E, H, I_r]:
                                       each rank holds its slice of every expert's intermediate
                                       features (TP by intermediate size, no expert parallelism)
-    MoE(...)                          gate + experts; forward(x [T, H]) -> [T, H], all-reduced
-                                      once across ranks (as the dense row-parallel down_proj)
+    MoE(..., ops=)                    gate + experts; forward(x [T, H]) -> [T, H], all-reduced
+                                      once across ranks (as the dense row-parallel down_proj);
+                                      the expert computation is picked at build from the
+                                      LayerOps: `ops.fused_experts` (triton_ops: the fused MoE
+                                      kernel, ketch/kernels/fused_moe.py) or `torch_experts`
     fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
                                       the torch reference: the (token, pick) rows sorted by
                                       expert, one gate|up and one down GEMM per expert that has
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ketch.layers.activation import silu_and_mul
+from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.sharding import load_shard
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -82,6 +86,13 @@ def dense_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The torch path: fused_experts_ref, or dense_experts_ref while a CUDA graph is captured."""
+    experts = dense_experts_ref if _capturing() else fused_experts_ref  # no host sync inside a graph
+    return experts(x, w13, w2, topk_weights, topk_ids)
 
 
 class Router(nn.Module):
@@ -138,16 +149,19 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, select: Select, *,
                  parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size",
-                 correction_bias: bool = False, fp32_router_logits: bool = False) -> None:
+                 correction_bias: bool = False, fp32_router_logits: bool = False,
+                 ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.gate = Router(hidden_size, num_experts, select, correction_bias=correction_bias,
                            fp32_logits=fp32_router_logits)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field)
         self.parallel = parallel
         self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs no collective
+        # picked once: the layer kernels' fused MoE (Triton on CUDA: one grouped GEMM per
+        # projection, no host sync, graph-safe) or the torch reference (the CPU path)
+        self.run_experts = ops.fused_experts or torch_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        experts = dense_experts_ref if _capturing() else fused_experts_ref  # no host sync inside a graph
-        y = experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids)
         return self.parallel.all_reduce(y) if self.reduce else y

@@ -4,7 +4,8 @@
     triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
              pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
              and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
-             skinny-GEMM kernel (F.linear above that)
+             skinny-GEMM kernel (F.linear above that), and a MoE layer's experts as the fused
+             MoE grouped GEMM (ketch/kernels/fused_moe.py: no host sync, graph-safe)
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -37,6 +38,9 @@ class LayerOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (x [tokens, in], weight [out, in], bias [out] or None) -> [tokens, out]; dense projections
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
+    # (x, w13, w2, topk_weights, topk_ids) -> [tokens, hidden]: a MoE layer's experts (moe.py);
+    # None: the torch reference (with its host-sync-free fallback while a graph is captured)
+    fused_experts: Callable[..., torch.Tensor] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,6 +60,7 @@ TORCH_OPS = LayerOps("torch", _torch_rms_norm, _torch_add_rms_norm, apply_rotary
 def triton_ops() -> LayerOps:
     """Imported on demand: the CPU path never loads Triton."""
     from ketch.kernels.activation import silu_and_mul
+    from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
@@ -72,7 +77,7 @@ def triton_ops() -> LayerOps:
             return gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear)
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

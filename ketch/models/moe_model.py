@@ -36,4 +36,5 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         select = partial(softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
         field = "intermediate_size" if cfg.architecture == MIXTRAL else "moe_intermediate_size"  # config.json's name
-        return MoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select, parallel=parallel, field=field)
+        return MoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select, parallel=parallel, field=field,
+                   ops=ops)

@@ -1,0 +1,158 @@
+"""Fused MoE Triton kernel (ketch/kernels/fused_moe.py) vs the torch reference
+(ketch.layers.moe.fused_experts_ref), same run, same inputs. CUDA only.
+
+For each model shape and batch size: checks the kernel against the reference (max abs error),
+then times both with triton.testing.do_bench (L2 flushed between runs), the kernel also in a
+CUDA graph (the decode path: launches are most of the cost at batch 1) and the alignment step
+alone. Prints µs, TFLOP/s (6 * T * k * H * I useful FLOPs: gate|up and down) and the weight
+bandwidth (every picked expert's w13 + w2 read once).
+
+    python benchmarks/fused_moe.py                       # both shapes, batches 1 64 512, bf16
+    python benchmarks/fused_moe.py --fp8                 # also fp8 weights, 128x128 block scales
+    python benchmarks/fused_moe.py --shapes qwen3 --batches 1 8 --dtype fp16
+    python benchmarks/fused_moe.py --sweep               # a small block-size sweep per shape and
+                                                         # batch (CUDA graphs), printed as TUNED entries
+
+Block sizes come from ketch.kernels.fused_moe.pick_config (TUNED, then the heuristic); the
+config used is printed per row, for filling TUNED after a sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {  # name: (experts, top_k, hidden, moe intermediate)
+    "qwen3": ("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    "dsv2lite": ("DeepSeek-V2-Lite", 64, 6, 2048, 1408),
+}
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> float8_e4m3fn and fp32 absmax scales [E, N/block, K/block] (N, K multiples of block)."""
+    e, n, k = w.shape
+    blocks = w.float().view(e, n // block, block, k // block, block)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, n, k)
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.repeat_interleave(block, 1).repeat_interleave(block, 2)).to(dtype)
+
+
+def describe(cfg) -> str:  # noqa: ANN001  (a fused_moe.MoEConfig)
+    parts = [f"BM{cfg.block_m}"]
+    for name, g in (("up", cfg.up), ("down", cfg.down)):
+        parts.append(f"{name} BN{g.block_n} BK{g.block_k} w{g.num_warps} s{g.num_stages}")
+    return " | ".join(parts)
+
+
+SWEEP_UP = ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3))  # (BN, BK, warps, stages)
+SWEEP_DOWN = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3))
+
+
+def sweep(fm, key: tuple, run, rep: int) -> tuple[float, object]:
+    """For each BLOCK_M: the gate|up config with down at its first, then the down config with the
+    best gate|up; (µs, best MoEConfig). Configs go in through fused_moe.TUNED (restored after)."""
+    saved = fm.TUNED.get(key)
+    best = (float("inf"), None)
+    try:
+        for bm in (16, 32, 64):
+            up = min(((_time(fm, key, fm.MoEConfig(bm, fm.GemmConfig(*u), fm.GemmConfig(*SWEEP_DOWN[0])), run, rep), u)
+                      for u in SWEEP_UP), key=lambda t: t[0])[1]
+            for d in SWEEP_DOWN:
+                cfg = fm.MoEConfig(bm, fm.GemmConfig(*up), fm.GemmConfig(*d))
+                best = min(best, (_time(fm, key, cfg, run, rep), cfg), key=lambda t: t[0])
+    finally:
+        fm.TUNED.pop(key, None)
+        if saved is not None:
+            fm.TUNED[key] = saved
+    return best
+
+
+def _time(fm, key: tuple, cfg, run, rep: int) -> float:
+    import triton.testing
+
+    fm.TUNED[key] = ((1 << 62, cfg),)
+    try:
+        return triton.testing.do_bench_cudagraph(run, rep=rep) * 1e3
+    except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the config)
+        print(f"  skipped {describe(cfg)}: {type(e).__name__}", flush=True)
+        return float("inf")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["qwen3", "dsv2lite"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 64, 512], help="tokens per step")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--fp8", action="store_true", help="also fp8 e4m3 weights with 128x128 block scales")
+    ap.add_argument("--rep", type=int, default=50, help="do_bench ms per measurement")
+    ap.add_argument("--sweep", action="store_true", help="block-size sweep instead of the comparison")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/fused_moe.py needs CUDA")
+
+    import triton.testing
+
+    import ketch.kernels.fused_moe as fm
+    from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
+    from ketch.kernels.moe_align import moe_align
+    from ketch.layers.moe import fused_experts_ref
+    from ketch.layers.moe_routing import softmax_topk
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {a.dtype}")
+    head = (f"{'model':17s} {'w':4s} {'T':>5s} {'ref µs':>9s} {'triton µs':>9s} {'graph µs':>9s} {'align µs':>8s} "
+            f"{'speedup':>7s} {'ref TF/s':>8s} {'tri TF/s':>8s} {'tri GB/s':>8s} {'max err':>8s}  config")
+    print(head)
+    for key in a.shapes:
+        name, e, k, h, inter = SHAPES[key]
+        g = torch.Generator(device=dev).manual_seed(0)
+        w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * h ** -0.5).to(dtype)
+        w2 = (torch.randn(e, h, inter, device=dev, generator=g) * inter ** -0.5).to(dtype)
+        variants = [("16", w13, w2, {}, w13, w2)]
+        if a.fp8:
+            q13, s13 = quantize_blocks(w13, FP8_BLOCK)
+            q2, s2 = quantize_blocks(w2, FP8_BLOCK)
+            variants.append(("fp8", q13, q2, {"w13_scale": s13, "w2_scale": s2},
+                             dequantize_blocks(q13, s13, FP8_BLOCK, dtype), dequantize_blocks(q2, s2, FP8_BLOCK, dtype)))
+        for tokens in a.batches:
+            x = torch.randn(tokens, h, device=dev, generator=g).to(dtype)
+            weights, ids = softmax_topk(torch.randn(tokens, e, device=dev, generator=g), k, True)
+            flops = 6.0 * tokens * k * h * inter
+            hit = int(torch.unique(ids).numel())
+            for kind, tw13, tw2, extra, rw13, rw2 in variants:
+                wbytes = hit * 3 * h * inter * tw13.element_size() + (hit * 3 * h * inter // FP8_BLOCK ** 2 * 4 if extra else 0)
+
+                def tri(tw13=tw13, tw2=tw2, extra=extra):
+                    return fused_experts_triton(x, tw13, tw2, weights, ids, **extra)
+
+                def ref(rw13=rw13, rw2=rw2):
+                    return fused_experts_ref(x, rw13, rw2, weights, ids)
+
+                if a.sweep:
+                    t, cfg = sweep(fm, (e, h, inter, k, kind), tri, rep=min(a.rep, 20))
+                    print(f"{name:17s} {kind:4s} {tokens:5d} best {t:8.1f} µs  TUNED[{(e, h, inter, k, kind)}]: "
+                          f"({tokens}, {cfg!r})", flush=True)
+                    continue
+                err = (tri().float() - ref().float()).abs().max().item()
+                t_ref = triton.testing.do_bench(ref, rep=a.rep) * 1e3
+                t_tri = triton.testing.do_bench(tri, rep=a.rep) * 1e3
+                cfg = pick_config(tokens, e, h, inter, k, kind)
+                t_graph = triton.testing.do_bench_cudagraph(tri, rep=a.rep) * 1e3
+                t_align = triton.testing.do_bench(lambda: moe_align(ids, e, cfg.block_m), rep=a.rep) * 1e3
+                print(f"{name:17s} {kind:4s} {tokens:5d} {t_ref:9.1f} {t_tri:9.1f} {t_graph:9.1f} {t_align:8.1f} "
+                      f"{t_ref / t_tri:6.2f}x {flops / t_ref / 1e6:8.2f} {flops / t_tri / 1e6:8.2f} "
+                      f"{wbytes / t_tri / 1e3:8.0f} {err:8.1e}  {describe(cfg)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
