@@ -109,7 +109,7 @@ class DeepseekMoE(MoE):
 
     def __init__(self, c: DeepseekConfig, ops: LayerOps) -> None:
         super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c),
-                         correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True)
+                         correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True, ops=ops)
         shared = c.moe_intermediate_size * c.n_shared_experts
         self.shared_experts = LlamaMLP(c, ops, SINGLE, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
 
