@@ -47,6 +47,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="RMSNorm/RoPE/SiLU kernels; auto: fused triton on CUDA, torch on the CPU")
     g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
                    help="ranks the model is split over (rank 0 in the engine, the rest spawned; gloo on CPU, nccl on CUDA)")
+    g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
+                   help="MoE models: split whole experts over the tensor-parallel ranks (1 or the TP size)")
+    g.add_argument("--enable-dp-attention", action="store_true",
+                   help="attention data-parallel, MoE expert-parallel (model-level only so far: refused)")
+    g.add_argument("--ep-num-redundant-experts", type=int, default=0, help="EPLB: extra slots for hot experts' replicas")
+    g.add_argument("--enable-eplb", action="store_true", help="re-place experts from their measured load (needs --ep-size)")
+    g.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, help="EPLB: forward steps between re-placements")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
     g.add_argument("--enable-hierarchical-cache", action="store_true",
@@ -97,7 +104,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
         overlap_schedule=True if a.overlap_schedule else (False if a.disable_overlap_schedule else None),
         cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
-        tensor_parallel_size=a.tensor_parallel_size, enable_hierarchical_cache=a.enable_hierarchical_cache,
+        tensor_parallel_size=a.tensor_parallel_size, ep_size=a.ep_size, enable_dp_attention=a.enable_dp_attention,
+        ep_num_redundant_experts=a.ep_num_redundant_experts, enable_eplb=a.enable_eplb,
+        eplb_rebalance_num_iterations=a.eplb_rebalance_num_iterations, enable_hierarchical_cache=a.enable_hierarchical_cache,
         hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
         hicache_io_backend=a.hicache_io_backend,
         hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,

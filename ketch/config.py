@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from ketch.config_checks import check_disaggregation, check_expert_parallel
+
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
@@ -214,6 +216,13 @@ class EngineConfig:
     # Tensor parallelism: the engine runs rank 0 and spawns ranks 1..N-1 (engine/tp_ranks.py);
     # each rank holds 1/N of the heads, MLP features and vocabulary.
     tensor_parallel_size: int = 1
+    # Expert parallelism of MoE models (SGLang's flags; ketch/parallel/expert.py): ep_size 1 or
+    # tensor_parallel_size (whole experts split over the TP ranks, attention stays TP).
+    ep_size: int = 1
+    enable_dp_attention: bool = False  # model-level only so far: the engine refuses it
+    ep_num_redundant_experts: int = 0  # EPLB's extra physical expert slots (replicas of hot experts)
+    enable_eplb: bool = False  # re-place experts from their measured load ...
+    eplb_rebalance_num_iterations: int = 1000  # ... every this many forward steps
     # Hierarchical KV cache (SGLang's HiCache flags): pages evicted from the device pool go to a
     # host-memory pool (L2) and come back on a hit (ketch/cache/hiradix.py). Host pool size:
     # hicache_size GB when given, else hicache_ratio × the device pool. write_through copies pages
@@ -246,9 +255,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_hicache(self)
-        _check_disaggregation(self)
+        check_disaggregation(self, DISAGGREGATION_MODES)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        check_expert_parallel(self)
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -365,18 +375,6 @@ def _check_hicache_storage(c: EngineConfig) -> None:
         if not url.startswith(prefix):
             raise ValueError(f"hicache_storage_url: the {backend} backend takes {form}, got {url!r}")
 
-
-def _check_disaggregation(c: EngineConfig) -> None:
-    if c.disaggregation_mode not in DISAGGREGATION_MODES:
-        raise ValueError(f"disaggregation_mode must be {'|'.join(DISAGGREGATION_MODES)}, got {c.disaggregation_mode!r}")
-    if c.disaggregation_transfer_backend not in ("fake", "tcp", "nixl", "mooncake"):
-        raise ValueError(f"disaggregation_transfer_backend must be fake|tcp|nixl|mooncake, got {c.disaggregation_transfer_backend!r}")
-    if not isinstance(c.disaggregation_bootstrap_port, int) or not 0 <= c.disaggregation_bootstrap_port <= 65535:
-        raise ValueError(f"disaggregation_bootstrap_port must be an int in [0, 65535], got {c.disaggregation_bootstrap_port!r}")
-    if not 0 < c.disaggregation_timeout < float("inf"):
-        raise ValueError(f"disaggregation_timeout must be a number of seconds > 0, got {c.disaggregation_timeout!r}")
-    if c.disaggregation_mode != "null" and c.tensor_parallel_size > 1:
-        raise ValueError("disaggregation_mode: not supported with tensor_parallel_size > 1 yet")
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}

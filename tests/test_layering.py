@@ -51,7 +51,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above
     # the leaves themselves
-    "config": frozenset(),
+    "config": frozenset({"config_checks"}),  # EngineConfig's checks of the multi-process fields
+    "config_checks": frozenset(),
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/

@@ -34,7 +34,7 @@ from ketch.config import EngineConfig, ModelConfig
 from ketch.engine import batch_wire as wire
 from ketch.forward_batch import ForwardBatch
 from ketch.models.registry import family_for
-from ketch.parallel import ParallelContext
+from ketch.parallel import ExpertParallel, ParallelContext
 from ketch.weights.source import ModelSource
 
 DEAD_RANK_EXIT = 1
@@ -59,6 +59,12 @@ def check_no_group() -> None:
                          "(close the other engine first)")
 
 
+def expert_parallel(config: EngineConfig) -> ExpertParallel:
+    """How the MoE layers use the ranks (ketch/parallel/expert.py): EP over the TP ranks, EPLB."""
+    return ExpertParallel(config.ep_size, num_redundant=config.ep_num_redundant_experts,
+                          eplb_interval=config.eplb_rebalance_num_iterations if config.enable_eplb else 0)
+
+
 def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
     """Join the ranks' group (gloo on the CPU, nccl on CUDA) through rank 0's TCP store."""
     check_no_group()
@@ -68,7 +74,7 @@ def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=config.tensor_parallel_size)
-    return ParallelContext.from_group(dist.group.WORLD)
+    return ParallelContext.from_group(dist.group.WORLD, expert_parallel(config))
 
 
 class TensorParallelRanks:
@@ -82,6 +88,8 @@ class TensorParallelRanks:
         # (naming the field) before any rank starts
         check_no_group()
         family_for(model_config.architecture).kv_spec(model_config, ParallelContext(0, config.tensor_parallel_size))
+        if config.ep_size > 1 and not getattr(model_config, "num_experts", 0):
+            raise ValueError(f"ep_size: {model_config.architecture} has no routed experts to split")
         self.device = rank_config(config, 0).torch_device
         self._closing = False
         port = free_port()

@@ -4,10 +4,17 @@ checkpoint: the Llama names, with each sparse layer's router and per-expert proj
 place of the dense MLP."""
 from __future__ import annotations
 
+from ketch.config import KVSpec
 from ketch.models.family import ModelFamily
-from ketch.models.llama_family import kv_spec, mlp_shapes, weight_shapes as llama_weight_shapes
+from ketch.models.llama_family import kv_spec as llama_kv_spec, mlp_shapes, weight_shapes as llama_weight_shapes
 from ketch.models.moe_config import MIXTRAL, QWEN3_MOE, MoEConfig
 from ketch.models.moe_model import MoEForCausalLM
+from ketch.parallel import ParallelContext
+
+
+def kv_spec(c: MoEConfig, parallel: ParallelContext) -> KVSpec:
+    """The Llama family's K and V of this rank's heads (every head under DP attention)."""
+    return llama_kv_spec(c, parallel.for_attention())
 
 
 def weight_shapes(c: MoEConfig) -> dict[str, tuple[int, ...]]:

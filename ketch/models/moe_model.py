@@ -6,14 +6,25 @@ Routing is softmax top-k (ketch/layers/moe_routing.py), renormalised when `norm_
 (Mixtral always). Checkpoint names: each expert's projections (`experts.<e>.gate_proj` /
 Mixtral's `experts.<e>.w1`) go to the layer's fused w13 / w2 slots (`expert_name_map`);
 Mixtral's `block_sparse_moe` is our `mlp`.
+
+Expert parallelism (`parallel.ep`, ketch/parallel/expert.py): with ep_size > 1 each sparse
+layer is an `ExpertParallelMoE` (ketch/layers/moe_ep.py: whole experts split over the ranks);
+under DP attention everything else is built with `parallel.for_attention()` (one rank's whole
+heads and vocabulary). `expert_load` counts every sparse layer's routed picks per expert
+(ketch/layers/eplb_runtime.py); with EPLB on, `forward` steps the re-placement after each pass.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import torch
 from torch import nn
 
+from ketch.attention.base import AttentionBackend
+from ketch.layers.eplb_runtime import Eplb, ExpertLoad
 from ketch.layers.moe import MoE
+from ketch.layers.moe_ep import ExpertParallelMoE
 from ketch.layers.moe_routing import softmax_topk
 from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.models.llama import PACKED, LlamaForCausalLM
@@ -25,7 +36,11 @@ from ketch.parallel import SINGLE, ParallelContext
 class MoEForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: MoEConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
                  parallel: ParallelContext = SINGLE) -> None:
-        super().__init__(cfg, max_positions, ops=ops, parallel=parallel)
+        self._moe_parallel = parallel  # make_mlp's (the base is built with the attention context)
+        super().__init__(cfg, max_positions, ops=ops, parallel=parallel.for_attention())
+        sparse = [layer.mlp for layer in self.layers if cfg.is_sparse(layer.self_attn.layer)]
+        self.expert_load = ExpertLoad([m.gate for m in sparse], cfg.num_experts)
+        self.eplb = Eplb(sparse, self.expert_load, parallel) if parallel.ep.eplb_interval else None
         block = cfg.checkpoint_block
         gate, up, down = cfg.expert_names
         self.name_maps = (expert_name_map({gate: "w1", up: "w3", down: "w2"}, block=block),)
@@ -36,5 +51,15 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         select = partial(softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
         field = "intermediate_size" if cfg.architecture == MIXTRAL else "moe_intermediate_size"  # config.json's name
+        moe_parallel = self._moe_parallel
+        if moe_parallel.ep.enabled:
+            return ExpertParallelMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select,
+                                     parallel=moe_parallel)
         return MoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, select, parallel=parallel, field=field,
                    ops=ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        hidden = super().forward(input_ids, positions, attn, meta)
+        if self.eplb is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.eplb.step()  # every rank runs every forward: they re-place at the same step
+        return hidden

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ketch.parallel.expert import NO_EP, ExpertParallel
+
 
 @dataclass(frozen=True)
 class HeadShare:
@@ -33,17 +35,26 @@ class ParallelContext:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup; None for TP=1 (or shapes-only planning)
+    ep: ExpertParallel = NO_EP  # how the MoE layers use these ranks (expert.py)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.ep.size not in (1, self.world_size):
+            raise ValueError(f"ep_size: {self.ep.size} must be 1 or the tensor parallel size {self.world_size} "
+                             f"(the EP ranks are the TP ranks)")
 
     @classmethod
-    def from_group(cls, group: Any) -> ParallelContext:
+    def from_group(cls, group: Any, ep: ExpertParallel = NO_EP) -> ParallelContext:
         """This process's place in an initialized torch.distributed group."""
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, ep)
+
+    def for_attention(self) -> ParallelContext:
+        """The context of attention, dense MLPs, embedding and LM head: a single rank's (whole
+        heads, whole vocabulary) under DP attention, else this one."""
+        return SINGLE if self.ep.dp_attention else self
 
     def split(self, total: int, field: str) -> int:
         """This rank's share of `total` (heads, features, rows); `field` names what is split."""

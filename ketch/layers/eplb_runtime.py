@@ -1,0 +1,111 @@
+"""EPLB at run time: the experts' measured load and their re-placement.
+
+    ExpertLoad(routers, num_experts)    per-layer, per-expert counters of routed (token, pick)s:
+                                        a forward hook on each MoE layer's Router adds its ids
+                                        (scatter_add_ into a [layers, experts] int64 buffer on
+                                        the model's device: no host sync). `snapshot()` is what
+                                        /metrics or the planner read; `reset()` starts a window
+    Eplb(layers, load, parallel)        every `parallel.ep.eplb_interval` forwards (`step()`, run
+                                        by every rank after the same forward): the load (summed
+                                        over ranks when each rank routed only its own tokens),
+                                        DeepSeek's planner (eplb.py, one node: the global policy)
+                                        over all physical slots, then `move_experts` per layer
+    move_experts(experts, phy2log)      every rank's slots get their new expert's weights from a
+                                        slot that holds it now (one on the same rank when there
+                                        is one, else the lowest-numbered), in one
+                                        all_to_all_single of [w13 | w2] rows; then the maps
+Every rank computes the same plan from the same load, so no placement is ever sent.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ketch.layers.eplb import rebalance_experts
+from ketch.layers.moe_ep import EPExperts, ExpertParallelMoE
+from ketch.parallel import ParallelContext
+from ketch.parallel.collectives import all_to_all_rows
+
+
+class ExpertLoad(nn.Module):
+    def __init__(self, routers: list[nn.Module], num_experts: int) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(len(routers), num_experts, dtype=torch.int64), persistent=False)
+        for i, router in enumerate(routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, layer: int):
+        def count(module: nn.Module, args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+            ids = out[1].reshape(-1)
+            self.counts[layer].scatter_add_(0, ids, torch.ones_like(ids))
+        return count
+
+    def snapshot(self) -> torch.Tensor:
+        """[MoE layers, experts]: (token, pick)s routed to each expert since the last reset."""
+        return self.counts.clone()
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
+def _sources(old: list[int], new: list[int], per_rank: int) -> list[int]:
+    """For each new slot, the old slot its weights come from."""
+    out = []
+    for slot, expert in enumerate(new):
+        holders = [i for i, e in enumerate(old) if e == expert]
+        if not holders:
+            raise ValueError(f"placement: expert {expert} is in no slot now")
+        local = [i for i in holders if i // per_rank == slot // per_rank]
+        out.append((local or holders)[0])
+    return out
+
+
+@torch.no_grad()
+def move_experts(experts: EPExperts, phy2log: torch.Tensor) -> None:
+    """Re-place `experts` to `phy2log` (identical on every rank), moving weights between ranks."""
+    p, per = experts.parallel, experts.local_slots
+    old, new = experts.phy2log.tolist(), phy2log.tolist()
+    src = _sources(old, new, per)
+    me = p.rank
+    outgoing = sorted((j // per, j) for j in range(len(new)) if src[j] // per == me)  # by destination
+    incoming = sorted((src[j] // per, j) for j in range(me * per, (me + 1) * per))  # by source
+    send = [sum(1 for d, _ in outgoing if d == r) for r in range(p.world_size)]
+    recv = [sum(1 for s, _ in incoming if s == r) for r in range(p.world_size)]
+    w13, w2 = experts.w13.data, experts.w2.data
+    rows = torch.tensor([src[j] - me * per for _, j in outgoing], dtype=torch.int64, device=w13.device)
+    buf = torch.cat((w13[rows].flatten(1), w2[rows].flatten(1)), dim=1)
+    got = all_to_all_rows(p, buf, send, recv)
+    n13 = w13[0].numel()
+    new13, new2 = torch.empty_like(w13), torch.empty_like(w2)
+    for row, (_, j) in zip(got, incoming, strict=True):
+        new13[j - me * per] = row[:n13].view_as(w13[0])
+        new2[j - me * per] = row[n13:].view_as(w2[0])
+    w13.copy_(new13)
+    w2.copy_(new2)
+    experts.set_maps(phy2log)
+
+
+class Eplb:
+    def __init__(self, layers: list[ExpertParallelMoE], load: ExpertLoad, parallel: ParallelContext) -> None:
+        self.layers, self.load, self.parallel = layers, load, parallel
+        self.interval = parallel.ep.eplb_interval
+        self.steps = 0
+        self.rebalances = 0
+
+    def step(self) -> None:
+        """One forward done (on every rank); re-place the experts when the interval is up."""
+        self.steps += 1
+        if self.interval and self.steps % self.interval == 0:
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        load = self.load.snapshot()
+        if self.layers and self.layers[0].load_is_partial:
+            self.parallel.all_reduce(load)
+        experts = [layer.experts for layer in self.layers]
+        slots = experts[0].local_slots * self.parallel.world_size
+        phy2log, _, _ = rebalance_experts(load, slots, num_groups=1, num_nodes=1, num_gpus=self.parallel.world_size)
+        for e, placement in zip(experts, phy2log, strict=True):
+            move_experts(e, placement)
+        self.load.reset()
+        self.rebalances += 1
