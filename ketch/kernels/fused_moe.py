@@ -68,7 +68,21 @@ class MoEConfig:
 # ascending order of max tokens; the first bucket holding the step's token count wins. Empty
 # until the H200 sweep (benchmarks/fused_moe.py) fills it: Qwen3-30B-A3B (128, 2048, 768, 8)
 # and DeepSeek-V2-Lite (64, 2048, 1408, 6) first.
-TUNED: dict[tuple[int, int, int, int, str], tuple[tuple[int, MoEConfig], ...]] = {}
+# (experts, hidden, intermediate, top_k, weight kind) -> ((up to tokens, config), ...), from
+# `python benchmarks/fused_moe.py --sweep` on the H200 (2026-12-02, docs/performance.md, run 44)
+TUNED: dict[tuple[int, int, int, int, str], tuple[tuple[int, MoEConfig], ...]] = {
+    (128, 2048, 768, 8, "16"): (  # Qwen3-30B-A3B
+        # the sweep's best at 1 token (block_m 64, the same GEMM tiles) spills 24 bytes at 255
+        # registers: the 64-token tiles serve one token too
+        (64, MoEConfig(16, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 8, 3))),
+        (512, MoEConfig(64, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
+    ),
+    (64, 2048, 1408, 6, "16"): (  # DeepSeek-V2-Lite
+        (1, MoEConfig(16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 128, 4, 4))),
+        (64, MoEConfig(16, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
+        (512, MoEConfig(64, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
+    ),
+}
 
 _INTERPRET = MoEConfig(16, GemmConfig(32, 32, 4, 1), GemmConfig(32, 32, 4, 1))
 
