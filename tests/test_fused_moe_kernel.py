@@ -175,7 +175,7 @@ from ketch.kernels.moe_align import _moe_align_kernel
 from ketch.kernels.moe_route import _softmax_topk_kernel
 sig = {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32", "NumPostPad": "*i32", "rows": "i32", "total": "i32"}
 for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks for Qwen3 / DeepSeek-V2 / V3
-    consts = dict(NUM_EXPERTS=experts, BLOCK_M=16, BLOCK_E=experts, CHUNK=chunk, USE_PDL=True)
+    consts = dict(NUM_EXPERTS=experts, BLOCK_M=16, BLOCK_E=experts, CHUNK=chunk, FILL=1024, USE_PDL=True)
     u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
     print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait)
     assert u.spill_bytes == 0 and u.stores_before_wait == 0, u

@@ -42,6 +42,7 @@ from ketch.kernels._common import interpreting, pdl_launch, pow2
 # prefill, whose GEMMs dwarf ten launches, while the one CTA's time grows with rows * E.
 ALIGN_KERNEL_MAX_ROWS = 4096
 _HIT_ELEMENTS = 4096  # one-hot tile [CHUNK, BLOCK_E] per chunk: 32 int32 a thread at 4 warps
+_FILL = 1024  # sentinel stores per round: 8 a thread
 
 
 def max_padded_rows(rows: int, num_experts: int, block_m: int) -> int:
@@ -76,7 +77,7 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 @triton.jit(do_not_specialize=["rows", "total"])
 def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPad, rows, total,
                       NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                      CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                      CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr):
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, CHUNK)
     if USE_PDL:  # topk_ids is the routing kernel's output; nothing is stored before this
@@ -93,9 +94,9 @@ def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPad, rows, total,
     run = ends - padded  # where each expert's next row goes
     # sentinels everywhere, then (after the barrier: other threads' stores land on the same
     # entries) the rows over them
-    for start in range(0, total, CHUNK):
-        offs = start + lanes
-        tl.store(SortedIds + offs, tl.zeros([CHUNK], dtype=tl.int32) + rows, mask=offs < total)
+    for start in range(0, total, FILL):
+        offs = start + tl.arange(0, FILL)
+        tl.store(SortedIds + offs, tl.zeros([FILL], dtype=tl.int32) + rows, mask=offs < total)
     tl.debug_barrier()
     for start in range(0, rows, CHUNK):
         offs = start + lanes
@@ -132,5 +133,5 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = pow2(num_experts)
     chunk = max(16, min(pow2(max(rows, total // block_m)), _HIT_ELEMENTS // block_e))
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post_pad, rows, total, NUM_EXPERTS=num_experts,
-                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4, **pdl_launch())
+                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, FILL=_FILL, num_warps=4, **pdl_launch())
     return sorted_ids, expert_ids, num_post_pad
