@@ -111,3 +111,19 @@ def test_the_moe_model_routes_through_the_layer_ops_kernel(tmp_path):
     for ops, want in ((triton_ops(), softmax_topk_triton), (TORCH_OPS, softmax_topk)):
         select = MoEForCausalLM(cfg, 64, ops=ops).layers[0].mlp.gate.select
         assert select.func is want and select.keywords == dict(top_k=8, renormalize=cfg.norm_topk_prob)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's bf16 loads are wrong")
+def test_routing_kernel_bf16_logits():
+    """bf16 router logits (the model's): same weights; ids may differ from torch's only on exact
+    ties (bf16 makes them common), so the check is that each picked expert has its weight."""
+    from ketch.kernels.moe_route import softmax_topk_triton
+    from ketch.layers.moe_routing import softmax_topk
+
+    logits = torch.randn(64, 128, device=DEVICE).to(torch.bfloat16)
+    weights, ids = softmax_topk_triton(logits, 8, True)
+    ref_w, _ = softmax_topk(logits, 8, True)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=0)
+    probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    torch.testing.assert_close(probs / probs.sum(-1, keepdim=True), weights, atol=1e-6, rtol=0)
+    assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()), "k distinct experts"
