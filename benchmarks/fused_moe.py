@@ -3,8 +3,8 @@
 
 For each model shape and batch size: checks the kernel against the reference (max abs error),
 then times both with triton.testing.do_bench (L2 flushed between runs), the kernel also in a
-CUDA graph (the decode path: launches are most of the cost at batch 1) and the alignment step
-alone. Prints µs, TFLOP/s (6 * T * k * H * I useful FLOPs: gate|up and down) and the weight
+CUDA graph (the decode path: launches are most of the cost at batch 1), and the alignment and
+the softmax top-k routing alone, kernel and torch version ("(torch)" columns). Prints µs, TFLOP/s (6 * T * k * H * I useful FLOPs: gate|up and down) and the weight
 bandwidth (every picked expert's w13 + w2 read once).
 
     python benchmarks/fused_moe.py                       # both shapes, batches 1 64 512, bf16
@@ -103,15 +103,16 @@ def main() -> None:
 
     import ketch.kernels.fused_moe as fm
     from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
-    from ketch.kernels.moe_align import moe_align
+    from ketch.kernels.moe_align import moe_align, moe_align_ref
+    from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.layers.moe import fused_experts_ref
     from ketch.layers.moe_routing import softmax_topk
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  {a.dtype}")
-    head = (f"{'model':17s} {'w':4s} {'T':>5s} {'ref µs':>9s} {'triton µs':>9s} {'graph µs':>9s} {'align µs':>8s} "
-            f"{'speedup':>7s} {'ref TF/s':>8s} {'tri TF/s':>8s} {'tri GB/s':>8s} {'max err':>8s}  config")
+    head = (f"{'model':17s} {'w':4s} {'T':>5s} {'ref µs':>9s} {'triton µs':>9s} {'graph µs':>9s} {'align µs':>8s} {'(torch)':>8s} "
+            f"{'route µs':>8s} {'(torch)':>8s} {'speedup':>7s} {'ref TF/s':>8s} {'tri TF/s':>8s} {'tri GB/s':>8s} {'max err':>8s}  config")
     print(head)
     for key in a.shapes:
         name, e, k, h, inter = SHAPES[key]
@@ -126,7 +127,10 @@ def main() -> None:
                              dequantize_blocks(q13, s13, FP8_BLOCK, dtype), dequantize_blocks(q2, s2, FP8_BLOCK, dtype)))
         for tokens in a.batches:
             x = torch.randn(tokens, h, device=dev, generator=g).to(dtype)
-            weights, ids = softmax_topk(torch.randn(tokens, e, device=dev, generator=g), k, True)
+            logits = torch.randn(tokens, e, device=dev, generator=g).to(dtype)
+            weights, ids = softmax_topk(logits, k, True)
+            t_route = triton.testing.do_bench(lambda: softmax_topk_triton(logits, k, True), rep=a.rep) * 1e3
+            t_route_ref = triton.testing.do_bench(lambda: softmax_topk(logits, k, True), rep=a.rep) * 1e3
             flops = 6.0 * tokens * k * h * inter
             hit = int(torch.unique(ids).numel())
             for kind, tw13, tw2, extra, rw13, rw2 in variants:
@@ -149,7 +153,9 @@ def main() -> None:
                 cfg = pick_config(tokens, e, h, inter, k, kind)
                 t_graph = triton.testing.do_bench_cudagraph(tri, rep=a.rep) * 1e3
                 t_align = triton.testing.do_bench(lambda: moe_align(ids, e, cfg.block_m), rep=a.rep) * 1e3
+                t_align_ref = triton.testing.do_bench(lambda: moe_align_ref(ids, e, cfg.block_m), rep=a.rep) * 1e3
                 print(f"{name:17s} {kind:4s} {tokens:5d} {t_ref:9.1f} {t_tri:9.1f} {t_graph:9.1f} {t_align:8.1f} "
+                      f"{t_align_ref:8.1f} {t_route:8.1f} {t_route_ref:8.1f} "
                       f"{t_ref / t_tri:6.2f}x {flops / t_ref / 1e6:8.2f} {flops / t_tri / 1e6:8.2f} "
                       f"{wbytes / t_tri / 1e3:8.0f} {err:8.1e}  {describe(cfg)}", flush=True)
 

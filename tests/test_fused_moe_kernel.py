@@ -155,7 +155,8 @@ def test_config_table_tuned_buckets_then_heuristic(monkeypatch):
 def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
     and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs, the fp8 gated one (two
-    accumulators and the scales) and the prefill down GEMM (the widest tile)."""
+    accumulators and the scales) and the prefill down GEMM (the widest tile); the one-CTA
+    alignment kernel and the softmax top-k routing kernel at the models' expert counts."""
     script = """
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
@@ -170,6 +171,20 @@ for tokens, kind, which in ((1, "16", "up down"), (512, "fp8", "up"), (4096, "16
         u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))
         print(tokens, kind, gated, u.registers, u.spill_bytes, u.stores_before_wait)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+from ketch.kernels.moe_align import _moe_align_kernel
+from ketch.kernels.moe_route import _softmax_topk_kernel
+sig = {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32", "NumPostPad": "*i32", "rows": "i32", "total": "i32"}
+for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks for Qwen3 / DeepSeek-V2 / V3
+    consts = dict(NUM_EXPERTS=experts, BLOCK_M=16, BLOCK_E=experts, CHUNK=chunk, FILL=1024, USE_PDL=True)
+    u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
+    print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait)
+    assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "stride_l": "i32"}
+for experts, top_k in ((128, 8), (8, 2)):  # Qwen3-30B-A3B, Mixtral
+    consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, K_PAD=top_k, RENORMALIZE=True, BLOCK_E=experts, USE_PDL=True)
+    u = _usage("route", _compile(_softmax_topk_kernel, sig, consts, 90, 1, 1))
+    print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait)
+    assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

@@ -5,7 +5,9 @@
              pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
              and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
              skinny-GEMM kernel (F.linear above that), and a MoE layer's experts as the fused
-             MoE grouped GEMM (ketch/kernels/fused_moe.py: no host sync, graph-safe)
+             MoE grouped GEMM (ketch/kernels/fused_moe.py: no host sync, graph-safe) and its
+             softmax top-k routing as one kernel (ketch/kernels/moe_route.py; Mixtral /
+             Qwen-MoE; DeepSeek's grouped top-k stays on torch)
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -41,6 +43,9 @@ class LayerOps:
     # (x, w13, w2, topk_weights, topk_ids) -> [tokens, hidden]: a MoE layer's experts (moe.py);
     # None: the torch reference (with its host-sync-free fallback while a graph is captured)
     fused_experts: Callable[..., torch.Tensor] | None = None
+    # (logits [tokens, experts], top_k, renormalize) -> (weights fp32, ids int64) [tokens, top_k]:
+    # softmax top-k routing (moe_routing.softmax_topk's contract); None: that torch function
+    softmax_topk: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +67,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.activation import silu_and_mul
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
+    from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
 
@@ -77,7 +83,8 @@ def triton_ops() -> LayerOps:
             return gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton)
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton,
+                    softmax_topk_triton)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -3,7 +3,8 @@ LM head, tensor parallelism) with sparse MoE blocks (ketch/layers/moe.py) as the
 sparse layer (`MoEConfig.is_sparse`); Qwen3-MoE's `mlp_only_layers` keep the dense LlamaMLP.
 
 Routing is softmax top-k (ketch/layers/moe_routing.py), renormalised when `norm_topk_prob`
-(Mixtral always). Checkpoint names: each expert's projections (`experts.<e>.gate_proj` /
+(Mixtral always); with the Triton layer ops it is their one-launch kernel (`ops.softmax_topk`,
+ketch/kernels/moe_route.py), picked at build. Checkpoint names: each expert's projections (`experts.<e>.gate_proj` /
 Mixtral's `experts.<e>.w1`) go to the layer's fused w13 / w2 slots (`expert_name_map`);
 Mixtral's `block_sparse_moe` is our `mlp`.
 
@@ -49,7 +50,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_mlp(self, cfg: MoEConfig, layer: int, ops: LayerOps, parallel: ParallelContext) -> nn.Module | None:
         if not cfg.is_sparse(layer):
             return None
-        select = partial(softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+        select = partial(ops.softmax_topk or softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
         field = "intermediate_size" if cfg.architecture == MIXTRAL else "moe_intermediate_size"  # config.json's name
         moe_parallel = self._moe_parallel
         if moe_parallel.ep.enabled:

@@ -1,0 +1,74 @@
+"""Softmax top-k routing of a sparse MoE layer (Mixtral, Qwen2/3-MoE) in one launch: router
+logits [T, E] (fp32, bf16 or fp16) -> (topk_weights [T, k] fp32, topk_ids [T, k] int64), the
+result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py compares them):
+
+    probs = softmax(logits.float()) over all E experts; the k largest, in descending order;
+    `renormalize`: divided by their sum.
+
+One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
+two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask. Replaces
+torch's softmax + topk (radix sort, gatherTopK and a bitonic sort kernel: ~15 µs a layer at bs1
+on the H200, docs/performance.md) and the renormalising division.
+
+Ties: the choice is made on the fp32 probabilities, as torch's is; among equal probabilities
+the lowest expert index is picked first. torch.topk promises no order among equal values, so
+ids equal torch's whenever the k + 1 largest probabilities are distinct (the tests' case); on
+an exact tie the weights are still the same values. Padding lanes (E..BLOCK_E) are never
+picked; experts at probability 0 (logit -inf) only when fewer than k have any weight.
+
+DeepSeek's grouped_topk (group masking, sigmoid scores, correction bias) stays on torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import pdl_launch, pow2
+
+
+@triton.jit
+def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                         K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    real = offs < NUM_EXPERTS
+    if USE_PDL:  # the logits are the router GEMM's output
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(Logits + t * stride_l + offs, mask=real, other=float("-inf")).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(real, p, -1.0)  # below every probability: padding is never picked
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, pick, ids)
+        p = tl.where(offs == pick, -2.0, p)  # below the padding: picked once
+    keep = slots < TOP_K
+    if RENORMALIZE:
+        weights = weights / tl.sum(tl.where(keep, weights, 0.0), axis=0)
+    tl.store(Weights + t * TOP_K + slots, weights, mask=keep)
+    tl.store(Ids + t * TOP_K + slots, ids.to(tl.int64), mask=keep)
+
+
+def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk's signature and result (see above). No host sync; grid (T,)."""
+    tokens, experts = logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        block_e = pow2(experts)
+        _softmax_topk_kernel[(tokens,)](logits, weights, ids, logits.stride(0), NUM_EXPERTS=experts, TOP_K=top_k,
+                                        K_PAD=pow2(top_k), RENORMALIZE=renormalize, BLOCK_E=block_e,
+                                        num_warps=1 if block_e <= 256 else 4, **pdl_launch())
+    return weights, ids
