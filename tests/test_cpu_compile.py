@@ -7,7 +7,7 @@ import pytest
 
 from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
-from ketch.runner.cpu_compile import CompiledDecodeModel
+from ketch.runner.cpu_compile import CompiledCPUDecode
 from ketch.sampling.params import SamplingParams
 from conftest import drain, make_tiny_engine
 
@@ -26,7 +26,7 @@ def test_tiny_model_padded_batches_match_eager(tiny_config_path):
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(3)]  # 3 rows: padded to 4
     eager = _greedy(make_tiny_engine(tiny_config_path), prompts, 12)
     engine = make_tiny_engine(tiny_config_path, cpu_compile=True)
-    assert isinstance(engine.runner.graphs.model, CompiledDecodeModel)
+    assert isinstance(engine.runner.graphs, CompiledCPUDecode)
     assert _greedy(engine, prompts, 12) == eager
     assert _greedy(engine, prompts[:1], 6) == _greedy(make_tiny_engine(tiny_config_path), prompts[:1], 6)
 

@@ -34,7 +34,7 @@ from ketch.layers.ops import layer_ops
 from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
-from ketch.runner.cpu_compile import CPU_COMPILE_MAX_BS, CompiledDecodeModel
+from ketch.runner.cpu_compile import CPU_COMPILE_MAX_BS, CompiledCPUDecode
 from ketch.runner.graph_runner import GraphRunner
 from ketch.runner.layer_waits import LayerWaitingAttention
 from ketch.runner.future_tokens import FutureTokens
@@ -98,8 +98,8 @@ class ModelRunner:
         self.pool = self._allocate_pool()
         self.attn = self.family.make_attention(model_config, self.pool, backend=self.attention_backend,
                                                parallel=self.parallel, device=self.device, max_model_len=max_model_len)
-        self.graphs: GraphRunner | None = build_graphs(self.attn) if build_graphs else \
-            self._compiled_cpu_decode(max_model_len) if config.cpu_compile else None
+        self.graphs: GraphRunner | CompiledCPUDecode | None = build_graphs(self.attn) if build_graphs else \
+            self._compiled_cpu_decode() if config.cpu_compile else None
         if self.memory_plan is not None:
             free, _ = torch.cuda.mem_get_info(self.device)
             print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
@@ -110,12 +110,10 @@ class ModelRunner:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
-    def _compiled_cpu_decode(self, max_model_len: int) -> GraphRunner:
-        """CPU decode steps through one compiled graph per padded size (cpu_compile.py): the
-        graph runner's static-buffer forward, run (not captured) with the compiled model."""
+    def _compiled_cpu_decode(self) -> CompiledCPUDecode:
+        """CPU decode steps through one compiled graph per padded size (cpu_compile.py)."""
         max_bs = min(CPU_COMPILE_MAX_BS, self.config.max_num_seqs)
-        model = CompiledDecodeModel(self.model, max_bs)
-        return GraphRunner(model, self.attn, max_bs, max_model_len, self.device, future=self.future)
+        return CompiledCPUDecode(self.model, self.attn, max_bs, self.device, self.future)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg, family = self.model_config, self.family
