@@ -31,6 +31,7 @@ from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
+from ketch.layers.vocab_parallel import VocabParallelEmbedding
 from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
@@ -129,6 +130,9 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
+        if self.device.type == "cpu" and self.dtype != torch.float32:  # one-row logits: mv or GEMM, timed here
+            for head in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
+                head.pick_one_row_kernel()
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
