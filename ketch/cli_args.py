@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     graph = g.add_mutually_exclusive_group()
     graph.add_argument("--cuda-graph", action="store_true", help="require CUDA graphs for decode steps (the CUDA default)")
     graph.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly")
+    g.add_argument("--cpu-compile", choices=("on", "off"), default="off",
+                   help="CPU: decode steps (<= 32 requests) as one torch.compile'd graph per padded batch size")
     g.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch replayed as a CUDA graph")
     overlap = g.add_mutually_exclusive_group()
     overlap.add_argument("--overlap-schedule", action="store_true",
@@ -103,7 +105,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         schedule_policy=a.schedule_policy, num_threads=a.num_threads, quantization=a.quantization,
         cuda_graph=True if a.cuda_graph else (False if a.disable_cuda_graph else None),
         overlap_schedule=True if a.overlap_schedule else (False if a.disable_overlap_schedule else None),
-        cuda_graph_max_bs=a.cuda_graph_max_bs, attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
+        cuda_graph_max_bs=a.cuda_graph_max_bs, cpu_compile=a.cpu_compile == "on",
+        attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
         tensor_parallel_size=a.tensor_parallel_size, ep_size=a.ep_size, enable_dp_attention=a.enable_dp_attention,
         ep_num_redundant_experts=a.ep_num_redundant_experts, enable_eplb=a.enable_eplb,
         eplb_rebalance_num_iterations=a.eplb_rebalance_num_iterations, enable_hierarchical_cache=a.enable_hierarchical_cache,

@@ -202,6 +202,7 @@ class EngineConfig:
     # (runner/). None: on when the device is CUDA; True: required (a ValueError off CUDA); False: off.
     cuda_graph: bool | None = None
     cuda_graph_max_bs: int = 256
+    cpu_compile: bool = False  # CPU: decode steps as torch.compile'd graphs (runner/cpu_compile.py)
     # Overlap scheduling: schedule and launch step N+1 while step N runs; N's tokens are
     # processed one step late. None: on for CUDA (the CPU computes the step itself, so there is
     # nothing to overlap); True / False force it (A/B runs; CPU tests run both).

@@ -31,9 +31,11 @@ from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.ops import layer_ops
+from ketch.layers.vocab_parallel import VocabParallelEmbedding
 from ketch.models.family import FamilyConfig
 from ketch.models.registry import family_for
 from ketch.parallel import SINGLE, ParallelContext
+from ketch.runner.cpu_compile import CPU_COMPILE_MAX_BS, CompiledCPUDecode
 from ketch.runner.graph_runner import GraphRunner
 from ketch.runner.layer_waits import LayerWaitingAttention
 from ketch.runner.future_tokens import FutureTokens
@@ -66,6 +68,8 @@ class ModelRunner:
         """source: the model as the engine resolved it (None: resolve it from `config` here);
         parallel: the rank's tensor-parallel context: the model, the pool and the attention
         backend hold this rank's heads (every rank builds its own runner; engine/tp_ranks.py)."""
+        if config.cpu_compile and config.torch_device.type != "cpu":
+            raise ValueError(f"cpu_compile: needs the CPU device, got device={config.device!r}")
         self.parallel = parallel
         self.config = config
         self.model_config = model_config
@@ -95,7 +99,8 @@ class ModelRunner:
         self.pool = self._allocate_pool()
         self.attn = self.family.make_attention(model_config, self.pool, backend=self.attention_backend,
                                                parallel=self.parallel, device=self.device, max_model_len=max_model_len)
-        self.graphs: GraphRunner | None = build_graphs(self.attn) if build_graphs else None
+        self.graphs: GraphRunner | CompiledCPUDecode | None = build_graphs(self.attn) if build_graphs else \
+            self._compiled_cpu_decode() if config.cpu_compile else None
         if self.memory_plan is not None:
             free, _ = torch.cuda.mem_get_info(self.device)
             print(f"ketch: {self.memory_plan.describe()}; {free / 2**30:.2f} GiB free after graph capture",
@@ -105,6 +110,11 @@ class ModelRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
+
+    def _compiled_cpu_decode(self) -> CompiledCPUDecode:
+        """CPU decode steps through one compiled graph per padded size (cpu_compile.py)."""
+        max_bs = min(CPU_COMPILE_MAX_BS, self.config.max_num_seqs)
+        return CompiledCPUDecode(self.model, self.attn, max_bs, self.device, self.future)
 
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         cfg, family = self.model_config, self.family
@@ -121,6 +131,9 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
+        if self.device.type == "cpu" and self.dtype != torch.float32:  # one-row logits: mv or GEMM, timed here
+            for head in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
+                head.pick_one_row_kernel()
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
