@@ -256,6 +256,10 @@ def test_a_moe_model_with_the_triton_layer_kernels_gives_the_torch_tokens(tmp_pa
     from ketch.sampling.params import SamplingParams
     from ketch.weights.source import default_model_path
 
+    try:  # the dummy checkpoint has no tokenizer files: the bundled model's (absent on the GPU machine)
+        tokenizer = default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"no tokenizer for the dummy checkpoint: {e}")
     d = json.loads((Path(__file__).resolve().parents[1] / "configs" / "qwen3-30b-a3b" / "config.json").read_text())
     d.update(num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, num_experts=8)
@@ -264,7 +268,7 @@ def test_a_moe_model_with_the_triton_layer_kernels_gives_the_torch_tokens(tmp_pa
     runs, threads = {}, torch.get_num_threads()
     for kernels in ("torch", "triton"):
         llm = LLM(str(tmp_path / "config.json"), dtype="float32", load_format="dummy", kv_cache_memory=4 << 20,
-                  page_size=8, tokenizer=default_model_path(), num_threads=1, attention_backend="torch",
+                  page_size=8, tokenizer=tokenizer, num_threads=1, attention_backend="torch",
                   layer_kernels=kernels, device=DEVICE.type, cuda_graph=False)
         runs[kernels] = llm.generate([[5, 6, 7, 8, 9], [11, 12]], params)
         torch.set_num_threads(threads)  # LLM(num_threads=1) sets torch's global count
