@@ -240,6 +240,20 @@ class DecodeSide(IOLoop, KVTransport):
         self._fail(r, problem, tell=True)
         return False
 
+    def _read(self, conn: Connection, r: DecodeReceiver, msg: Ready) -> None:
+        """Start reading the rows `msg` names into r's pages (a peer-read data plane's own)."""
+        raise NotImplementedError
+
+    def _next(self, conn: Connection, r: DecodeReceiver) -> None:
+        """Start the read of r's next queued Ready (none of r's is in flight); after the last, Success."""
+        while r.parts:
+            msg = r.parts.popleft()
+            if msg.src_pages:
+                self._read(conn, r, msg)
+                return
+            if msg.aux is not None:  # a last Ready of no rows: the parts before it were every row
+                self._succeed(conn, r, msg.aux)
+
     def _succeed(self, conn: Connection, r: DecodeReceiver, aux: Aux) -> None:
         """Every row is written: Success here, Received to the prefill side (its pages may go)."""
         if self.device.type == "cuda":  # rows written on this thread's stream: there before Success says so

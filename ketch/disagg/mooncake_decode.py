@@ -74,16 +74,6 @@ class MooncakeDecodeTransport(DecodeSide):
         if self._queue_ready(r, msg, known) and r not in self.reading:
             self._next(conn, r)
 
-    def _next(self, conn: Connection, r: DecodeReceiver) -> None:
-        """Start the READ of r's next queued Ready (none of r's runs); after the last, Success."""
-        while r.parts:
-            msg = r.parts.popleft()
-            if msg.src_pages:
-                self._read(conn, r, msg)
-                return
-            if msg.aux is not None:  # a last Ready of no rows: the parts before it were every row
-                self._succeed(conn, r, msg.aux)
-
     def _read(self, conn: Connection, r: DecodeReceiver, msg: Ready) -> None:
         with r.state.lock:
             if r.state.terminal:

@@ -58,16 +58,6 @@ class NixlDecodeTransport(DecodeSide):
         if isinstance(msg, Ready) and self._queue_ready(r, msg, isinstance(conn.peer, NixlPeer)) and r.op is None:
             self._next(conn, r)
 
-    def _next(self, conn: Connection, r: DecodeReceiver) -> None:
-        """Start the READ of r's next queued Ready (r has none in flight); after the last, Success."""
-        while r.parts:
-            msg = r.parts.popleft()
-            if msg.src_pages:
-                self._read(conn, r, msg)
-                return
-            if msg.aux is not None:  # a last Ready of no rows: the parts before it were every row
-                self._succeed(conn, r, msg.aux)
-
     def _read(self, conn: Connection, r: DecodeReceiver, msg: Ready) -> None:
         peer = conn.peer
         with r.state.lock:  # first: an abort from now on waits for the READ

@@ -33,7 +33,7 @@ from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
 from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekMoE
-from ketch.models.llama import LlamaMLP
+from ketch.models.llama import DecoderStack, LlamaMLP
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -108,7 +108,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderStack):
     """The `CausalLM` contract (ketch/models/family.py)."""
 
     def __init__(self, cfg: DeepseekConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
@@ -123,19 +123,6 @@ class DeepseekForCausalLM(nn.Module):
         self.rotary = ScaledRotary(cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.yarn)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.requires_grad_(False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any) -> torch.Tensor:
-        """Hidden states after the final norm, [tokens, hidden]."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn, meta)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.project(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (gate/up into the fused MLP slot, each routed expert's projections into

@@ -114,7 +114,27 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderStack(nn.Module):
+    """What every decoder-only family here shares: embed, the layers (each `(x, residual, rope,
+    attn, meta) -> (x, residual)`, the residual added into the next norm), the final norm, and
+    the logits from the LM head or the tied embedding. A model sets embed_tokens, rotary
+    (`lookup(positions, dtype)`), layers, norm, lm_head (None: tied) and ops."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, attn, meta)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.project(hidden)
+
+
+class LlamaForCausalLM(DecoderStack):
     packed = PACKED  # checkpoint projection -> fused parameter (subclasses: their own names)
     name_maps: tuple = ()  # param_loader.NameMap, tried before `packed` (MoE experts)
 
@@ -139,19 +159,6 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, cfg: ModelConfig, layer: int, ops: LayerOps, parallel: ParallelContext) -> nn.Module | None:
         """Layer `layer`'s MLP; None: the dense LlamaMLP (a MoE family returns its sparse block)."""
         return None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
-        """Hidden states after the final norm, [tokens, hidden]."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn, meta)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.project(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named full tensors; each layer takes its rank's slice (q/k/v and gate/up into their
