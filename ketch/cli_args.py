@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ketch.config import DISAGGREGATION_MODES, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS
+from ketch.config import DISAGGREGATION_MODES, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS, SPECULATIVE_ALGORITHMS
 from ketch.sampling.params import SamplingParams
 
 
@@ -94,6 +94,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--disaggregation-timeout", type=float, default=300.0,
                     help="seconds for each of: the two sides finding each other, the KV starting to move, all of it there")
 
+    sp = p.add_argument_group("speculative decoding (ketch/spec/README.md; SGLang's flags)")
+    sp.add_argument("--speculative-algorithm", default=None, choices=[a.upper() for a in SPECULATIVE_ALGORITHMS]
+                    + list(SPECULATIVE_ALGORITHMS), type=str,
+                    help="verify proposed tokens each decode step; output unchanged. ngram: prompt lookup "
+                         "over the request's own tokens")
+    sp.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens verified per step")
+    sp.add_argument("--speculative-draft-model-path", default=None, help="draft: a smaller model, same tokenizer")
+    sp.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1,
+                    help="ngram: the shortest suffix that may match earlier tokens")
+    sp.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12,
+                    help="ngram: the longest suffix tried")
+    sp.add_argument("--speculative-adaptive", choices=("on", "off"), default="on",
+                    help="on: speculate only at batch sizes where measured verify steps beat plain ones")
+
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(
@@ -117,6 +131,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         disaggregation_mode=a.disaggregation_mode, disaggregation_transfer_backend=a.disaggregation_transfer_backend,
         disaggregation_bootstrap_host=a.disaggregation_bootstrap_host,
         disaggregation_bootstrap_port=a.disaggregation_bootstrap_port, disaggregation_timeout=a.disaggregation_timeout,
+        speculative_algorithm=a.speculative_algorithm and a.speculative_algorithm.lower(),
+        speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+        speculative_draft_model_path=a.speculative_draft_model_path,
+        speculative_ngram_min_match_window_size=a.speculative_ngram_min_match_window_size,
+        speculative_ngram_max_match_window_size=a.speculative_ngram_max_match_window_size,
+        speculative_adaptive=a.speculative_adaptive == "on",
     )
 
 

@@ -8,22 +8,23 @@ from typing import Any, Literal
 
 import torch
 
-from ketch.config_checks import check_disaggregation, check_expert_parallel
+from ketch.config_checks import (DISAGGREGATION_MODES, check_disaggregation, check_expert_parallel, check_hicache,
+                                 check_speculative)
+from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
+                                 HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS)
+
+# the flags' choices live with their checks (config_checks.py); importers read them from here
+__all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKENDS", "HICACHE_WRITE_POLICIES",
+           "SPECULATIVE_ALGORITHMS", "_STORAGE_URL_FORMS", "EngineConfig", "ModelConfig", "RopeScaling", "KVTensorSpec",
+           "KVSpec", "KV_CACHE_DTYPES", "cpu_has_native_bf16"]
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
-HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
 HiCacheIOBackend = Literal["direct", "kernel"]
-HICACHE_IO_BACKENDS: tuple[str, ...] = ("direct", "kernel")  # SGLang's --hicache-io-backend names
-HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
-DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")  # null: colocated (SGLang's name)
-# the URL scheme each backend takes, and the form its error message shows
-_STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
-                                                  "redis": ("redis://", "redis://host:port[/db]"),
-                                                  "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
+
 
 
 @dataclass(frozen=True)
@@ -253,9 +254,20 @@ class EngineConfig:
     disaggregation_bootstrap_host: str = "127.0.0.1"  # prefill: where its bootstrap server binds
     disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap server's port (0: any free one)
     disaggregation_timeout: float = 300.0  # s, each: the sides finding each other, KV starting, KV all there
+    # Speculative decoding (ketch/spec/README.md; SGLang's flags): each decode step also verifies
+    # up to speculative_num_draft_tokens proposed tokens per request; output is unchanged.
+    speculative_algorithm: str | None = None  # ngram | draft | block
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int = 1  # ngram: shortest suffix that may match
+    speculative_ngram_max_match_window_size: int = 12  # ngram: longest suffix tried first
+    # True: speculate only at batch sizes where measured verify steps beat plain ones
+    # (spec/cost_model.py); False: always (A/B runs, tests that must exercise every verify)
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
-        _check_hicache(self)
+        check_hicache(self)
+        check_speculative(self)
         check_disaggregation(self, DISAGGREGATION_MODES)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
@@ -327,54 +339,6 @@ class EngineConfig:
         """Most new tokens one request may take in a step."""
         chunk = self.chunked_prefill_size or self.max_num_batched_tokens
         return min(chunk, self.max_num_batched_tokens)
-
-
-def _check_hicache(c: EngineConfig) -> None:
-    """The hierarchical-cache fields; a size, ratio or policy without the switch is a mistake."""
-    if c.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-        raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
-    if c.hicache_io_backend not in HICACHE_IO_BACKENDS:
-        raise ValueError(f"hicache_io_backend must be {'|'.join(HICACHE_IO_BACKENDS)}, got {c.hicache_io_backend!r}")
-    if not c.hicache_ratio > 1.0:
-        raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
-    if c.hicache_size is not None and not c.hicache_size > 0:
-        raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
-    if not c.hicache_prefetch_timeout >= 0:
-        raise ValueError(f"hicache_prefetch_timeout must be >= 0 seconds, got {c.hicache_prefetch_timeout}")
-    if not isinstance(c.hicache_storage_write_queue, int) or c.hicache_storage_write_queue < 1:
-        raise ValueError(f"hicache_storage_write_queue must be an int >= 1 (pages), got {c.hicache_storage_write_queue!r}")
-    _check_hicache_storage(c)
-    if c.hicache_storage_backend is None:
-        for name, default in (("hicache_prefetch_timeout", 1.0), ("hicache_storage_write_queue", 1024)):
-            if getattr(c, name) != default:
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs an L3 tier: add --hicache-storage-backend")
-    if not c.enable_hierarchical_cache:
-        for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
-                              ("hicache_io_backend", "kernel"), ("hicache_storage_backend", None),
-                              ("hicache_storage_url", None)):
-            if getattr(c, name) != default:
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "
-                                 f"add --enable-hierarchical-cache (enable_hierarchical_cache=True)")
-        return
-    if not c.enable_prefix_cache:
-        raise ValueError("enable_hierarchical_cache: needs the prefix cache (drop --disable-prefix-cache)")
-    if c.tensor_parallel_size > 1:
-        raise ValueError("enable_hierarchical_cache: not supported with tensor_parallel_size > 1 yet")
-
-
-def _check_hicache_storage(c: EngineConfig) -> None:
-    """The L3 fields' own values (the switch is checked with the other hicache fields). The URL's
-    full form is the backend's to check (ketch/cache/storage/); here only what the flags can say."""
-    backend, url = c.hicache_storage_backend, c.hicache_storage_url
-    if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
-        raise ValueError(f"hicache_storage_backend must be {'|'.join(HICACHE_STORAGE_BACKENDS)}, got {backend!r}")
-    if url is not None and backend is None:
-        guess = next((b for b, (prefix, _) in _STORAGE_URL_FORMS.items() if url.startswith(prefix)), "file")
-        raise ValueError(f"hicache_storage_url needs a backend: add --hicache-storage-backend {guess}")
-    if url is not None and backend is not None:
-        prefix, form = _STORAGE_URL_FORMS[backend]
-        if not url.startswith(prefix):
-            raise ValueError(f"hicache_storage_url: the {backend} backend takes {form}, got {url!r}")
 
 
 # kv_cache_dtype values besides "auto", and the pool dtype each selects

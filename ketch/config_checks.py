@@ -1,9 +1,19 @@
-"""EngineConfig's checks of the fields that lay an engine out over processes: expert parallelism
-(and DP attention, EPLB) and PD disaggregation. A leaf below ketch/config.py (which calls them
-from `EngineConfig.__post_init__`): it imports nothing of ketch."""
+"""EngineConfig's checks of its feature groups: the hierarchical cache, expert parallelism (and
+DP attention, EPLB), PD disaggregation and speculative decoding. A leaf below ketch/config.py
+(which calls them from `EngineConfig.__post_init__`): it imports nothing of ketch."""
 from __future__ import annotations
 
 from typing import Any
+
+HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
+HICACHE_IO_BACKENDS: tuple[str, ...] = ("direct", "kernel")  # SGLang's --hicache-io-backend names
+HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
+DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")  # null: colocated (SGLang's name)
+# the URL scheme each backend takes, and the form its error message shows
+_STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
+                                                  "redis": ("redis://", "redis://host:port[/db]"),
+                                                  "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
+SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("ngram", "draft", "block")  # SGLang's --speculative-algorithm, lower case
 
 
 def check_expert_parallel(c: Any) -> None:
@@ -36,3 +46,87 @@ def check_disaggregation(c: Any, modes: tuple[str, ...]) -> None:
         raise ValueError(f"disaggregation_timeout must be a number of seconds > 0, got {c.disaggregation_timeout!r}")
     if c.disaggregation_mode != "null" and c.tensor_parallel_size > 1:
         raise ValueError("disaggregation_mode: not supported with tensor_parallel_size > 1 yet")
+
+
+def check_hicache(c: Any) -> None:
+    """The hierarchical-cache fields; a size, ratio or policy without the switch is a mistake."""
+    if c.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+        raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
+    if c.hicache_io_backend not in HICACHE_IO_BACKENDS:
+        raise ValueError(f"hicache_io_backend must be {'|'.join(HICACHE_IO_BACKENDS)}, got {c.hicache_io_backend!r}")
+    if not c.hicache_ratio > 1.0:
+        raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
+    if c.hicache_size is not None and not c.hicache_size > 0:
+        raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
+    if not c.hicache_prefetch_timeout >= 0:
+        raise ValueError(f"hicache_prefetch_timeout must be >= 0 seconds, got {c.hicache_prefetch_timeout}")
+    if not isinstance(c.hicache_storage_write_queue, int) or c.hicache_storage_write_queue < 1:
+        raise ValueError(f"hicache_storage_write_queue must be an int >= 1 (pages), got {c.hicache_storage_write_queue!r}")
+    _check_hicache_storage(c)
+    if c.hicache_storage_backend is None:
+        for name, default in (("hicache_prefetch_timeout", 1.0), ("hicache_storage_write_queue", 1024)):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs an L3 tier: add --hicache-storage-backend")
+    if not c.enable_hierarchical_cache:
+        for name, default in (("hicache_size", None), ("hicache_ratio", 2.0), ("hicache_write_policy", "write_through"),
+                              ("hicache_io_backend", "kernel"), ("hicache_storage_backend", None),
+                              ("hicache_storage_url", None)):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs the hierarchical cache: "
+                                 f"add --enable-hierarchical-cache (enable_hierarchical_cache=True)")
+        return
+    if not c.enable_prefix_cache:
+        raise ValueError("enable_hierarchical_cache: needs the prefix cache (drop --disable-prefix-cache)")
+    if c.tensor_parallel_size > 1:
+        raise ValueError("enable_hierarchical_cache: not supported with tensor_parallel_size > 1 yet")
+
+
+def _check_hicache_storage(c: Any) -> None:
+    """The L3 fields' own values (the switch is checked with the other hicache fields). The URL's
+    full form is the backend's to check (ketch/cache/storage/); here only what the flags can say."""
+    backend, url = c.hicache_storage_backend, c.hicache_storage_url
+    if backend is not None and backend not in HICACHE_STORAGE_BACKENDS:
+        raise ValueError(f"hicache_storage_backend must be {'|'.join(HICACHE_STORAGE_BACKENDS)}, got {backend!r}")
+    if url is not None and backend is None:
+        guess = next((b for b, (prefix, _) in _STORAGE_URL_FORMS.items() if url.startswith(prefix)), "file")
+        raise ValueError(f"hicache_storage_url needs a backend: add --hicache-storage-backend {guess}")
+    if url is not None and backend is not None:
+        prefix, form = _STORAGE_URL_FORMS[backend]
+        if not url.startswith(prefix):
+            raise ValueError(f"hicache_storage_url: the {backend} backend takes {form}, got {url!r}")
+
+
+def check_speculative(c: Any) -> None:
+    """The speculative fields; a knob without --speculative-algorithm is a mistake, as is a draft
+    model for an algorithm that has none."""
+    algo = c.speculative_algorithm
+    if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"speculative_algorithm must be {'|'.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
+    k, lo, hi = c.speculative_num_draft_tokens, c.speculative_ngram_min_match_window_size, \
+        c.speculative_ngram_max_match_window_size
+    for name, value in (("speculative_num_draft_tokens", k), ("speculative_ngram_min_match_window_size", lo),
+                        ("speculative_ngram_max_match_window_size", hi)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if hi < lo:
+        raise ValueError(f"speculative_ngram_max_match_window_size ({hi}) must be >= the min ({lo})")
+    if algo is None:
+        for name, default in (("speculative_num_draft_tokens", 4), ("speculative_draft_model_path", None),
+                              ("speculative_ngram_min_match_window_size", 1),
+                              ("speculative_ngram_max_match_window_size", 12), ("speculative_adaptive", True)):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) needs speculation: add "
+                                 f"--speculative-algorithm ngram|draft|block")
+        return
+    if algo == "draft" and not c.speculative_draft_model_path:
+        raise ValueError("speculative_algorithm 'draft': add --speculative-draft-model-path (a smaller model "
+                         "with the same tokenizer)")
+    if algo != "draft" and c.speculative_draft_model_path is not None:
+        raise ValueError(f"speculative_draft_model_path: only the 'draft' algorithm runs a draft model, got {algo!r}")
+    if algo != "ngram":
+        raise ValueError(f"speculative_algorithm {algo!r}: not built yet; 'ngram' is (issue 20)")
+    if c.tensor_parallel_size > 1:
+        raise ValueError("speculative_algorithm: not supported with tensor_parallel_size > 1 yet")
+    if c.disaggregation_mode == "prefill":
+        raise ValueError("speculative_algorithm: a prefill server makes one token per request; speculate on the "
+                         "decode server")

@@ -39,7 +39,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "server": frozenset({"engine", "parsers", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
     # models: the config; parallel: the engine starts the TP ranks and hands each its context
-    "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler"}) | LEAVES,
+    "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler", "spec"}) | LEAVES,
+    "spec": frozenset({"sampling"}) | LEAVES,  # proposers guess tokens; verify lives in engine and sampling
     "disagg": LOW_LEAVES,  # PD transport: moves the pool's tensors it is handed; no scheduler, no cache code
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
     "sampling": LEAVES,

@@ -144,7 +144,7 @@ def test_abort_with_a_row_in_flight(tiny_config_path):
     outs = []
     while sum(len(o.new_token_ids) for o in outs if o.request_id == "a") < 2:
         outs += eng.step()
-    assert eng._in_flight is not None and any(req.rid == "a" for req, _ in eng._in_flight.rows)
+    assert eng._in_flight is not None and any(req.rid == "a" for req, _, _ in eng._in_flight.rows)
     eng.abort("a")
     res = collect(outs + drain(eng))
     assert res[("a", 0)]["reason"] == "abort" and res[("a", 0)]["ends"] == 1 and len(res[("a", 0)]["ids"]) == 2

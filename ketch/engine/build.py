@@ -8,6 +8,7 @@
            ─▶ KVCacheManager over that pool (prefix cache, host tier, L3 storage named by the
               model's fingerprint: model_fingerprint.py)
            ─▶ Scheduler over the manager ─▶ gates (grammar compilation, storage prefetch)
+           ─▶ speculative decoding (--speculative-algorithm): the proposer and its cost model
            ─▶ PD (--disaggregation-mode prefill|decode): the KV transport over the pool, and the
               prefill side's sends or the decode side's KV arrival gate
 
@@ -29,6 +30,7 @@ from ketch.disagg.fake import FakeHub
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.kv_arrival_gate import KVArrivalGate
 from ketch.engine.pd_prefill import PrefillSends
+from ketch.engine.speculation import Speculation
 from ketch.engine.model_fingerprint import model_fingerprint
 from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
@@ -55,6 +57,7 @@ class EngineParts:
     transport: KVTransport | None = None  # PD: one per process
     pd_sends: PrefillSends | None = None  # PD prefill: the transfers of first tokens and prompts' KV
     kv_gate: KVArrivalGate | None = None  # PD decode: where requests wait for their prompt's KV
+    spec: Speculation | None = None  # speculative decoding: proposer, cost model, counters
 
 
 def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None) -> EngineParts:
@@ -79,8 +82,9 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     storage_gate = StorageGate(kv) if kv.storage is not None else None
     scheduler = Scheduler(config, kv, storage_gate)
     grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
+    spec = Speculation(config) if config.speculative_algorithm else None
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
-                        storage_gate)
+                        storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts
 
 

@@ -33,15 +33,18 @@ from ketch.disagg.fake import FakeHub
 from ketch.engine import pd
 from ketch.engine.build import build_engine
 from ketch.engine.messages import Bootstrap
+from ketch.engine.engine_checks import check_engine_invariants
+from ketch.engine.engine_stats import engine_stats
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
 from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
 from ketch.engine.validation import validate_bootstrap, validate_request
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.counter_rng import fresh_seed
-from ketch.sampling.sampler import HostSample, SamplingBatch, SamplingRow, sample_on_device
-from ketch.scheduler.request import FinishReason, Request, RequestState
+from ketch.sampling.sampler import HostSample, SampleResult, SamplingBatch, SamplingRow, sample_on_device
+from ketch.scheduler.request import FinishReason, Request
 from ketch.scheduler.scheduler import ScheduledChunk
+from ketch.spec.verify import accepted_rows
 
 
 AUDIT_INTERVAL_S = 5.0  # the idle-time audit runs at most this often (it walks every page and node)
@@ -52,8 +55,11 @@ GATE_WAIT_S = 0.01  # an idle step waits this long at a gate (a compile); new re
 class LaunchedStep:
     """A step whose forward and sampling are queued on the device; its ids arrive later."""
 
-    rows: list[tuple[Request, int]]  # each sampled request and the index in output_ids its token fills
+    # each sampled request, the index in output_ids its (first) token fills, and the draft it
+    # verifies: 1 + len(draft) result rows, in this order
+    rows: list[tuple[Request, int, list[int]]]
     result: HostSample
+    verify: bool = False  # some request verifies a draft: processed before the next step is scheduled
 
 
 class Engine:
@@ -65,6 +71,7 @@ class Engine:
         self._ranks = parts.ranks  # TP > 1: the other ranks (tp_ranks.py)
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
         self.transport, self.pd_sends, self.kv_gate = parts.transport, parts.pd_sends, parts.kv_gate  # PD (pd.py)
+        self.spec = parts.spec  # speculative decoding (speculation.py), None when off
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -175,44 +182,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot for /metrics: queue sizes, page accounting and token counters."""
-        s, alloc, cache, host = self.scheduler.stats, self.allocator, self.cache, self.kv.host_stats()
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_pages_total=alloc.num_pages,
-            kv_pages_free=alloc.num_free,
-            kv_pages_cached=cache.cached_pages,
-            kv_pages_evictable=cache.evictable_pages,
-            prompt_tokens=s.prompt_tokens,
-            cached_prompt_tokens=s.cached_prompt_tokens,
-            computed_tokens=s.computed_tokens,
-            generated_tokens=self._generated_tokens,
-            preemptions=s.preemptions,
-            kv_page_refs=alloc.num_refs,
-            kv_page_table_refs=sum(len(r.page_table) for r in self._holders()),
-            steps=self._steps,
-            step_seconds=self._step_seconds,
-            audits=self.audits,
-            audit_failures=self.audit_failures,
-            decode_seconds=self._decode_seconds,
-            decode_intervals=self._decode_intervals,
-            request_tpot_counts=tuple(self._tpot_counts),
-            request_tpot_sum=self._tpot_sum,
-            device_hit_tokens=self.kv.hits.device_tokens,
-            host_hit_tokens=self.kv.hits.host_tokens,
-            kv_host_pages_total=host.pages_total,
-            kv_host_pages_free=host.pages_free,
-            host_loaded_bytes=host.loaded_bytes,
-            host_saved_bytes=host.saved_bytes,
-            host_evicted_pages=host.evicted_pages,
-            host_dropped_pages=host.dropped_pages,
-            host_loaded_seconds=host.loaded_seconds,
-            host_saved_seconds=host.saved_seconds,
-            host_load_copy_seconds=host.load_copy_seconds,
-            host_save_copy_seconds=host.save_copy_seconds,
-            **self.kv.storage_stats(),
-            **pd.stats(self),
-        )
+        return engine_stats(self)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[EngineOutput]:
@@ -229,6 +199,8 @@ class Engine:
             self._forget(req)
         if self.transport is not None:
             outputs += pd.outputs(self)
+        if self.spec is not None:
+            outputs += self._draft()
         chunks = self.scheduler.schedule()
         if self._in_flight is not None and any(c.req.needs_history for c in chunks):
             # this step's sampling reads ids still in flight: take them first
@@ -242,11 +214,26 @@ class Engine:
             outputs += self._process(launched)
         elif not chunks and not outputs and self._in_flight is None:
             pd.idle(self, GATE_WAIT_S)  # only parked requests (or PD transfers) are left: don't spin
+        if not chunks and self.spec is not None:
+            self.spec.idle()
+        return outputs
+
+    def _draft(self) -> list[EngineOutput]:
+        """Speculation: drafts for this step. They extend every request's known ids, so a step
+        still in flight is processed first (a verify step always: its yield is not yet known)."""
+        outputs: list[EngineOutput] = []
+        step = self._in_flight
+        if self.spec.wants_drafts(self.scheduler.running) or (step is not None and step.verify):
+            if step is not None:
+                self._in_flight = None
+                outputs = self._process(step)
+            self.spec.propose(self.scheduler.running)
         return outputs
 
     def _launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep | None:
         """Queue the step's forward and sampling; nothing here waits for the device."""
-        sampling = [c.req for c in chunks if c.samples]
+        sampled = [c for c in chunks if c.samples]  # before after_forward moves num_computed
+        sampling = [c.req for c in sampled]
         batch = forward_batch(chunks, self.config.page_size)
         if self._ranks:
             self._ranks.send_step(batch)  # every rank runs this forward
@@ -254,48 +241,83 @@ class Engine:
         self.scheduler.after_forward(chunks)
         if self.pd_sends is not None:  # pipelining: the prompt pages this step filled may move now
             self.pd_sends.progress([c.req for c in chunks], logits.device)
+        verify = any(c.draft for c in chunks)
+        if self.spec is not None:
+            self.spec.launched(len(chunks), len(sampled) == len(chunks) and all(c.num_new - len(c.draft) == 1 for c in chunks),
+                               verify)
         if not sampling:
             return None  # prefill chunks only: no token this step
-        rows = [SamplingRow(r.params, r.seed, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)
-                for r in sampling]
+        rows: list[SamplingRow] = []
+        for c in sampled:
+            r = c.req
+            rows += self.spec.rows(r, c.draft) if c.draft else \
+                [SamplingRow(r.params, r.seed, r.output_ids, r.prompt_ids, len(r.output_ids), r.eos_ids, r.grammar)]
         result = sample_on_device(logits, SamplingBatch.build(rows, self.vocab_size, logits.device))
-        if self._ranks:
-            self._ranks.send_sampled(result.token_ids)  # the workers publish them as below, in step
-        placeholders = self.runner.future.publish(result.token_ids)
-        filled: list[tuple[Request, int]] = []
-        for req, placeholder in zip(sampling, placeholders):
-            filled.append((req, len(req.output_ids)))
-            req.output_ids.append(placeholder)
-            req.num_unresolved += 1
-        return LaunchedStep(filled, result.start_copy())
+        if verify:  # processed before the next step is scheduled: its ids never go through the device buffer
+            placeholders = [-1] * len(sampling)
+        else:
+            if self._ranks:
+                self._ranks.send_sampled(result.token_ids)  # the workers publish them as below, in step
+            placeholders = self.runner.future.publish(result.token_ids)
+        filled: list[tuple[Request, int, list[int]]] = []
+        for c, placeholder in zip(sampled, placeholders):
+            filled.append((c.req, len(c.req.output_ids), c.draft))
+            c.req.output_ids.append(placeholder)
+            c.req.num_unresolved += 1
+        return LaunchedStep(filled, result.start_copy(), verify)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         """The launched step's ids are on the host: fill them in, check stops, report."""
         result = step.result.wait()
         now = time.perf_counter()  # when these tokens reached the host: the engine's token clock
         outputs: list[EngineOutput] = []
-        for i, (req, index) in enumerate(step.rows):
+        end = 0
+        for req, index, draft in step.rows:
+            first, end = end, end + len(draft) + 1
             if req.is_finished:
                 continue  # aborted, or stopped by its previous token while this one was in flight
-            token = result.token_ids[i]
-            req.output_ids[index] = token
-            req.num_unresolved -= 1
-            self._generated_tokens += 1
-            logprobs = None
-            if req.params.wants_logprobs:
-                top = list(zip(result.top_ids[i], result.top_logprobs[i]))[: req.params.top_logprobs] if result.top_ids else []
-                logprobs = [TokenLogprob(token, result.logprobs[i], top)]
-            if index == req.num_resumed:  # the first token this engine made
-                req.first_token_at = now
-            if self.pd_sends is not None and req.rid in self.pd_sends.sends:
-                pd.send_first(self, req, token, logprobs, index + 1)  # its answer waits for the decode side
-                continue
-            self._check_stop(req, token, index + 1)
-            outputs.append(self._output(req, [token], logprobs))
+            kept = accepted_rows(draft, result.token_ids[first:end]) if draft else 1
+            if step.verify:
+                self.spec.yielded(len(draft), kept)
+            tokens, logprobs = self._take(req, index, result, first, kept, now)
+            if tokens is None:
+                continue  # PD prefill: its answer waits for the decode side
+            outputs.append(self._output(req, tokens, logprobs))
             if req.is_finished:
                 self._count_decode(req, now)
                 self._forget(req)
         return outputs
+
+    def _take(self, req: Request, index: int, result: SampleResult, first: int, kept: int,
+              now: float) -> tuple[list[int] | None, list[TokenLogprob] | None]:
+        """Output the `kept` tokens of rows first.. (a verify keeps 1 + its accepted drafts) until a
+        stop; the tokens and their logprobs."""
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if req.params.wants_logprobs else None
+        for j in range(kept):
+            token, row = result.token_ids[first + j], first + j
+            if j == 0:
+                req.output_ids[index] = token
+                req.num_unresolved -= 1
+            else:  # the draft before it was kept: its K/V (run in the verify) now counts
+                req.output_ids.append(token)
+                req.num_computed += 1
+            self._generated_tokens += 1
+            if logprobs is not None:
+                top = list(zip(result.top_ids[row], result.top_logprobs[row]))[: req.params.top_logprobs] if result.top_ids else []
+                logprobs.append(TokenLogprob(token, result.logprobs[row], top))
+            if index + j == req.num_resumed:  # the first token this engine made
+                req.first_token_at = now
+            if self.pd_sends is not None and req.rid in self.pd_sends.sends:
+                pd.send_first(self, req, token, logprobs, index + 1)  # its answer waits for the decode side
+                return None, None
+            tokens.append(token)
+            self._check_stop(req, token, index + 1 + j)
+            if req.is_finished:
+                return tokens, logprobs
+        if kept > 1:
+            self.kv.publish(req)  # the kept drafts may have filled pages
+        return tokens, logprobs
 
     def _count_decode(self, req: Request, now: float) -> None:
         """The engine's side of TPOT: a finished request's time from its first to its last token
@@ -339,20 +361,13 @@ class Engine:
                 self.scheduler.rollback(req, extra)
         self.scheduler.finish(req, reason, stop)
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
+    @staticmethod
+    def _output(req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
                 error: str | None = None) -> EngineOutput:
-        return EngineOutput(
-            request_id=req.group_id,
-            index=req.index,
-            new_token_ids=tokens,
-            new_logprobs=logprobs,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            matched_stop=req.matched_stop,
-            num_prompt_tokens=len(req.prompt_ids),
-            num_cached_tokens=req.num_cached_prompt,
-            error=error,
-        )
+        return EngineOutput(request_id=req.group_id, index=req.index, new_token_ids=tokens, new_logprobs=logprobs,
+                            finished=req.is_finished, finish_reason=req.finish_reason.value if req.finish_reason else None,
+                            matched_stop=req.matched_stop, num_prompt_tokens=len(req.prompt_ids),
+                            num_cached_tokens=req.num_cached_prompt, error=error)
 
     def _forget(self, req: Request) -> None:
         samples = self.requests.get(req.group_id)
@@ -381,16 +396,5 @@ class Engine:
             traceback.print_exc()
 
     def check_invariants(self) -> None:
-        """Requests in a state other than RUNNING hold no pages; the KV manager's shadow count of
-        every page's holders (running requests' page tables and locks, the tree) holds; /metrics'
-        count agrees; idle, every page is free or evictable."""
-        running = set(self.scheduler.running)  # requests hash by identity
-        for req in self.scheduler.running:
-            assert req.state is RequestState.RUNNING, f"{req.rid} is {req.state} in the running list"
-        for req in itertools.chain(self.scheduler.waiting, *self.requests.values()):
-            if req not in running:
-                assert not req.page_table and req.cache_node is None, f"{req.rid} ({req.state}) holds pages"
-        self.kv.check_invariants(self._holders())
-        assert self.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
-        if not self._holders() and not self.kv.pins:
-            self.kv.check_idle()
+        """Every page-holding invariant of the engine (engine_checks.py); raises AssertionError."""
+        check_engine_invariants(self)

@@ -104,6 +104,14 @@ class EngineStats(msgspec.Struct, frozen=True):
     pd_succeeded: int = 0
     pd_failed: int = 0
     pd_pages_sent_early: int = 0  # prefill: pages handed to the transport while their prompt still ran
+    # Speculative decoding (engine/speculation.py; "" and 0 when off): draft tokens verified and
+    # kept, sequences verified, how many kept 0..k drafts, and decode steps the cost model ran plain
+    spec_algorithm: str = ""
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifies: int = 0
+    spec_accept_counts: tuple[int, ...] = ()
+    spec_plain_steps: int = 0
 
     @property
     def kv_pages_in_use(self) -> int:

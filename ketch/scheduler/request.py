@@ -66,6 +66,10 @@ class Request:
     pin: Any = None  # an L3 prefetch pinning its cached prefix until admission (cache/storage_tier.py)
     storage_checked: bool = False  # L3 was asked for its prompt (once, when first about to be admitted)
     first_token_at: float = 0.0  # engine clock when its first output token reached the host
+    # Speculative decoding (engine/speculation.py): the tokens proposed after its last one for
+    # this step (empty: none), and with a grammar the mask of each verify row
+    draft_ids: list[int] = field(default_factory=list)
+    draft_masks: Any = None
     # Its sampling reads the ids generated so far (grammar state, penalties), so a step that
     # samples it must first wait for the tokens still in flight. Fixed by the params: set once
     # here, not recomputed for every row of every step.

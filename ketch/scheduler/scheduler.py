@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
@@ -26,12 +26,13 @@ LPM_WINDOW = 64  # waiting requests looked at when picking by longest prefix mat
 @dataclass
 class ScheduledChunk:
     req: Request
-    num_new: int
+    num_new: int  # tokens the step runs for it: its own, then the draft's
+    draft: list[int] = field(default_factory=list)  # speculative: proposed tokens verified after its last
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last logits pick a token."""
-        return self.req.num_computed + self.num_new == self.req.seq_len
+        return self.req.num_computed + self.num_new - len(self.draft) == self.req.seq_len
 
 
 @dataclass
@@ -128,10 +129,13 @@ class Scheduler:
             if req.state is not RequestState.RUNNING or req.at_length_limit:
                 continue  # preempted earlier in this loop; or done once its in-flight token lands
             n = min(req.num_pending, chunk, budget)
+            # a decoding request's draft rides along as far as the budget goes
+            draft = req.draft_ids[: min(chunk, budget) - 1] if req.draft_ids and req.num_pending == 1 else []
+            n += len(draft)
             reserved, preempted_now = self._reserve(req, req.num_computed + n)
             preempted |= preempted_now
             if reserved:
-                out.append(ScheduledChunk(req, n))
+                out.append(ScheduledChunk(req, n, draft))
                 budget -= n
         if not preempted:
             budget = self._admit(out, budget, chunk)
@@ -240,9 +244,11 @@ class Scheduler:
         return True
 
     def after_forward(self, chunks: list[ScheduledChunk]) -> None:
-        """Account for the tokens just computed and publish full pages to the prefix cache."""
+        """Account for the tokens just computed and publish full pages to the prefix cache. A
+        draft's K/V counts once the verify keeps it (the engine), never before: pages holding a
+        rejected draft are neither computed nor published."""
         for c in chunks:
-            c.req.num_computed += c.num_new
+            c.req.num_computed += c.num_new - len(c.draft)
             self.stats.computed_tokens += c.num_new
             self.kv.publish(c.req)
 

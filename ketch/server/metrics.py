@@ -91,6 +91,7 @@ class _EngineCollector(Collector):
             yield from _storage_metrics(s)
         if s.pd_enabled:
             yield from _pd_metrics(s)
+        yield from _spec_metrics(s)
         if s.kv_host_pages_total:  # the hierarchical cache is on
             yield GaugeMetricFamily("ketch_kv_host_pages_total", "Pages in the host tier (L2)", value=s.kv_host_pages_total)
             yield GaugeMetricFamily("ketch_kv_host_pages_free", "Host-tier pages holding nothing", value=s.kv_host_pages_free)
@@ -129,6 +130,29 @@ def _pd_metrics(s: EngineStats) -> Iterator[Metric]:
     yield ended
     yield CounterMetricFamily("ketch_pd_pages_sent_early", "Prefill: KV pages handed to the transport while their "
                               "prompt's later chunks still ran (pipelined transfers)", value=s.pd_pages_sent_early)
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding (engine/speculation.py), labelled by proposer; nothing when it is off."""
+    if not s.spec_algorithm:
+        return
+    labels = ["proposer"]
+    for name, doc, value in (
+            ("ketch_spec_proposed_tokens", "Draft tokens verified", s.spec_proposed_tokens),
+            ("ketch_spec_accepted_tokens", "Draft tokens the target kept", s.spec_accepted_tokens),
+            ("ketch_spec_verifies", "Sequences verified with at least one draft token", s.spec_verifies),
+            ("ketch_spec_plain_steps", "Decode steps the cost model ran without drafts", s.spec_plain_steps)):
+        family = CounterMetricFamily(name, doc, labels=labels)
+        family.add_metric([s.spec_algorithm], value)
+        yield family
+    # acceptance length = kept drafts + the target's own token, 1..k+1, as a histogram
+    counts = s.spec_accept_counts
+    buckets = [(str(a + 1), sum(counts[: a + 1])) for a in range(len(counts))] + [("+Inf", sum(counts))]
+    total = sum((a + 1) * c for a, c in enumerate(counts))
+    hist = HistogramMetricFamily("ketch_spec_accept_length", "Tokens a verified sequence yielded per step "
+                                 "(kept drafts + 1)", labels=labels)
+    hist.add_metric([s.spec_algorithm], buckets, total)
+    yield hist
 
 
 def _storage_metrics(s: EngineStats) -> Iterator[Metric]:

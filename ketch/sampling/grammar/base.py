@@ -31,6 +31,10 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the sample is done."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepts (speculative drafts are walked, then taken back)."""
+
 
 class GrammarBackend(ABC):
     @classmethod

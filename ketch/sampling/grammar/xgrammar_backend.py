@@ -43,6 +43,10 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
 
 _BIT = torch.arange(32, dtype=torch.int32)
 

@@ -1,0 +1,99 @@
+"""Speculative decoding's parts on their own: the n-gram proposer, the host's accept rule, the
+cost model's decisions, the config checks. The engine-level tests are test_spec_engine.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ketch.config import EngineConfig
+from ketch.spec.cost_model import PROBE_EVERY, SpecCostModel
+from ketch.spec.ngram import NgramProposer
+from ketch.spec.proposer import DraftInput
+from ketch.spec.verify import accepted_rows
+
+
+def ids(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
+
+
+def brute_lookup(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, spelled out: the longest suffix (max_n down to min_n) that occurs earlier
+    with a token after it; the continuation of its latest such occurrence."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        suffix = seq[-n:]
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i:i + n] == suffix:
+                return seq[i + n:i + n + k]
+    return []
+
+
+def test_ngram_copies_what_followed_the_latest_longest_match() -> None:
+    p = NgramProposer(num_draft_tokens=3, min_n=1, max_n=4)
+    # "5 6" occurred twice; the suffix "4 5 6" only once: its continuation wins
+    assert p.lookup(ids(4, 5, 6, 7, 8, 9, 5, 6, 1, 2, 4, 5, 6), 3) == [7, 8, 9]
+    # two occurrences of the same suffix: the most recent one's continuation
+    assert p.lookup(ids(1, 2, 3, 1, 2, 4, 1, 2), 3) == [4, 1, 2]
+    assert p.lookup(ids(1, 2, 3), 3) == []  # no earlier occurrence of the last token
+    assert p.lookup(ids(7, 7), 3) == [7]  # the continuation stops at the end
+    assert p.lookup(ids(1, 2, 1), 0) == []  # no room
+
+
+def test_ngram_min_window_refuses_short_matches() -> None:
+    p = NgramProposer(num_draft_tokens=2, min_n=3, max_n=5)
+    assert p.lookup(ids(1, 2, 9, 9, 2), 2) == []  # only "2" matches
+    assert p.lookup(ids(1, 2, 3, 8, 1, 2, 3), 2) == [8, 1]
+
+
+def test_ngram_matches_a_brute_force_definition_on_random_sequences() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        seq = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 6))
+        got = NgramProposer(k, lo, hi).lookup(np.array(seq, dtype=np.int64), k)
+        assert got == brute_lookup(seq, k, lo, hi), (trial, seq, k, lo, hi)
+
+
+def test_propose_caps_each_draft_at_its_room() -> None:
+    p = NgramProposer(num_draft_tokens=4)
+    seq = ids(1, 2, 3, 4, 5, 6, 1)
+    assert p.propose([DraftInput(seq, 2), DraftInput(seq, 9), DraftInput(seq, 0)]) == [[2, 3], [2, 3, 4, 5], []]
+
+
+def test_accepted_rows_is_one_plus_the_agreeing_prefix() -> None:
+    assert accepted_rows([5, 6, 7], [5, 6, 7, 8]) == 4  # all kept, plus the target's token
+    assert accepted_rows([5, 6, 7], [5, 9, 7, 8]) == 2  # row 1 disagreed: its token is the last
+    assert accepted_rows([5, 6, 7], [1, 6, 7, 8]) == 1
+    assert accepted_rows([], [3]) == 1
+
+
+def test_cost_model_turns_speculation_off_where_it_loses_and_probes_it_again() -> None:
+    m = SpecCostModel()
+    assert m.should_speculate(8)  # nothing known: measure a verify step first
+    m.record(8, seconds=0.030, tokens_per_seq=1.2, verified=True)
+    assert not m.should_speculate(8)  # then a plain one
+    m.record(8, seconds=0.020, tokens_per_seq=1.0, verified=False)
+    # 1.2 tokens per 30 ms < 1 token per 20 ms: speculation loses at this batch size ...
+    assert not m.pays(8)
+    decisions = [m.should_speculate(8) for _ in range(4 * PROBE_EVERY)]
+    assert decisions.count(True) == 4  # ... and runs only as a probe every PROBE_EVERY steps
+    assert m.pays(2) and m.should_speculate(2)  # another bucket knows nothing yet
+    # the workload turns copy-heavy: 3 tokens per verify step pays
+    for _ in range(20):
+        m.record(8, seconds=0.030, tokens_per_seq=3.0, verified=True)
+    assert m.pays(8) and m.should_speculate(8)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
+    (dict(speculative_num_draft_tokens=3), "speculative_num_draft_tokens (--speculative-num-draft-tokens) needs"),
+    (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
+    (dict(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4,
+          speculative_ngram_max_match_window_size=2), "speculative_ngram_max_match_window_size"),
+    (dict(speculative_algorithm="draft"), "--speculative-draft-model-path"),
+    (dict(speculative_algorithm="ngram", speculative_draft_model_path="x.gguf"), "speculative_draft_model_path"),
+    (dict(speculative_algorithm="ngram", disaggregation_mode="prefill"), "prefill server"),
+])
+def test_config_errors_name_the_field(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**kw)
