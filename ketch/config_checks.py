@@ -123,8 +123,8 @@ def check_speculative(c: Any) -> None:
                          "with the same tokenizer)")
     if algo != "draft" and c.speculative_draft_model_path is not None:
         raise ValueError(f"speculative_draft_model_path: only the 'draft' algorithm runs a draft model, got {algo!r}")
-    if algo != "ngram":
-        raise ValueError(f"speculative_algorithm {algo!r}: not built yet; 'ngram' is (issue 20)")
+    if algo == "block":
+        raise ValueError("speculative_algorithm 'block': not built yet; 'ngram' and 'draft' are (issue 20)")
     if c.tensor_parallel_size > 1:
         raise ValueError("speculative_algorithm: not supported with tensor_parallel_size > 1 yet")
     if c.disaggregation_mode == "prefill":

@@ -187,3 +187,13 @@ def test_speculative_ngram_under_a_grammar(smollm_path):
     assert [o.token_ids for o in on.chat(chats, params)] == [o.token_ids for o in off.chat(chats, params)]
     verified(on)
     assert_drained(on.engine)
+
+
+def test_speculative_draft_model_the_bundled_gguf_drafting_for_itself_in_fp32(smollm_path, prompt_ids, reference):
+    """The 4-bit GGUF, run by the draft's own runner in the CPU's default dtype (bf16 and its 4-bit
+    blocks where the CPU has bf16), drafts for the same model in fp32: output is the fp32 target's."""
+    llm = LLM(smollm_path, dtype="float32", speculative_algorithm="draft", speculative_draft_model_path=smollm_path,
+              speculative_adaptive=False)
+    check(llm.generate(prompt_ids, PARAMS), reference)
+    verified(llm)
+    assert_drained(llm.engine)

@@ -30,7 +30,7 @@ from ketch.disagg.fake import FakeHub
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.kv_arrival_gate import KVArrivalGate
 from ketch.engine.pd_prefill import PrefillSends
-from ketch.engine.speculation import Speculation
+from ketch.engine.speculation import Speculation, make_proposer
 from ketch.engine.model_fingerprint import model_fingerprint
 from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
@@ -82,7 +82,8 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     storage_gate = StorageGate(kv) if kv.storage is not None else None
     scheduler = Scheduler(config, kv, storage_gate)
     grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
-    spec = Speculation(config) if config.speculative_algorithm else None
+    spec = Speculation(config, make_proposer(config, model_config.vocab_size, max_model_len)) \
+        if config.speculative_algorithm else None
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                         storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts

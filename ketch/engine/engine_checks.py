@@ -24,3 +24,5 @@ def check_engine_invariants(engine: "Engine") -> None:
     assert engine.stats().kv_page_refs_unaccounted == 0, "/metrics would not show the count above"
     if not engine._holders() and not engine.kv.pins:
         engine.kv.check_idle()
+    if engine.spec is not None:
+        engine.spec.proposer.check_invariants()  # the draft model's own pool

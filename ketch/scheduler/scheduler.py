@@ -139,8 +139,9 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(out, budget, chunk)
-        # decode-like chunks first: the attention backend batches them
-        return [c for c in out if c.num_new == 1] + [c for c in out if c.num_new > 1]
+        # decode-like chunks first (verify chunks run as decode rows too): the attention backend batches them
+        decode_like = [c for c in out if c.num_new == 1 or c.draft]
+        return decode_like + [c for c in out if c.num_new > 1 and not c.draft]
 
     def _admit(self, out: list[ScheduledChunk], budget: int, chunk: int) -> int:
         for req in self._candidates():

@@ -35,3 +35,8 @@ class Proposer(Protocol):
     def propose(self, batch: Sequence[DraftInput]) -> list[list[int]]:
         """Draft ids per sequence, each at most its max_draft long (possibly empty)."""
         ...
+
+    def check_invariants(self) -> None:
+        """Between steps: whatever the proposer holds is consistent (the draft model: every page of
+        its pool free or cached, none held). AssertionError otherwise."""
+        ...

@@ -1,0 +1,123 @@
+"""`draft`: a smaller model with the same tokenizer guesses the next k tokens, greedily.
+
+It has its own runner, KV pool and prefix cache (page size 1, so every token it has run stays
+cached and nothing is recomputed for a partial page). Proposing holds no state between steps:
+
+    per sequence:  match its tokens in the draft's radix tree (what it ran before: the prompt,
+                   the tokens since) ─▶ admit a holder with room for the drafts
+    catch-up:      one batched extend over every sequence's uncached tokens (the verify's kept
+                   tokens, usually; a new prompt in chunks of CATCH_UP_TOKENS) ─▶ d_0 = argmax
+    k - 1 decodes: d_j = argmax after d_{j-1}, batched over the sequences still drafting
+    release:       the real tokens' pages are published (the next step finds them), the drafts'
+                   pages freed: a draft is a guess, never cached
+
+A sequence the draft pool cannot admit gets no draft this step (the target decodes it plainly).
+Greedy drafts are point guesses (q = 1 at d), which the verify's accept test assumes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ketch.cache.manager import KVCacheManager
+from ketch.forward_batch import ForwardBatch, SeqChunk
+from ketch.runner.model_runner import ModelRunner
+from ketch.spec.proposer import DraftInput
+
+CATCH_UP_TOKENS = 2048  # most tokens one catch-up forward runs (a new long prompt takes several)
+
+
+@dataclass(eq=False)
+class _Holder:
+    """One sequence's pages in the draft pool for one propose call (KVCacheManager's PageHolder)."""
+
+    ids: list[int]  # the sequence's real tokens, then its drafts as they come
+    real: int  # how many of ids are real: only those are ever published
+    page_table: list[int] = field(default_factory=list)
+    cache_node: object = None
+    num_computed: int = 0
+    num_inserted_pages: int = 0
+    draft: list[int] = field(default_factory=list)
+    want: int = 0
+
+    @property
+    def num_resolved(self) -> int:
+        return self.real
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        return self.ids[lo:hi]
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, num_draft_tokens: int) -> None:
+        self.runner, self.kv, self.k = runner, kv, num_draft_tokens
+
+    @torch.inference_mode()
+    def propose(self, batch: Sequence[DraftInput]) -> list[list[int]]:
+        holders: list[_Holder | None] = [self._admit(x) for x in batch]
+        live = [h for h in holders if h is not None]
+        try:
+            self._catch_up(live)
+            for _ in range(1, self.k):
+                more = [h for h in live if len(h.draft) < h.want]
+                if not more:
+                    break
+                self._decode(more)
+        finally:
+            for h in live:
+                self.kv.release(h)  # publishes the real tokens' pages only (num_resolved)
+        return [h.draft if h is not None else [] for h in holders]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants([])  # no holder outlives a propose call
+        self.kv.check_idle()
+
+    def _admit(self, x: DraftInput) -> _Holder | None:
+        want = min(self.k, x.max_draft)
+        ids = x.token_ids.tolist()
+        if want < 1:
+            return None
+        h = _Holder(ids, len(ids), want=want)
+        hit = self.kv.match(ids[:-1])
+        if not self.kv.admit(h, hit, len(ids) + want - 1):  # the drafts but the last need K/V slots
+            return None
+        h.num_computed = hit.length
+        return h
+
+    def _catch_up(self, holders: list[_Holder]) -> None:
+        """Run every holder's uncached real tokens; the forward that reaches the end samples d_0."""
+        pending = list(holders)
+        while pending:
+            budget, chunks = CATCH_UP_TOKENS, []
+            for h in pending:
+                n = min(h.real - h.num_computed, budget)
+                if n == 0:
+                    break
+                chunks.append((h, n))
+                budget -= n
+            self._run(chunks)
+            pending = [h for h in pending if h.num_computed < h.real]
+
+    def _decode(self, holders: list[_Holder]) -> None:
+        self._run([(h, 1) for h in holders])
+
+    def _run(self, chunks: list[tuple[_Holder, int]]) -> None:
+        """One draft forward; a chunk that reaches its holder's end appends the argmax to its draft."""
+        chunks.sort(key=lambda c: c[1] != 1)  # decode-like first, as ForwardBatch wants
+        seqs, ids, rows, sampled = [], [], [], []
+        for h, n in chunks:
+            seqs.append(SeqChunk(h.num_computed, n, h.page_table))
+            ids.extend(h.ids[h.num_computed:h.num_computed + n])
+            if h.num_computed + n == len(h.ids):
+                rows.append(len(ids) - 1)
+                sampled.append(h)
+        logits = self.runner.forward(ForwardBatch.build(seqs, self.kv.page_size, ids, rows))
+        for h, n in chunks:
+            h.num_computed += n
+        for h, token in zip(sampled, logits.argmax(dim=-1).tolist()):
+            h.draft.append(token)
+            h.ids.append(token)
