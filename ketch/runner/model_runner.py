@@ -108,7 +108,9 @@ class ModelRunner:
 
     def _build_graphs(self, attn: AttentionBackend, max_model_len: int) -> GraphRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
+        c = self.config  # a speculative verify runs k + 1 decode rows per sequence
+        rows_per_seq = 1 + c.speculative_num_draft_tokens if c.speculative_algorithm else 1
+        max_bs = min(c.cuda_graph_max_bs, c.max_num_seqs * rows_per_seq)
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
     def _compiled_cpu_decode(self) -> CompiledCPUDecode:

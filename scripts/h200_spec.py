@@ -1,0 +1,137 @@
+"""Speculative decoding on the GPU (issue 20), one engine, one process:
+
+    python scripts/h200_spec.py [--model configs/llama-3.1-8b] [--batches 1,8,64] [--ks 1,2,4,8]
+
+Per batch size, on random 512-token prompts, decode-only steps timed on the host (prefill excluded):
+  plain         no speculation, overlap on (the CUDA default)
+  plain-sync    no speculation, overlap off (what a verify step's host gap costs)
+  oracle k      the target's own greedy continuation (recorded by `plain`) as the draft: every
+                draft kept, the upper bound of the verify machinery at k; greedy ids == plain's
+  ngram         prompt lookup on repetitive prompts (a motif repeated), k = 4, always / adaptive
+                (the cost model; `plain steps` says how often it chose not to speculate)
+Each line: tok/s, ms per step, tokens per sequence and step, vs plain in the same run."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from ketch.config import EngineConfig
+from ketch.engine.engine import Engine
+from ketch.sampling.params import SamplingParams
+from ketch.spec.cost_model import AlwaysSpeculate, SpecCostModel
+from ketch.spec.ngram import NgramProposer
+from ketch.spec.oracle import OracleProposer
+
+
+class Never:
+    """The cost model of a plain run: no drafts, steps overlap as usual."""
+
+    plain_steps = 0
+
+    def should_speculate(self, batch_size: int) -> bool:
+        return False
+
+    def record(self, *args) -> None:
+        pass
+
+
+def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    ids: dict[str, list[int]] = {}
+    steps, tokens = [], []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        started = len(ids) == len(prompts)
+        for o in outs:
+            ids.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if started and outs and all(len(v) < max_tokens for v in ids.values()):
+            steps.append(dt)  # a full decode step: every request still running
+            tokens.append(sum(len(o.new_token_ids) for o in outs))
+    total_s = sum(steps)
+    return dict(ids=[ids[f"r{i}"] for i in range(len(prompts))], tok_s=sum(tokens) / total_s if total_s else 0.0,
+                ms_step=statistics.median(steps) * 1e3 if steps else 0.0,
+                tokens_per_seq_step=sum(tokens) / len(steps) / len(prompts) if steps else 0.0, steps=len(steps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="configs/llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=96)
+    ap.add_argument("--ngram-batches", default="1,8,32,64,128")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
+    nb = [int(x) for x in a.ngram_batches.split(",")] if a.ngram_batches else []
+    max_bs = max(batches + nb)
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype,
+                                 max_num_seqs=max_bs, speculative_algorithm="ngram",
+                                 speculative_num_draft_tokens=max(ks + [4]), speculative_adaptive=False))
+    print(f"engine up in {time.perf_counter() - t0:.0f} s; graphs: {engine.runner.graphs is not None}", flush=True)
+    vocab = engine.vocab_size
+    rng = random.Random(0)
+    spec = engine.spec
+    results = []
+
+    def report(bs: int, mode: str, r: dict, base: dict | None, same: bool | None = None) -> None:
+        ratio = r["tok_s"] / base["tok_s"] if base else 1.0
+        line = dict(bs=bs, mode=mode, tok_s=round(r["tok_s"], 1), ms_step=round(r["ms_step"], 3),
+                    tokens_per_seq_step=round(r["tokens_per_seq_step"], 2), vs_plain=round(ratio, 3), steps=r["steps"],
+                    same_as_plain=same, plain_steps=r.get("plain_steps"))
+        results.append(line)
+        print(json.dumps(line), flush=True)
+
+    def mode(cost, proposer=None, overlap=True) -> None:
+        spec.cost = cost
+        if proposer is not None:
+            spec.proposer = proposer
+        engine.overlap = overlap
+
+    for bs in batches:
+        prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(bs)]
+        decode_run(engine, prompts[:1], 8)  # warm-up (graphs of the small sizes, caches)
+        mode(Never())
+        plain = decode_run(engine, prompts, a.gen)
+        report(bs, "plain", plain, None)
+        mode(Never(), overlap=False)
+        report(bs, "plain-sync", decode_run(engine, prompts, a.gen), plain)
+        runs = {tuple(p): ids for p, ids in zip(prompts, plain["ids"])}
+        for k in ks:
+            mode(AlwaysSpeculate(), OracleProposer(k, runs))
+            r = decode_run(engine, prompts, a.gen)
+            report(bs, f"oracle k={k}", r, plain, r["ids"] == plain["ids"])
+    for bs in nb:  # repetitive prompts: a motif of 4-8 tokens repeated, random tokens between
+        prompts = []
+        for _ in range(bs):
+            motif = [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 9))]
+            prompts.append((motif * (a.prompt_len // len(motif)))[: a.prompt_len])
+        mode(Never())
+        plain = decode_run(engine, prompts, a.gen)
+        report(bs, "plain (repetitive)", plain, None)
+        for name, cost in (("ngram k=4 always", AlwaysSpeculate()), ("ngram k=4 adaptive", SpecCostModel())):
+            mode(cost, NgramProposer(4))
+            before = spec.stats.accepted_tokens, spec.stats.verifies
+            r = decode_run(engine, prompts, a.gen)
+            r["plain_steps"] = cost.plain_steps
+            acc = (spec.stats.accepted_tokens - before[0]) / max(1, spec.stats.verifies - before[1])
+            report(bs, f"{name} (accept length {1 + acc:.2f})", r, plain, r["ids"] == plain["ids"])
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
