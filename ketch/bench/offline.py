@@ -105,7 +105,21 @@ def _measure(engine: Engine, batch: int, input_len: int, output_len: int, rng: r
         "decode_tok_s_per_request": round(decoded / decode_time / rows, 1) if decode_time > 0 else None,
         "prefix_cache_hit_rate": round((stats.cached_prompt_tokens - cached0) / max(1, stats.prompt_tokens - prompt0), 3),
         "prefill_tokens_saved": stats.cached_prompt_tokens - cached0,
+        **_spec(clock0, clock),
     }
+
+
+def _spec(before, after) -> dict:
+    """Speculative decoding over the run: acceptance length (kept drafts + 1 per verified
+    sequence and step), draft tokens proposed and kept, and how many verifies kept 0..k."""
+    if not after.spec_algorithm:
+        return {}
+    verifies = after.spec_verifies - before.spec_verifies
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {"spec_accept_length": round(1 + accepted / verifies, 3) if verifies else None,
+            "spec_proposed_tokens": after.spec_proposed_tokens - before.spec_proposed_tokens,
+            "spec_accepted_tokens": accepted,
+            "spec_accept_counts": [a - b for a, b in zip(after.spec_accept_counts, before.spec_accept_counts)]}
 
 
 def run_offline(a: argparse.Namespace) -> list[dict]:
@@ -137,6 +151,7 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
             f"{r['request_s']} req/s | input {r['input_tok_s']} tok/s | "
             f"output {r['output_tok_s']} tok/s | total {r['total_tok_s']} tok/s | "
             f"step {r['mean_step_ms']} ms (all-decode {r['decode_step_ms']} ms)"
+            + (f" | spec accept length {r['spec_accept_length']}" if "spec_accept_length" in r else "")
             + (f" | median of {a.repeat}: {r['decode_tok_s_runs']}" if a.repeat > 1 else "")
         )
         if "gpu_phases" in r:

@@ -176,6 +176,10 @@ def _engine_steps(w: StepWindow | None, median_tpot_ms: float) -> dict | None:
            "median_tpot_over_median_decode_tpot": None}
     if w.decode_tpot_ms:
         print(f"Engine-side TPOT (first to last token in the engine, finished requests): mean {w.decode_tpot_ms:.2f} ms")
+    if w.spec_accept_length is not None:
+        out |= {"spec_accept_length": w.spec_accept_length, "spec_acceptance_rate": w.spec_acceptance_rate}
+        print(f"Speculative decoding: mean acceptance length {w.spec_accept_length:.2f} tokens per verified sequence "
+              f"and step; {100 * (w.spec_acceptance_rate or 0):.1f} % of draft tokens kept")
     if w.median_decode_tpot_ms:
         out["median_tpot_over_median_decode_tpot"] = median_tpot_ms / w.median_decode_tpot_ms
         print(f"Engine-side TPOT median {w.median_decode_tpot_ms:.2f} ms; "

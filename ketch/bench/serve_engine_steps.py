@@ -23,6 +23,7 @@ class StepClock:
     decode_seconds: float = 0.0
     decode_intervals: float = 0.0
     tpot_buckets: tuple[tuple[float, float], ...] = ()  # (upper bound s, cumulative count), +Inf last
+    spec: tuple[float, float, float] = (0.0, 0.0, 0.0)  # speculative decoding: proposed, accepted, verifies
 
 
 def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -> StepClock | None:
@@ -35,17 +36,24 @@ def read_step_clock(base_url: str, api_key: str | None, timeout: float = 10.0) -
         return None  # no /metrics (another server), or it did not answer: no step clock
     values: dict[str, float] = {}
     buckets: list[tuple[float, float]] = []
+    spec = dict.fromkeys(SPEC_COUNTERS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "ketch_engine_request_tpot_seconds_bucket":
                 buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name in spec:  # one series per proposer: summed
+                spec[sample.name] += sample.value
             else:
                 values[sample.name] = sample.value
     if "ketch_engine_steps_total" not in values:
         return None
     return StepClock(values["ketch_engine_steps_total"], values["ketch_engine_step_seconds_total"],
                      values.get("ketch_engine_decode_seconds_total", 0.0),
-                     values.get("ketch_engine_decode_intervals_total", 0.0), tuple(sorted(buckets)))
+                     values.get("ketch_engine_decode_intervals_total", 0.0), tuple(sorted(buckets)),
+                     tuple(spec[name] for name in SPEC_COUNTERS))
+
+
+SPEC_COUNTERS = ("ketch_spec_proposed_tokens_total", "ketch_spec_accepted_tokens_total", "ketch_spec_verifies_total")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,10 @@ class StepWindow:
     mean_step_ms: float
     decode_tpot_ms: float | None  # None: no request with two or more tokens finished in the window
     median_decode_tpot_ms: float | None = None  # the per-request distribution's median (interpolated)
+    # speculative decoding (None: no verify in the window): tokens per verified sequence and step
+    # (kept drafts + 1), and the share of draft tokens kept
+    spec_accept_length: float | None = None
+    spec_acceptance_rate: float | None = None
 
 
 def step_window(before: StepClock | None, after: StepClock | None) -> StepWindow | None:
@@ -64,8 +76,10 @@ def step_window(before: StepClock | None, after: StepClock | None) -> StepWindow
     steps = after.steps - before.steps
     intervals = after.decode_intervals - before.decode_intervals
     tpot = 1000 * (after.decode_seconds - before.decode_seconds) / intervals if intervals > 0 else None
+    proposed, accepted, verifies = (a - b for a, b in zip(after.spec, before.spec))
     return StepWindow(int(steps), 1000 * (after.seconds - before.seconds) / steps, tpot,
-                      _median_ms(before.tpot_buckets, after.tpot_buckets))
+                      _median_ms(before.tpot_buckets, after.tpot_buckets),
+                      1 + accepted / verifies if verifies > 0 else None, accepted / proposed if proposed > 0 else None)
 
 
 def _median_ms(before: tuple[tuple[float, float], ...], after: tuple[tuple[float, float], ...]) -> float | None:

@@ -115,8 +115,8 @@ class _Launched:
     at: float  # perf_counter when the step was launched
     batch_size: int
     decode_only: bool  # no prompt chunk: a step the cost model can learn from
-    verified: bool
-    tokens: int  # yielded so far (a plain step: one per sequence)
+    verified: bool  # speculating: drafts were asked for (processed before the next step)
+    tokens: int  # yielded so far (a step without a verify: one per sequence)
 
 
 class Speculation:
@@ -126,6 +126,7 @@ class Speculation:
         self.cost = SpecCostModel() if config.speculative_adaptive else AlwaysSpeculate()
         self.stats = SpecStats(self.k)
         self._last: _Launched | None = None
+        self._proposed = False  # the step about to launch asked for drafts
 
     # ------------------------------------------------------------ before the step
     def wants_drafts(self, running: list[Request]) -> bool:
@@ -134,6 +135,7 @@ class Speculation:
         return bool(running) and self.cost.should_speculate(len(running))
 
     def propose(self, running: list[Request]) -> None:
+        self._proposed = True
         reqs, inputs = [], []
         for req in running:
             room = min(req.params.max_tokens - len(req.output_ids), req.max_len - req.seq_len) - 1
@@ -160,13 +162,15 @@ class Speculation:
         return rows
 
     # ------------------------------------------------------------ cost model
-    def launched(self, batch_size: int, decode_only: bool, verified: bool) -> None:
-        """A step was launched: the previous one's period (launch to launch) is its cost."""
+    def launched(self, batch_size: int, decode_only: bool, verify: bool) -> None:
+        """A step was launched: the previous one's period (launch to launch) is its cost. A step
+        that asked for drafts counts as speculating even if none came: it gave up overlap for them."""
         now = time.perf_counter()
         last = self._last
-        if last is not None and last.decode_only and (not last.verified or last.tokens):
+        if last is not None and last.decode_only and last.tokens:
             self.cost.record(last.batch_size, now - last.at, last.tokens / last.batch_size, last.verified)
-        self._last = _Launched(now, batch_size, decode_only, verified, 0 if verified else batch_size)
+        self._last = _Launched(now, batch_size, decode_only, self._proposed, 0 if verify else batch_size)
+        self._proposed = False
 
     def idle(self) -> None:
         """No step this time: the next launch's period would include the wait."""
