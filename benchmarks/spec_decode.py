@@ -2,8 +2,9 @@
 on a copy-heavy workload ("repeat / edit this code" prompts built from ketch's own source), each
 mode in a fresh engine in this process, the same prompts one at a time, greedy.
 
-    PYTHONPATH=. python benchmarks/spec_decode.py [--modes none,ngram:4,ngram:8] [--max-tokens 192]
-        [--prompts 6] [--dtype auto] [--device auto] [--adaptive on|off] [--batch 1]
+    PYTHONPATH=. python benchmarks/spec_decode.py [--modes none,ngram:4,ngram:8:always] [--max-tokens 192]
+        [--prompts 6] [--dtype auto] [--device auto] [--adaptive on|off] [--batch 1] [--workload copy|chat]
+        (draft: --modes none,draft:4 --draft-model PATH; a mode's third field overrides --adaptive)
 
 Per mode: decode tok/s (first token to last, per request, summed: the prompt's prefill is not in
 it), end-to-end tok/s, mean acceptance length (tokens per verified sequence and step), whether
@@ -20,6 +21,7 @@ from ketch.sampling import sampler
 from ketch.scheduler import scheduler
 from ketch.sampling.params import SamplingParams
 from ketch.llm import LLM
+from ketch.weights.source import default_model_path
 
 EDITS = [
     ("Repeat the following Python code exactly, without any comment:", None),
@@ -30,7 +32,13 @@ SOURCES = [speculation.Speculation.rows, speculation.grammar_draft, sampler.edit
            scheduler.Scheduler.preempt, scheduler.Scheduler.finish, sampler._accept_or_resample]
 
 
-def prompts(llm: LLM, count: int) -> list[list[int]]:
+CHAT = ["What causes the seasons on Earth?", "Write a haiku about the ocean.", "Suggest a name for a coffee shop.",
+        "Why is the sky blue?", "Tell me a fun fact about octopuses.", "What should I pack for a camping trip?"]
+
+
+def prompts(llm: LLM, count: int, workload: str = "copy") -> list[list[int]]:
+    if workload == "chat":  # answers that copy little: where speculation has little to gain
+        return [llm.encode_chat([{"role": "user", "content": CHAT[i % len(CHAT)]}]) for i in range(count)]
     out = []
     for i in range(count):
         instruction, _ = EDITS[i % len(EDITS)]
@@ -67,17 +75,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None, help="the draft mode's model (default: the target's own file)")
     ap.add_argument("--adaptive", choices=("on", "off"), default="on")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--workload", choices=("copy", "chat"), default="copy")
     a = ap.parse_args()
-    prompt_ids = prompts(LLM(a.model, dtype=a.dtype, device=a.device), a.prompts)  # tokenizer and template
+    prompt_ids = prompts(LLM(a.model, dtype=a.dtype, device=a.device), a.prompts, a.workload)  # tokenizer, template
     print(f"{a.prompts} prompts of {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens, "
           f"max_tokens {a.max_tokens}, batch {a.batch}, dtype {a.dtype}, adaptive {a.adaptive}", flush=True)
     base = None
-    for mode in a.modes.split(","):
-        algo, _, k = mode.partition(":")
+    for mode in a.modes.split(","):  # ALGO[:k][:always|adaptive], e.g. ngram:4:always
+        algo, k, adaptive = (mode.split(":") + ["", ""])[:3]
         spec = {} if algo == "none" else dict(speculative_algorithm=algo, speculative_num_draft_tokens=int(k or 4),
-                                              speculative_adaptive=a.adaptive == "on")
+                                              speculative_adaptive=(adaptive or a.adaptive) in ("on", "adaptive"))
+        if algo == "draft":
+            spec["speculative_draft_model_path"] = a.draft_model or a.model or default_model_path()
         engine = LLM(a.model, dtype=a.dtype, device=a.device, **spec).engine
         run(engine, prompt_ids[:1], 16, 1)  # warm-up
         r = run(engine, prompt_ids, a.max_tokens, a.batch)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ketch.config import EngineConfig
-from ketch.spec.cost_model import PROBE_EVERY, SpecCostModel
+from ketch.spec.cost_model import BLOCK_STEPS, PROBE_EVERY, SpecCostModel
 from ketch.spec.ngram import NgramProposer
 from ketch.spec.proposer import DraftInput
 from ketch.spec.verify import accepted_rows
@@ -67,21 +67,49 @@ def test_accepted_rows_is_one_plus_the_agreeing_prefix() -> None:
     assert accepted_rows([], [3]) == 1
 
 
+def run_blocks(m: SpecCostModel, batch_size: int, blocks: int, step_s: dict[bool, float],
+               tokens_per_seq: dict[bool, float], clock: list[float]) -> list[bool]:
+    """Drive the model as the engine does: ask the mode, launch, yield; each step takes the
+    mode's time and yields its tokens. Returns the mode of every step."""
+    modes = []
+    for _ in range(blocks * BLOCK_STEPS):
+        spec = m.should_speculate(batch_size)
+        m.launched(clock[0], batch_size, decode_only=True, speculating=spec)
+        m.yielded(round(batch_size * tokens_per_seq[spec]))
+        clock[0] += step_s[spec]
+        modes.append(spec)
+    return modes
+
+
 def test_cost_model_turns_speculation_off_where_it_loses_and_probes_it_again() -> None:
-    m = SpecCostModel()
-    assert m.should_speculate(8)  # nothing known: measure a verify step first
-    m.record(8, seconds=0.030, tokens_per_seq=1.2, verified=True)
-    assert not m.should_speculate(8)  # then a plain one
-    m.record(8, seconds=0.020, tokens_per_seq=1.0, verified=False)
-    # 1.2 tokens per 30 ms < 1 token per 20 ms: speculation loses at this batch size ...
+    m, clock = SpecCostModel(), [0.0]
+    # bs 8: a speculating step takes 30 ms for 1.25 tokens per sequence, a plain one 20 ms for 1
+    lose = run_blocks(m, 8, 2 + 16 * PROBE_EVERY, {True: 0.030, False: 0.020}, {True: 1.25, False: 1.0}, clock)
+    # a block is BLOCK_STEPS steps and one more that closes it, in the same mode
+    span = BLOCK_STEPS + 1
+    assert lose[:span] == [True] * span  # measured first ...
+    assert lose[span:2 * span] == [False] * span  # ... then the plain side
     assert not m.pays(8)
-    decisions = [m.should_speculate(8) for _ in range(4 * PROBE_EVERY)]
-    assert decisions.count(True) == 4  # ... and runs only as a probe every PROBE_EVERY steps
-    assert m.pays(2) and m.should_speculate(2)  # another bucket knows nothing yet
-    # the workload turns copy-heavy: 3 tokens per verify step pays
-    for _ in range(20):
-        m.record(8, seconds=0.030, tokens_per_seq=3.0, verified=True)
-    assert m.pays(8) and m.should_speculate(8)
+    later = lose[2 * span:]
+    # off, but probed: after PROBE_EVERY blocks, then after twice as many, four times, ...
+    starts = [i for i in range(1, len(later)) if later[i] and not later[i - 1]]
+    gaps = [(b - a) // span - 1 for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and gaps == [PROBE_EVERY * 2 ** (i + 1) for i in range(len(gaps))], (starts, gaps)
+    assert m.pays(2)  # another bucket knows nothing yet
+    # the workload turns copy-heavy: 3 tokens per speculating step pays, and the probes find it
+    win = run_blocks(m, 8, 20 * PROBE_EVERY, {True: 0.030, False: 0.020}, {True: 3.0, False: 1.0}, clock)
+    assert m.pays(8) and win[-span:] == [True] * span
+    assert win.count(False) < len(win) // 2
+
+
+def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:
+    m, clock = SpecCostModel(), [0.0]
+    for _ in range(BLOCK_STEPS - 1):
+        m.launched(clock[0], 4, True, m.should_speculate(4))
+        m.yielded(40)  # absurdly many tokens: a block that kept them would favour speculation forever
+        clock[0] += 0.01
+    m.launched(clock[0], 4, False, m.should_speculate(4))  # a prompt chunk: the block is dropped
+    assert m._block is None and 4 not in m.buckets or m.buckets[4].rate == {}
 
 
 @pytest.mark.parametrize("kw, field", [

@@ -17,7 +17,6 @@ steps are plain and overlap as usual.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -110,22 +109,12 @@ def grammar_draft(matcher: GrammarMatcher, draft: list[int]) -> tuple[list[int],
     return draft, mask[: len(draft) + 1]
 
 
-@dataclass
-class _Launched:
-    at: float  # perf_counter when the step was launched
-    batch_size: int
-    decode_only: bool  # no prompt chunk: a step the cost model can learn from
-    verified: bool  # speculating: drafts were asked for (processed before the next step)
-    tokens: int  # yielded so far (a step without a verify: one per sequence)
-
-
 class Speculation:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.k = config.speculative_num_draft_tokens
         self.proposer = proposer
         self.cost = SpecCostModel() if config.speculative_adaptive else AlwaysSpeculate()
         self.stats = SpecStats(self.k)
-        self._last: _Launched | None = None
         self._proposed = False  # the step about to launch asked for drafts
 
     # ------------------------------------------------------------ before the step
@@ -163,22 +152,19 @@ class Speculation:
 
     # ------------------------------------------------------------ cost model
     def launched(self, batch_size: int, decode_only: bool, verify: bool) -> None:
-        """A step was launched: the previous one's period (launch to launch) is its cost. A step
-        that asked for drafts counts as speculating even if none came: it gave up overlap for them."""
-        now = time.perf_counter()
-        last = self._last
-        if last is not None and last.decode_only and last.tokens:
-            self.cost.record(last.batch_size, now - last.at, last.tokens / last.batch_size, last.verified)
-        self._last = _Launched(now, batch_size, decode_only, self._proposed, 0 if verify else batch_size)
+        """A step was launched. One that asked for drafts counts as speculating even if none came:
+        it gave up overlap for them. A plain step's tokens are known now; a verify's when processed."""
+        self.cost.launched(time.perf_counter(), batch_size, decode_only, self._proposed)
+        if not verify:
+            self.cost.yielded(batch_size)
         self._proposed = False
 
     def idle(self) -> None:
-        """No step this time: the next launch's period would include the wait."""
-        self._last = None
+        """No step this time: the wait must not count as a step's cost."""
+        self.cost.idle()
 
     def yielded(self, proposed: int, kept_rows: int) -> None:
         """One sequence of the verify step just processed: `kept_rows` tokens out of its drafts."""
         if proposed:
             self.stats.count(proposed, kept_rows - 1)
-        if self._last is not None:
-            self._last.tokens += kept_rows
+        self.cost.yielded(kept_rows)
