@@ -121,7 +121,20 @@ def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:
     (dict(speculative_algorithm="draft"), "--speculative-draft-model-path"),
     (dict(speculative_algorithm="ngram", speculative_draft_model_path="x.gguf"), "speculative_draft_model_path"),
     (dict(speculative_algorithm="ngram", disaggregation_mode="prefill"), "prefill server"),
+    (dict(speculative_algorithm="block"), "'block': not built yet"),
+    (dict(speculative_algorithm="ngram", tensor_parallel_size=2), "tensor_parallel_size"),
 ])
 def test_config_errors_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(**kw)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_config_path, tmp_path):
+    import json
+
+    from conftest import TINY_LLAMA, make_tiny_engine
+
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(dict(TINY_LLAMA, vocab_size=256)))
+    with pytest.raises(ValueError, match="speculative_draft_model_path: the draft's vocab_size 256 differs"):
+        make_tiny_engine(tiny_config_path, speculative_algorithm="draft", speculative_draft_model_path=str(other))
