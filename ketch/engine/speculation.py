@@ -51,6 +51,9 @@ def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> D
     CPU its GGUF stays 4-bit), pages of one token, a quarter of the target's KV budget."""
     path = config.speculative_draft_model_path
     assert path is not None  # EngineConfig checked it
+    if config.torch_device.type == "cuda":
+        raise ValueError("speculative_algorithm 'draft': not on CUDA yet (the target's memory plan leaves no room "
+                         "for a draft model's weights and pool); use 'ngram' there, or the draft model on the CPU")
     budget = config.kv_cache_memory // 4 if config.kv_cache_memory else None
     dc = EngineConfig(model=path, load_format="dummy" if path.endswith(".json") else "auto", device=config.device,
                       seed=config.seed, page_size=1, kv_cache_memory=budget,
