@@ -151,8 +151,9 @@ def verified(llm: LLM) -> None:
 def test_speculative_ngram_batched_then_prefix_hits(smollm_path, prompt_ids, reference):
     llm = LLM(smollm_path, dtype="float32", **NGRAM)
     check(llm.generate(prompt_ids, PARAMS), reference)
-    check(llm.generate(prompt_ids, PARAMS), reference)  # the second pass hits the prefix cache
-    assert all(o.num_cached_tokens > 0 for o in llm.generate(prompt_ids[:2], PARAMS))
+    again = llm.generate(prompt_ids[:6], PARAMS)  # a second pass over a few hits the prefix cache
+    check(again, reference[:6])
+    assert all(o.num_cached_tokens > 0 for o in again)
     verified(llm)
     assert_drained(llm.engine)
 

@@ -30,7 +30,7 @@ from ketch.disagg.fake import FakeHub
 from ketch.engine.grammar_gate import GrammarGate
 from ketch.engine.kv_arrival_gate import KVArrivalGate
 from ketch.engine.pd_prefill import PrefillSends
-from ketch.engine.speculation import Speculation, make_proposer
+from ketch.engine.speculation import Speculation
 from ketch.engine.model_fingerprint import model_fingerprint
 from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
@@ -38,6 +38,9 @@ from ketch.models import load_model_config
 from ketch.parallel import SINGLE
 from ketch.runner.model_runner import ModelRunner
 from ketch.scheduler.scheduler import Scheduler
+from ketch.spec.draft import DraftModelProposer
+from ketch.spec.ngram import NgramProposer
+from ketch.spec.proposer import Proposer
 from ketch.weights.source import ModelSource
 
 
@@ -87,6 +90,40 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                         storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts
+
+
+def make_proposer(config: EngineConfig, vocab_size: int, max_model_len: int) -> Proposer:
+    k = config.speculative_num_draft_tokens
+    if config.speculative_algorithm == "ngram":
+        return NgramProposer(k, config.speculative_ngram_min_match_window_size,
+                             config.speculative_ngram_max_match_window_size)
+    if config.speculative_algorithm == "draft":
+        return _draft_model(config, vocab_size, max_model_len)
+    raise ValueError(f"speculative_algorithm: {config.speculative_algorithm!r} is not built yet")
+
+
+def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> DraftModelProposer:
+    """The draft model's own runner and KV manager: its dtype is the device's default (on a bf16
+    CPU its GGUF stays 4-bit), pages of one token, a quarter of the target's KV budget."""
+    path = config.speculative_draft_model_path
+    assert path is not None  # EngineConfig checked it
+    if config.torch_device.type == "cuda":
+        raise ValueError("speculative_algorithm 'draft': not on CUDA yet (the target's memory plan leaves no room "
+                         "for a draft model's weights and pool); use 'ngram' there, or the draft model on the CPU")
+    budget = config.kv_cache_memory // 4 if config.kv_cache_memory else None
+    dc = EngineConfig(model=path, load_format="dummy" if path.endswith(".json") else "auto", device=config.device,
+                      seed=config.seed, page_size=1, kv_cache_memory=budget,
+                      kv_cache_fraction=config.kv_cache_fraction / 4, max_num_seqs=config.max_num_seqs,
+                      cuda_graph=False, num_threads=config.num_threads, quantization=config.quantization,
+                      attention_backend=config.attention_backend, layer_kernels=config.layer_kernels)
+    source = ModelSource.resolve(dc.model, dc.load_format)
+    model_config = load_model_config(source)
+    if model_config.vocab_size != vocab_size:
+        raise ValueError(f"speculative_draft_model_path: the draft's vocab_size {model_config.vocab_size} differs "
+                         f"from the target's {vocab_size} (it must share the tokenizer)")
+    runner = ModelRunner(dc, model_config, min(max_model_len, model_config.max_position_embeddings), source)
+    kv = KVCacheManager(runner.pool)
+    return DraftModelProposer(runner, kv, config.speculative_num_draft_tokens)
 
 
 def _with_transport(parts: EngineParts, fingerprint: str, hub: FakeHub | None) -> EngineParts:
