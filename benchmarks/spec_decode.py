@@ -5,6 +5,8 @@ mode in a fresh engine in this process, the same prompts one at a time, greedy.
     PYTHONPATH=. python benchmarks/spec_decode.py [--modes none,ngram:4,ngram:8:always] [--max-tokens 192]
         [--prompts 6] [--dtype auto] [--device auto] [--adaptive on|off] [--batch 1] [--workload copy|chat]
         (draft: --modes none,draft:4 --draft-model PATH; a mode's third field overrides --adaptive)
+        (block: the draft head's random weights; block-oracle: the same machinery with the tokens of
+         the `none` run as the drafts, sure of each: the upper bound of block drafting; `none` first)
 
 Per mode: decode tok/s (first token to last, per request, summed: the prompt's prefill is not in
 it), end-to-end tok/s, mean acceptance length (tokens per verified sequence and step), whether
@@ -19,6 +21,7 @@ from ketch.engine.engine import Engine
 from ketch.engine import speculation
 from ketch.sampling import sampler
 from ketch.scheduler import scheduler
+from ketch.spec.oracle import OracleProposer
 from ketch.sampling.params import SamplingParams
 from ketch.llm import LLM
 from ketch.weights.source import default_model_path
@@ -86,11 +89,16 @@ def main() -> None:
     base = None
     for mode in a.modes.split(","):  # ALGO[:k][:always|adaptive], e.g. ngram:4:always
         algo, k, adaptive = (mode.split(":") + ["", ""])[:3]
+        oracle = algo == "block-oracle"
+        algo = "block" if oracle else algo
         spec = {} if algo == "none" else dict(speculative_algorithm=algo, speculative_num_draft_tokens=int(k or 4),
                                               speculative_adaptive=(adaptive or a.adaptive) in ("on", "adaptive"))
         if algo == "draft":
             spec["speculative_draft_model_path"] = a.draft_model or a.model or default_model_path()
         engine = LLM(a.model, dtype=a.dtype, device=a.device, **spec).engine
+        if oracle:
+            runs = {tuple(p): base["ids"][f"r{i}"] for i, p in enumerate(prompt_ids)}
+            engine.spec.proposer.oracle = OracleProposer(int(k or 4), runs)
         run(engine, prompt_ids[:1], 16, 1)  # warm-up
         r = run(engine, prompt_ids, a.max_tokens, a.batch)
         base = base or r

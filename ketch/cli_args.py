@@ -98,15 +98,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--speculative-algorithm", default=None, choices=[a.upper() for a in SPECULATIVE_ALGORITHMS]
                     + list(SPECULATIVE_ALGORITHMS), type=str,
                     help="verify proposed tokens each decode step; output unchanged. ngram: prompt lookup "
-                         "over the request's own tokens")
+                         "over the request's own tokens; draft: a smaller model; block: a draft head on the "
+                         "target's hidden state, k tokens in one pass, confidence-scheduled verify")
     sp.add_argument("--speculative-num-draft-tokens", type=int, default=4, help="most draft tokens verified per step")
-    sp.add_argument("--speculative-draft-model-path", default=None, help="draft: a smaller model, same tokenizer")
+    sp.add_argument("--speculative-draft-model-path", default=None,
+                    help="draft: a smaller model, same tokenizer; block: the draft head's .safetensors (default: random)")
     sp.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1,
                     help="ngram: the shortest suffix that may match earlier tokens")
     sp.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12,
                     help="ngram: the longest suffix tried")
     sp.add_argument("--speculative-adaptive", choices=("on", "off"), default="on",
-                    help="on: speculate only at batch sizes where measured verify steps beat plain ones")
+                    help="on: speculate only at batch sizes where measured verify steps beat plain ones (block: "
+                         "and verify only the positions whose confidence pays for their rows)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -121,10 +121,12 @@ def check_speculative(c: Any) -> None:
     if algo == "draft" and not c.speculative_draft_model_path:
         raise ValueError("speculative_algorithm 'draft': add --speculative-draft-model-path (a smaller model "
                          "with the same tokenizer)")
-    if algo != "draft" and c.speculative_draft_model_path is not None:
-        raise ValueError(f"speculative_draft_model_path: only the 'draft' algorithm runs a draft model, got {algo!r}")
-    if algo == "block":
-        raise ValueError("speculative_algorithm 'block': not built yet; 'ngram' and 'draft' are (issue 20)")
+    if algo == "ngram" and c.speculative_draft_model_path is not None:
+        raise ValueError("speculative_draft_model_path: 'ngram' uses no model (it names the draft model for "
+                         "'draft', the draft head's safetensors for 'block')")
+    if algo == "block" and c.speculative_draft_model_path and not c.speculative_draft_model_path.endswith(".safetensors"):
+        raise ValueError("speculative_draft_model_path: for 'block' it is the draft head's weights, a .safetensors "
+                         f"file, got {c.speculative_draft_model_path!r}")
     if c.tensor_parallel_size > 1:
         raise ValueError("speculative_algorithm: not supported with tensor_parallel_size > 1 yet")
     if c.disaggregation_mode == "prefill":

@@ -7,6 +7,9 @@ Per batch size, on random 512-token prompts, decode-only steps timed on the host
   plain-sync    no speculation, overlap off (what a verify step's host gap costs)
   oracle k      the target's own greedy continuation (recorded by `plain`) as the draft: every
                 draft kept, the upper bound of the verify machinery at k; greedy ids == plain's
+  turn-off      (--turnoff-batches) an oracle whose first m of k = 4 tokens are right (acceptance
+                length m + 1 on demand): always vs adaptive vs plain per (bs, m): where the cost
+                model stops speculating and whether it tracks the better of the two
   ngram         prompt lookup on repetitive prompts (a motif repeated), k = 4, always / adaptive
                 (the cost model; `plain steps` says how often it chose not to speculate)
 Each line: tok/s, ms per step, tokens per sequence and step, vs plain in the same run."""
@@ -26,16 +29,11 @@ from ketch.spec.ngram import NgramProposer
 from ketch.spec.oracle import OracleProposer
 
 
-class Never:
+class Never(AlwaysSpeculate):
     """The cost model of a plain run: no drafts, steps overlap as usual."""
-
-    plain_steps = 0
 
     def should_speculate(self, batch_size: int) -> bool:
         return False
-
-    def record(self, *args) -> None:
-        pass
 
 
 def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -73,11 +71,15 @@ def main() -> None:
     ap.add_argument("--ngram-batches", default="1,8,32,64,128")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--oracle-fixpoint", type=int, default=12, help="most re-recorded oracle runs per k")
+    ap.add_argument("--turnoff-batches", default="", help="e.g. 1,8,32,64: the acceptance sweep")
+    ap.add_argument("--turnoff-gen", type=int, default=320, help="tokens per request in the sweep (blocks to learn from)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    batches, ks = [int(x) for x in a.batches.split(",")], [int(x) for x in a.ks.split(",")]
+    batches = [int(x) for x in a.batches.split(",")] if a.batches else []
+    ks = [int(x) for x in a.ks.split(",")]
     nb = [int(x) for x in a.ngram_batches.split(",")] if a.ngram_batches else []
-    max_bs = max(batches + nb)
+    tb = [int(x) for x in a.turnoff_batches.split(",")] if a.turnoff_batches else []
+    max_bs = max(batches + nb + tb)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype,
                                  max_num_seqs=max_bs, speculative_algorithm="ngram", cuda_graph_max_bs=a.cuda_graph_max_bs,
@@ -102,6 +104,34 @@ def main() -> None:
             spec.proposer = proposer
         engine.overlap = overlap
 
+    def accept_length(run) -> float:
+        before = spec.stats.accepted_tokens, spec.stats.verifies
+        r = run()
+        return r, 1 + (spec.stats.accepted_tokens - before[0]) / max(1, spec.stats.verifies - before[1])
+
+    def turnoff(bs: int) -> None:
+        """Plain, then the oracle's fixed point at k = 4 (every step's shape is k + 1 rows a
+        sequence, whatever m), then per m: always and adaptive with m right tokens a draft."""
+        prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(bs)]
+        mode(Never())
+        plain = decode_run(engine, prompts, a.turnoff_gen)
+        report(bs, "plain (turn-off sweep)", plain, None)
+        want = plain["ids"]
+        for _ in range(a.oracle_fixpoint):
+            mode(AlwaysSpeculate(), OracleProposer(4, {tuple(p): ids for p, ids in zip(prompts, want)}))
+            r = decode_run(engine, prompts, a.turnoff_gen)
+            if r["ids"] == want:
+                break
+            want = r["ids"]
+        runs = {tuple(p): ids for p, ids in zip(prompts, want)}
+        for m in range(5):
+            for name, cost in (("always", AlwaysSpeculate()), ("adaptive", SpecCostModel())):
+                mode(cost, OracleProposer(4, runs, correct=m, vocab_size=vocab))
+                r, acc = accept_length(lambda: decode_run(engine, prompts, a.turnoff_gen))
+                r["plain_steps"] = cost.plain_steps
+                report(bs, f"turn-off m={m} {name} (accept length {acc:.2f}, fixed point {r['ids'] == want})",
+                       r, plain, r["ids"] == plain["ids"])
+
     for bs in batches:
         prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(bs)]
         decode_run(engine, prompts[:1], 8)  # warm-up (graphs of the small sizes, caches)
@@ -124,6 +154,8 @@ def main() -> None:
                 want = r["ids"]
             report(bs, f"oracle k={k} (fixed point after {tries} runs: {r['ids'] == want})", r, plain,
                    r["ids"] == plain["ids"])
+    for bs in tb:
+        turnoff(bs)
     for bs in nb:  # repetitive prompts: a motif of 4-8 tokens repeated, random tokens between
         prompts = []
         for _ in range(bs):

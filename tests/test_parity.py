@@ -141,6 +141,7 @@ def test_overlap_schedule_with_chunked_prefill_and_preemption(smollm_path, promp
 # Drafts are verified on every step (the cost model off): the parity set's answers reuse the
 # prompts' words, so drafts are proposed, kept and rejected; each test checks that they were.
 NGRAM = dict(speculative_algorithm="ngram", speculative_adaptive=False)
+BLOCK = dict(speculative_algorithm="block", speculative_adaptive=False)  # the draft head's random weights
 
 
 def verified(llm: LLM) -> None:
@@ -173,7 +174,7 @@ def test_speculative_ngram_overlap_chunked_prefill_preemption_and_n2(smollm_path
     assert_drained(llm.engine)
 
 
-def test_speculative_ngram_under_a_grammar(smollm_path):
+def test_speculative_ngram_and_block_under_a_grammar(smollm_path):
     """Known failure: n-gram speculation changed structured output. JSON repeats its keys, so
     drafts are kept; a draft token the grammar rejects is cut before the verify."""
     from ketch.sampling.grammar import GrammarSpec
@@ -183,11 +184,14 @@ def test_speculative_ngram_under_a_grammar(smollm_path):
                                          "required": ["city", "country"]}, "minItems": 3, "maxItems": 3}
     params = SamplingParams(temperature=0.0, max_tokens=80, grammar=GrammarSpec.json_schema(schema))
     chats = [[{"role": "user", "content": f"List three cities in {c} as JSON."}] for c in ("France", "Japan", "Peru")]
-    off = LLM(smollm_path, dtype="float32")
-    on = LLM(smollm_path, dtype="float32", **NGRAM)
-    assert [o.token_ids for o in on.chat(chats, params)] == [o.token_ids for o in off.chat(chats, params)]
-    verified(on)
-    assert_drained(on.engine)
+    want = [o.token_ids for o in LLM(smollm_path, dtype="float32").chat(chats, params)]
+    for spec in (NGRAM, BLOCK):
+        on = LLM(smollm_path, dtype="float32", **spec)
+        assert [o.token_ids for o in on.chat(chats, params)] == want, spec
+        assert on.engine.spec.stats.proposed_tokens > 0
+        if spec is NGRAM:
+            verified(on)  # the random head's drafts are rarely kept: its verify is proven on the parity set
+        assert_drained(on.engine)
 
 
 def test_speculative_draft_model_the_bundled_gguf_drafting_for_itself_in_fp32(smollm_path, prompt_ids, reference):
@@ -197,4 +201,13 @@ def test_speculative_draft_model_the_bundled_gguf_drafting_for_itself_in_fp32(sm
               speculative_adaptive=False)
     check(llm.generate(prompt_ids, PARAMS), reference)
     verified(llm)
+    assert_drained(llm.engine)
+
+
+def test_speculative_block_the_random_draft_head(smollm_path, prompt_ids, reference):
+    """The draft head (random weights) on the target's hidden states: output is the target's."""
+    llm = LLM(smollm_path, dtype="float32", **BLOCK)
+    check(llm.generate(prompt_ids, PARAMS), reference)
+    st = llm.engine.spec.stats
+    assert st.proposed_tokens > st.accepted_tokens, st
     assert_drained(llm.engine)

@@ -121,7 +121,7 @@ def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:
     (dict(speculative_algorithm="draft"), "--speculative-draft-model-path"),
     (dict(speculative_algorithm="ngram", speculative_draft_model_path="x.gguf"), "speculative_draft_model_path"),
     (dict(speculative_algorithm="ngram", disaggregation_mode="prefill"), "prefill server"),
-    (dict(speculative_algorithm="block"), "'block': not built yet"),
+    (dict(speculative_algorithm="block", speculative_draft_model_path="head.gguf"), "a .safetensors file"),
     (dict(speculative_algorithm="ngram", tensor_parallel_size=2), "tensor_parallel_size"),
 ])
 def test_config_errors_name_the_field(kw: dict, field: str) -> None:

@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import safetensors.torch
+
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
 from ketch.disagg import DisaggConfig, KVTransport, make_transport
@@ -38,9 +40,11 @@ from ketch.models import load_model_config
 from ketch.parallel import SINGLE
 from ketch.runner.model_runner import ModelRunner
 from ketch.scheduler.scheduler import Scheduler
+from ketch.spec.block import BlockDraftHead, BlockProposer
 from ketch.spec.draft import DraftModelProposer
 from ketch.spec.ngram import NgramProposer
 from ketch.spec.proposer import Proposer
+from ketch.spec.verify_schedule import VerifyCost
 from ketch.weights.source import ModelSource
 
 
@@ -85,21 +89,46 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     storage_gate = StorageGate(kv) if kv.storage is not None else None
     scheduler = Scheduler(config, kv, storage_gate)
     grammars = GrammarGate(source.tokenizer, model_config.vocab_size, eos_ids, runner.device)
-    spec = Speculation(config, make_proposer(config, model_config.vocab_size, max_model_len)) \
-        if config.speculative_algorithm else None
+    spec = None
+    if config.speculative_algorithm:
+        verify_cost = VerifyCost()  # measured by Speculation, read by the block proposer's schedule
+        spec = Speculation(config, make_proposer(config, runner, max_model_len, verify_cost), verify_cost)
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                         storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts
 
 
-def make_proposer(config: EngineConfig, vocab_size: int, max_model_len: int) -> Proposer:
+def make_proposer(config: EngineConfig, runner: ModelRunner, max_model_len: int, verify_cost: VerifyCost) -> Proposer:
     k = config.speculative_num_draft_tokens
     if config.speculative_algorithm == "ngram":
         return NgramProposer(k, config.speculative_ngram_min_match_window_size,
                              config.speculative_ngram_max_match_window_size)
     if config.speculative_algorithm == "draft":
-        return _draft_model(config, vocab_size, max_model_len)
+        return _draft_model(config, runner.model_config.vocab_size, max_model_len)
+    if config.speculative_algorithm == "block":
+        return BlockProposer(_block_head(config, runner), runner.model, k,
+                             verify_cost if config.speculative_adaptive else None)
     raise ValueError(f"speculative_algorithm: {config.speculative_algorithm!r} is not built yet")
+
+
+def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
+    """The draft head over the target's hidden size: random (seeded) or a safetensors file's."""
+    if runner.graphs is not None:
+        raise ValueError("speculative_algorithm 'block': the decode graphs (CUDA graphs, --cpu-compile) do not keep "
+                         "hidden states yet; turn them off (--disable-cuda-graph, --cpu-compile off) or use 'ngram'")
+    hidden = runner.model_config.hidden_size
+    head = BlockDraftHead(hidden, hidden, config.speculative_num_draft_tokens, runner.model_config.rms_norm_eps)
+    path = config.speculative_draft_model_path
+    if path is None:
+        head.init_random(config.seed)
+    else:
+        weights = safetensors.torch.load_file(path)
+        try:
+            head.load_state_dict(weights, strict=True)
+        except RuntimeError as e:  # missing, unexpected or misshapen tensors
+            raise ValueError(f"speculative_draft_model_path: {path} is not a draft head for this model "
+                             f"(hidden {hidden}, k {config.speculative_num_draft_tokens}): {e}") from None
+    return head.to(runner.device, runner.dtype).eval()
 
 
 def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> DraftModelProposer:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import itertools
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ketch.cache.allocator import PageAllocator
 from ketch.cache.radix import RadixCache
@@ -33,7 +33,7 @@ from ketch.disagg.fake import FakeHub
 from ketch.engine import pd
 from ketch.engine.build import build_engine
 from ketch.engine.messages import Bootstrap
-from ketch.engine.engine_checks import check_engine_invariants
+from ketch.engine.engine_checks import audit_if_due, check_engine_invariants
 from ketch.engine.engine_stats import engine_stats
 from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
@@ -60,6 +60,7 @@ class LaunchedStep:
     rows: list[tuple[Request, int, list[int]]]
     result: HostSample
     verify: bool = False  # some request verifies a draft: processed before the next step is scheduled
+    hidden: Any = None  # `block` speculation: the final hidden states of the result's rows
 
 
 class Engine:
@@ -72,6 +73,7 @@ class Engine:
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
         self.transport, self.pd_sends, self.kv_gate = parts.transport, parts.pd_sends, parts.kv_gate  # PD (pd.py)
         self.spec = parts.spec  # speculative decoding (speculation.py), None when off
+        self._keep_hidden = self.spec is not None and self.spec.needs_hidden
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -219,14 +221,15 @@ class Engine:
         return outputs
 
     def _draft(self) -> list[EngineOutput]:
-        """Speculation: drafts for this step. They extend every request's known ids, so a step
-        still in flight is processed first (a verify step always: its yield is not yet known)."""
+        """Drafts for this step if the cost model wants them (they extend the known ids, so a step in
+        flight is processed first; a verify step always, its yield is not yet known)."""
         outputs: list[EngineOutput] = []
         step = self._in_flight
-        if self.spec.wants_drafts(self.scheduler.running) or (step is not None and step.verify):
-            if step is not None:
-                self._in_flight = None
-                outputs = self._process(step)
+        wants = self.spec.wants_drafts(self.scheduler.running)
+        if step is not None and (wants or step.verify):
+            self._in_flight = None
+            outputs = self._process(step)
+        if wants:
             self.spec.propose(self.scheduler.running)
         return outputs
 
@@ -243,8 +246,8 @@ class Engine:
             self.pd_sends.progress([c.req for c in chunks], logits.device)
         verify = any(c.draft for c in chunks)
         if self.spec is not None:
-            self.spec.launched(len(chunks), len(sampled) == len(chunks) and all(c.num_new - len(c.draft) == 1 for c in chunks),
-                               verify)
+            decode_only = len(sampled) == len(chunks) and all(c.num_new - len(c.draft) == 1 for c in chunks)
+            self.spec.launched(len(chunks), batch.num_tokens, decode_only, verify)
         if not sampling:
             return None  # prefill chunks only: no token this step
         rows: list[SamplingRow] = []
@@ -264,7 +267,7 @@ class Engine:
             filled.append((c.req, len(c.req.output_ids), c.draft))
             c.req.output_ids.append(placeholder)
             c.req.num_unresolved += 1
-        return LaunchedStep(filled, result.start_copy(), verify)
+        return LaunchedStep(filled, result.start_copy(), verify, self.runner.last_hidden if self._keep_hidden else None)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         """The launched step's ids are on the host: fill them in, check stops, report."""
@@ -279,6 +282,8 @@ class Engine:
             kept = accepted_rows(draft, result.token_ids[first:end]) if draft else 1
             if step.verify:
                 self.spec.yielded(len(draft), kept)
+            if step.hidden is not None:
+                req.last_hidden = step.hidden[first + kept - 1]  # the row of its last token
             tokens, logprobs = self._take(req, index, result, first, kept, now)
             if tokens is None:
                 continue  # PD prefill: its answer waits for the decode side
@@ -380,20 +385,8 @@ class Engine:
 
     # ---------------------------------------------------------------- checks
     def audit_if_due(self) -> None:
-        """The idle-time audit (the server calls this when a poll for work came back empty): once
-        per AUDIT_INTERVAL_S after steps ran, every invariant below, on every tier (idle: free +
-        cached + used == total). A failure is logged and counted in /metrics, not raised: the
-        engine keeps serving, and the count says a page went astray."""
-        now = time.monotonic()
-        if self._steps == self._audited_at_step or now - self._audited_at < AUDIT_INTERVAL_S:
-            return
-        self._audited_at, self._audited_at_step = now, self._steps
-        self.audits += 1
-        try:
-            self.check_invariants()
-        except AssertionError:
-            self.audit_failures += 1
-            traceback.print_exc()
+        """The idle-time audit, at most once per AUDIT_INTERVAL_S after steps ran (engine_checks.py)."""
+        audit_if_due(self, AUDIT_INTERVAL_S)
 
     def check_invariants(self) -> None:
         """Every page-holding invariant of the engine (engine_checks.py); raises AssertionError."""

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+import traceback
 from typing import TYPE_CHECKING
 
 from ketch.scheduler.request import RequestState
@@ -26,3 +28,20 @@ def check_engine_invariants(engine: "Engine") -> None:
         engine.kv.check_idle()
     if engine.spec is not None:
         engine.spec.proposer.check_invariants()  # the draft model's own pool
+
+
+def audit_if_due(engine: "Engine", interval_s: float) -> None:
+    """The idle-time audit (the server calls it when a poll for work came back empty): once per
+    interval_s after steps ran, every invariant above, on every tier (idle: free + cached + used
+    == total). A failure is logged and counted in /metrics, not raised: the engine keeps serving,
+    and the count says a page went astray."""
+    now = time.monotonic()
+    if engine._steps == engine._audited_at_step or now - engine._audited_at < interval_s:
+        return
+    engine._audited_at, engine._audited_at_step = now, engine._steps
+    engine.audits += 1
+    try:
+        engine.check_invariants()
+    except AssertionError:
+        engine.audit_failures += 1
+        traceback.print_exc()

@@ -28,6 +28,7 @@ from ketch.scheduler.request import Request
 from ketch.spec.cost_model import AlwaysSpeculate, SpecCostModel
 from ketch.spec.proposer import DraftInput, Proposer
 from ketch.spec.stats import SpecStats
+from ketch.spec.verify_schedule import VerifyCost
 
 
 class FixedMask(GrammarMatcher):
@@ -73,12 +74,16 @@ def grammar_draft(matcher: GrammarMatcher, draft: list[int]) -> tuple[list[int],
 
 
 class Speculation:
-    def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer, verify_cost: VerifyCost) -> None:
+        """verify_cost: seconds per decode step by rows, measured here (`block` schedules from it)."""
         self.k = config.speculative_num_draft_tokens
         self.proposer = proposer
+        self.needs_hidden = proposer.name == "block"  # the engine keeps each request's last hidden state
         self.cost = SpecCostModel() if config.speculative_adaptive else AlwaysSpeculate()
+        self.verify_cost = verify_cost
         self.stats = SpecStats(self.k)
         self._proposed = False  # the step about to launch asked for drafts
+        self._last_launch: tuple[float, int] | None = None  # the previous decode step: launch time, rows
 
     # ------------------------------------------------------------ before the step
     def wants_drafts(self, running: list[Request]) -> bool:
@@ -94,7 +99,7 @@ class Speculation:
             if req.num_pending != 1 or req.num_unresolved or room < 1:
                 continue  # prefilling, ids in flight, or no token to spare after this one
             reqs.append(req)
-            inputs.append(DraftInput(np.asarray(req.all_ids, dtype=np.int64), room))
+            inputs.append(DraftInput(np.asarray(req.all_ids, dtype=np.int64), room, req.last_hidden))
         for req, draft in zip(reqs, self.proposer.propose(inputs)):
             if draft and req.grammar is not None:
                 draft, req.draft_masks = grammar_draft(req.grammar, draft)
@@ -114,16 +119,22 @@ class Speculation:
         return rows
 
     # ------------------------------------------------------------ cost model
-    def launched(self, batch_size: int, decode_only: bool, verify: bool) -> None:
-        """A step was launched. One that asked for drafts counts as speculating even if none came:
-        it gave up overlap for them. A plain step's tokens are known now; a verify's when processed."""
-        self.cost.launched(time.perf_counter(), batch_size, decode_only, self._proposed)
+    def launched(self, batch_size: int, rows: int, decode_only: bool, verify: bool) -> None:
+        """A step of `rows` rows was launched. One that asked for drafts counts as speculating even
+        if none came: it gave up overlap for them. A plain step's tokens are known now; a verify's
+        when processed. The previous decode step's cost is this launch's time since its launch."""
+        now = time.perf_counter()
+        if self._last_launch is not None:
+            self.verify_cost.record(self._last_launch[1], now - self._last_launch[0])
+        self._last_launch = (now, rows) if decode_only else None
+        self.cost.launched(now, batch_size, decode_only, self._proposed)
         if not verify:
             self.cost.yielded(batch_size)
         self._proposed = False
 
     def idle(self) -> None:
         """No step this time: the wait must not count as a step's cost."""
+        self._last_launch = None
         self.cost.idle()
 
     def yielded(self, proposed: int, kept_rows: int) -> None:

@@ -89,6 +89,7 @@ class ModelRunner:
         self.ops = layer_ops(config.resolved_layer_kernels)
         # sampled ids stay on the device; the next step reads them from here (overlap)
         self.future = FutureTokens(config.max_num_seqs, self.device)
+        self.last_hidden: torch.Tensor | None = None  # the last eager step's sampled rows (forward)
         self.model = self._load_model(max_model_len)
         # Graphs bake the pool's addresses in, so the pool comes first; its size leaves room for
         # them and the largest eager step, measured on a scratch pool (memory_plan.py).
@@ -162,6 +163,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             if pending is not None:
                 pending.wait_all()  # a captured graph holds no per-layer waits: the whole load first
+            self.last_hidden = None
             return self.graphs.run(batch)
         attn = self.attn if pending is None else LayerWaitingAttention(self.attn, pending)
         meta = attn.init_metadata(batch)
@@ -170,4 +172,6 @@ class ModelRunner:
         n = batch.num_tokens
         input_ids = self.future.resolve(host[:n])
         hidden = self.model(input_ids, host[n : 2 * n], attn, meta)
-        return self.model.compute_logits(hidden.index_select(0, host[2 * n :]))
+        # the sampled rows' final hidden states, kept until the next step (`block` drafts from them)
+        self.last_hidden = hidden.index_select(0, host[2 * n :])
+        return self.model.compute_logits(self.last_hidden)

@@ -70,6 +70,8 @@ class Request:
     # this step (empty: none), and with a grammar the mask of each verify row
     draft_ids: list[int] = field(default_factory=list)
     draft_masks: Any = None
+    # `block` drafts from the target's final hidden state at the row that produced its last token
+    last_hidden: Any = None
     # Its sampling reads the ids generated so far (grammar state, penalties), so a step that
     # samples it must first wait for the tokens still in flight. Fixed by the params: set once
     # here, not recomputed for every row of every step.

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class DraftInput:
 
     token_ids: np.ndarray  # int64 [L]
     max_draft: int
+    # the target's final hidden state at the row that produced the last token (what `block`
+    # drafts from; None where the engine has none yet, e.g. right after a preemption)
+    hidden: torch.Tensor | None = None
 
 
 class Proposer(Protocol):

@@ -1,0 +1,143 @@
+"""`block` speculation's own parts: the confidence-scheduled verify (spec/verify_schedule.py) against
+a brute-force optimum, the measured cost table, the draft head's weights file, the hidden state
+the engine hands the head (the target's own at the row that produced the last token), and the
+engine with the schedule on: lossless whatever lengths it picks. Lossless output with the head's
+random weights under overlap, preemption, n > 1, stops, penalties and aborts, and the sampled
+distribution, are in test_spec_engine.py (its `block` cases)."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from conftest import TINY_LLAMA, assert_drained, collect, drain, make_tiny_engine
+from ketch.sampling.params import SamplingParams
+from ketch.spec.cost_model import AlwaysSpeculate
+from ketch.spec.block import BlockDraftHead
+from ketch.spec.proposer import DraftInput
+from ketch.spec.verify_schedule import VerifyCost, verify_lengths
+from test_spec_engine import BLOCK, GREEDY, prompts
+
+
+class LinearCost(VerifyCost):
+    """C(R) = a + b R, fixed (record ignores measurements: the schedule alone is under test)."""
+
+    def __init__(self, a: float, b: float) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, rows: int) -> float:
+        return self.a + self.b * rows
+
+
+def expected_rate(conf: np.ndarray, lengths: tuple[int, ...], cost) -> float:
+    reach = np.cumprod(conf, axis=1)
+    tokens = sum(1 + reach[b, :n].sum() for b, n in enumerate(lengths))
+    return tokens / cost(len(lengths) + sum(lengths))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_schedule_is_the_brute_force_optimum_under_a_linear_cost(seed):
+    rng = np.random.default_rng(seed)
+    batch, k = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    conf = rng.beta(0.6, 0.6, size=(batch, k))  # many near 0 and near 1
+    room = [int(rng.integers(0, k + 1)) for _ in range(batch)]
+    cost = LinearCost(float(rng.uniform(0.2, 2.0)), float(rng.uniform(0.0, 0.5)))
+    got = tuple(verify_lengths(conf, room, cost))
+    best = max(expected_rate(conf, ls, cost) for ls in itertools.product(*(range(m + 1) for m in room)))
+    assert all(0 <= n <= m for n, m in zip(got, room))
+    assert expected_rate(conf, got, cost) >= best - 1e-9, (got, best)
+
+
+def test_schedule_takes_everything_when_rows_are_free_and_nothing_unlikely_when_they_cost():
+    conf = np.array([[0.9, 0.8, 0.1, 0.9], [0.01, 0.9, 0.9, 0.9]])
+    assert verify_lengths(conf, [4, 4], VerifyCost()) == [4, 4]  # nothing measured: flat
+    assert verify_lengths(conf, [2, 4], VerifyCost()) == [2, 4]
+    assert verify_lengths(np.zeros((2, 4)), [4, 4], VerifyCost()) == [0, 0]
+    assert verify_lengths(conf, [4, 4], LinearCost(0.0, 1.0)) == [0, 0]  # every row costs a full step
+    assert verify_lengths(conf, [4, 4], LinearCost(1.0, 0.1)) == [2, 0]  # 0.9, 0.72 pay; 0.072 does not
+    with pytest.raises(ValueError, match="max_draft"):
+        verify_lengths(conf, [4], VerifyCost())
+
+
+def test_verify_cost_averages_per_bucket_and_interpolates_between():
+    c = VerifyCost()
+    c.record(4, 0.010)
+    c.record(3, 0.020)  # same bucket (4): an average moves toward it
+    assert 0.010 < c(4) < 0.020
+    c.record(16, 0.050)
+    assert c(1) == c(4) and c(64) == c(16)  # flat outside what was measured
+    assert c(4) < c(10) < c(16)
+    c.record(0, 1.0)
+    c.record(8, -1.0)  # nonsense is ignored
+    assert set(c.seconds) == {4, 16}
+
+
+def test_the_head_loads_its_weights_file_and_refuses_another_models(tmp_path, tiny_config_path):
+    head = BlockDraftHead(TINY_LLAMA["hidden_size"], TINY_LLAMA["hidden_size"], 4)
+    head.init_random(123)
+    path = tmp_path / "head.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
+    eng = make_tiny_engine(tiny_config_path, speculative_draft_model_path=str(path), **BLOCK)
+    loaded = eng.spec.proposer.head
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in head.state_dict().items())
+    random = make_tiny_engine(tiny_config_path, **BLOCK).spec.proposer.head  # seed 0: other weights
+    assert not torch.equal(random.positions, loaded.positions)
+    wrong = tmp_path / "wrong.safetensors"
+    other = BlockDraftHead(32, 32, 4)
+    safetensors.torch.save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(wrong))
+    with pytest.raises(ValueError, match="speculative_draft_model_path: .* is not a draft head for this model"):
+        make_tiny_engine(tiny_config_path, speculative_draft_model_path=str(wrong), **BLOCK)
+
+
+def test_the_head_drafts_from_the_targets_hidden_state_of_the_last_tokens_row(tiny_config_path):
+    """What the engine hands the head: the final hidden state at the row that sampled the
+    sequence's last token, i.e. the target's hidden state at position len - 2 of its ids. Checked
+    against a fresh engine that prefills those ids and samples from that very position."""
+    eng = make_tiny_engine(tiny_config_path, **BLOCK)
+    seen: list[DraftInput] = []
+    propose = eng.spec.proposer.propose
+    eng.spec.proposer.propose = lambda batch: (seen.extend(batch), propose(batch))[1]
+    for i, p in enumerate(prompts(6)):
+        eng.add_request(f"r{i}", p, GREEDY)
+    drain(eng)
+    assert all(x.hidden is not None for x in seen)
+    assert eng.spec.stats.accepted_tokens > 0  # some verifies kept drafts: the last row is not the first
+    ref = make_tiny_engine(tiny_config_path, enable_prefix_cache=False)
+    for x in seen:
+        ref.add_request("ref", x.token_ids[:-1].tolist(), SamplingParams(temperature=0.0, max_tokens=1))
+        out = drain(ref)
+        assert out[-1].new_token_ids == [int(x.token_ids[-1])]  # that row's greedy token is the last one
+        torch.testing.assert_close(x.hidden, ref.runner.last_hidden[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_scheduled_lengths_vary_and_output_is_unchanged(tiny_config_path, tmp_path):
+    """The schedule on, with a cost that makes only confident positions pay: steps verify
+    different numbers of positions per sequence, and output is what it is without speculation."""
+    reqs = [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts(6))]
+    plain = make_tiny_engine(tiny_config_path)
+    eng = make_tiny_engine(tiny_config_path, speculative_algorithm="block")
+    eng.spec.cost = AlwaysSpeculate()  # the on/off blocks aside: every step asks for drafts
+    lengths: list[tuple[int, int]] = []  # (verified, room) per sequence and step
+    proposer = eng.spec.proposer
+    proposer.head.out_norm.data *= 40  # a sharper head: confidences spread over (0, 1), not ~1/vocab
+    proposer.cost = LinearCost(1.0, 0.05)  # a row costs 5 % of a step: only likely positions pay
+    propose = proposer.propose
+    proposer.propose = lambda batch: [lengths.append((len(d), min(x.max_draft, 4))) or d
+                                      for x, d in zip(batch, propose(batch))]
+    for e in (plain, eng):
+        for rid, ids, params in reqs:
+            e.add_request(rid, ids, params)
+    a, b = collect(drain(plain)), collect(drain(eng))
+    assert {key: v["ids"] for key, v in b.items()} == {key: v["ids"] for key, v in a.items()}
+    # the confidences chose: some drafts cut short, some whole, some not verified at all
+    assert any(0 < n < room for n, room in lengths) and any(n == room > 0 for n, room in lengths), lengths
+    assert any(n == 0 < room for n, room in lengths), lengths
+    assert_drained(eng)
