@@ -40,7 +40,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parsers": LEAVES,  # below server, beside text
     # models: the config; parallel: the engine starts the TP ranks and hands each its context
     "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler", "spec"}) | LEAVES,
-    "spec": frozenset({"cache", "runner", "sampling"}) | LEAVES,  # proposers guess (draft: its own runner and cache)
+    # proposers guess (draft: its own runner and cache; block: a head built of the models' layers)
+    "spec": frozenset({"cache", "layers", "runner", "sampling"}) | LEAVES,
     "disagg": LOW_LEAVES,  # PD transport: moves the pool's tensors it is handed; no scheduler, no cache code
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
     "sampling": LEAVES,

@@ -127,7 +127,7 @@ def test_scheduled_lengths_vary_and_output_is_unchanged(tiny_config_path, tmp_pa
     eng.spec.cost = AlwaysSpeculate()  # the on/off blocks aside: every step asks for drafts
     lengths: list[tuple[int, int]] = []  # (verified, room) per sequence and step
     proposer = eng.spec.proposer
-    proposer.head.out_norm.data *= 40  # a sharper head: confidences spread over (0, 1), not ~1/vocab
+    proposer.head.out_norm.weight.data *= 40  # a sharper head: confidences spread over (0, 1), not ~1/vocab
     proposer.cost = LinearCost(1.0, 0.05)  # a row costs 5 % of a step: only likely positions pay
     propose = proposer.propose
     proposer.propose = lambda batch: [lengths.append((len(d), min(x.max_draft, 4))) or d

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import safetensors
 import safetensors.torch
 
 from ketch.cache.manager import KVCacheManager
@@ -122,10 +123,9 @@ def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
     if path is None:
         head.init_random(config.seed)
     else:
-        weights = safetensors.torch.load_file(path)
         try:
-            head.load_state_dict(weights, strict=True)
-        except RuntimeError as e:  # missing, unexpected or misshapen tensors
+            head.load_state_dict(safetensors.torch.load_file(path), strict=True)
+        except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # unreadable, or the wrong tensors
             raise ValueError(f"speculative_draft_model_path: {path} is not a draft head for this model "
                              f"(hidden {hidden}, k {config.speculative_num_draft_tokens}): {e}") from None
     return head.to(runner.device, runner.dtype).eval()

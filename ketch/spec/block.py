@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ketch.layers.norm import RMSNorm
 from ketch.spec.oracle import OracleProposer
 from ketch.spec.proposer import DraftInput
 from ketch.spec.verify_schedule import VerifyCost, verify_lengths
@@ -34,29 +35,24 @@ INIT_STD = 0.02  # of the head's random weights: a small update on h + e(t), as 
 class BlockDraftHead(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_positions: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.eps = eps
         self.positions = nn.Parameter(torch.zeros(num_positions, hidden_size))
-        self.in_norm = nn.Parameter(torch.ones(hidden_size))
+        self.in_norm = RMSNorm(hidden_size, eps)
         self.gate_up = nn.Parameter(torch.zeros(2 * intermediate_size, hidden_size))
         self.down = nn.Parameter(torch.zeros(hidden_size, intermediate_size))
-        self.out_norm = nn.Parameter(torch.ones(hidden_size))
+        self.out_norm = RMSNorm(hidden_size, eps)
 
     def init_random(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         for p in (self.positions, self.gate_up, self.down):
             p.data.copy_(torch.randn(p.shape, generator=g) * INIT_STD)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
-
     def forward(self, hidden: torch.Tensor, last_embedding: torch.Tensor) -> torch.Tensor:
         """hidden, last_embedding: [B, H] -> the k positions' inputs to the LM head, [B * k, H]."""
         z = (hidden + last_embedding).unsqueeze(1) + self.positions.unsqueeze(0)  # [B, k, H]
-        z = self._norm(z, self.in_norm)
+        z = self.in_norm(z)
         gate, up = (z @ self.gate_up.t()).chunk(2, dim=-1)
         z = z + (nn.functional.silu(gate) * up) @ self.down.t()
-        return self._norm(z, self.out_norm).reshape(-1, z.shape[-1])
+        return self.out_norm(z).reshape(-1, z.shape[-1])
 
 
 class BlockProposer:
@@ -68,7 +64,6 @@ class BlockProposer:
         seconds per step by rows, None to verify every drafted position (--speculative-adaptive
         off: no choice depends on timing); oracle (benchmarks): its tokens instead of the head's."""
         self.head, self.model, self.k, self.cost, self.oracle = head, model, num_draft_tokens, cost, oracle
-        self.last_confidence: np.ndarray | None = None  # [B, k] of the last call (benchmarks, tests)
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[DraftInput]) -> list[list[int]]:
@@ -87,7 +82,6 @@ class BlockProposer:
             guesses = self.oracle.propose([batch[i] for i in ready])
             ids = [d + [0] * (self.k - len(d)) for d in guesses]
             conf = np.array([[1.0] * len(d) + [0.0] * (self.k - len(d)) for d in guesses]).reshape(len(ready), self.k)
-        self.last_confidence = conf
         room = [min(batch[i].max_draft, self.k) for i in ready]
         lengths = room if self.cost is None else verify_lengths(conf, room, self.cost)
         for j, i in enumerate(ready):

@@ -51,7 +51,7 @@ class _Block:
     tokens: int = 0
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
     return new if old is None else old + EMA_WEIGHT * (new - old)
 
 
@@ -117,7 +117,7 @@ class SpecCostModel:
         b = self.buckets.setdefault(blk.bucket, _Bucket())
         known = len(b.rate) == 2
         favoured_before = not known or b.rate[True] >= b.rate[False]
-        b.rate[blk.speculating] = _ema(b.rate.get(blk.speculating), blk.tokens / blk.batch_size / (now - blk.started))
+        b.rate[blk.speculating] = ema(b.rate.get(blk.speculating), blk.tokens / blk.batch_size / (now - blk.started))
         favoured = len(b.rate) < 2 or b.rate[True] >= b.rate[False]
         if favoured != favoured_before or not known:
             b.blocks, b.probe_every = 0, PROBE_EVERY

@@ -29,7 +29,7 @@ class DraftInput:
     token_ids: np.ndarray  # int64 [L]
     max_draft: int
     # the target's final hidden state at the row that produced the last token (what `block`
-    # drafts from; None where the engine has none yet, e.g. right after a preemption)
+    # drafts from; None before the request's first sampled row)
     hidden: torch.Tensor | None = None
 
 

@@ -22,11 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-EMA_WEIGHT = 0.2
+from ketch.spec.cost_model import bucket, ema
 
-
-def _bucket(rows: int) -> int:
-    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass
@@ -36,9 +33,8 @@ class VerifyCost:
     def record(self, rows: int, seconds: float) -> None:
         if rows < 1 or seconds <= 0:
             return
-        key = _bucket(rows)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + EMA_WEIGHT * (seconds - old)
+        key = bucket(rows)
+        self.seconds[key] = ema(self.seconds.get(key), seconds)
 
     def __call__(self, rows: int) -> float:
         """Seconds a step of `rows` decode rows is expected to take (1.0 while nothing is measured:
@@ -73,9 +69,7 @@ def verify_lengths(confidence: np.ndarray, max_draft: list[int], cost: VerifyCos
         b, i = divmod(int(flat), k)
         p = float(reach[b, i])
         if p <= 0.0:
-            break
-        if i != lengths[b]:
-            continue  # its previous position was not taken (lower reach came later in a tie)
+            break  # (reach never rises along a draft, ties go to the lower position: i == lengths[b])
         new_rate = (tokens + p) / cost(rows + 1)
         if new_rate < rate:
             break  # reach only falls from here: no later position pays either
