@@ -23,9 +23,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import safetensors
-import safetensors.torch
-
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
 from ketch.disagg import DisaggConfig, KVTransport, make_transport
@@ -41,7 +38,7 @@ from ketch.models import load_model_config
 from ketch.parallel import SINGLE
 from ketch.runner.model_runner import ModelRunner
 from ketch.scheduler.scheduler import Scheduler
-from ketch.spec.block import BlockDraftHead, BlockProposer
+from ketch.spec.block import BlockDraftHead, BlockProposer, block_head_for
 from ketch.spec.draft import DraftModelProposer
 from ketch.spec.ngram import NgramProposer
 from ketch.spec.proposer import Proposer
@@ -117,17 +114,8 @@ def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
     if runner.graphs is not None:
         raise ValueError("speculative_algorithm 'block': the decode graphs (CUDA graphs, --cpu-compile) do not keep "
                          "hidden states yet; turn them off (--disable-cuda-graph, --cpu-compile off) or use 'ngram'")
-    hidden = runner.model_config.hidden_size
-    head = BlockDraftHead(hidden, hidden, config.speculative_num_draft_tokens, runner.model_config.rms_norm_eps)
-    path = config.speculative_draft_model_path
-    if path is None:
-        head.init_random(config.seed)
-    else:
-        try:
-            head.load_state_dict(safetensors.torch.load_file(path), strict=True)
-        except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # unreadable, or the wrong tensors
-            raise ValueError(f"speculative_draft_model_path: {path} is not a draft head for this model "
-                             f"(hidden {hidden}, k {config.speculative_num_draft_tokens}): {e}") from None
+    head = block_head_for(runner.model_config, config.speculative_num_draft_tokens,
+                          config.speculative_draft_model_path, config.seed)
     return head.to(runner.device, runner.dtype).eval()
 
 

@@ -19,8 +19,11 @@ tokens of a recorded run, the head's confidences and cost): the machinery's uppe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -53,6 +56,22 @@ class BlockDraftHead(nn.Module):
         gate, up = (z @ self.gate_up.t()).chunk(2, dim=-1)
         z = z + (nn.functional.silu(gate) * up) @ self.down.t()
         return self.out_norm(z).reshape(-1, z.shape[-1])
+
+
+def block_head_for(model_config: Any, num_positions: int, weights_path: str | None, seed: int) -> BlockDraftHead:
+    """The head over the target's hidden size (read here, not in the engine: the family's config
+    is the model's business): random and seeded, or the safetensors file's weights."""
+    hidden = model_config.hidden_size
+    head = BlockDraftHead(hidden, hidden, num_positions, model_config.rms_norm_eps)
+    if weights_path is None:
+        head.init_random(seed)
+        return head
+    try:
+        head.load_state_dict(safetensors.torch.load_file(weights_path), strict=True)
+    except (OSError, RuntimeError, safetensors.SafetensorError) as e:  # unreadable, or the wrong tensors
+        raise ValueError(f"speculative_draft_model_path: {weights_path} is not a draft head for this model "
+                         f"(hidden {hidden}, k {num_positions}): {e}") from None
+    return head
 
 
 class BlockProposer:
