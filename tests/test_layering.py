@@ -12,8 +12,8 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
          │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
     bench┘                 │            └──▶ attention ──────────────▶ kernels
                      sampling: below engine, scheduler and runner
-    leaves anything may import: config, forward_batch, weights, text, host_copy (low packages:
-    config, forward_batch, host_copy, kv_dtype only)
+    leaves anything may import: config, forward_batch, weights, text, host_copy, user_cache (low
+    packages: config, forward_batch, host_copy, kv_dtype, user_cache only)
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from pathlib import Path
 KETCH = Path(__file__).resolve().parent.parent / "ketch"
 
 # What any package from sampling/scheduler upwards may import: formats, text, small helpers.
-LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype", "text", "weights"})
+LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype", "text", "user_cache", "weights"})
 # What the packages at the bottom may import: no file format, no text.
-LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype"})
+LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype", "user_cache"})
 
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, frozenset[str]] = {
@@ -58,7 +58,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/
-    "text": frozenset({"config", "weights"}),  # a tokenizer can come out of a GGUF file
+    "text": frozenset({"config", "user_cache", "weights"}),  # a tokenizer can come out of a GGUF file
+    "user_cache": frozenset(),  # where rebuildable things live (XDG)
     "weights": frozenset({"config", "layers"}),  # gguf_q4.py fills layers.q4.Q4Weight
 }
 

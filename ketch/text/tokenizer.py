@@ -5,6 +5,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ketch.text.tokenizer_cache import load_gguf_tokenizer
 from ketch.weights.source import is_gguf_file, resolve_model_path
 
 # End-of-turn markers of common chat templates. A chat model stops on these as well as on eos,
@@ -43,14 +44,10 @@ class Tokenizer:
         if not os.path.exists(path):
             raise ValueError(f"model: path {path!r} does not exist")
         if os.path.isfile(path) and is_gguf_file(path):
-            # The tokenizer class directly, not AutoTokenizer: both build the tokenizer from the
-            # GGUF the same way, but AutoTokenizer also parses the whole file with gguf.GGUFReader
-            # just to pick a class (~6 s for the 135M model).
-            from transformers import PreTrainedTokenizerFast
-
+            # Not AutoTokenizer: it also parses the whole file with gguf.GGUFReader just to pick
+            # a class (~6 s for the 135M model). Converted once per file (tokenizer_cache.py).
             try:
-                folder, name = os.path.split(path)
-                hf = PreTrainedTokenizerFast.from_pretrained(folder or ".", gguf_file=name)
+                hf = load_gguf_tokenizer(path)
             except Exception as e:  # a corrupt file surfaces as struct/Unicode/Key errors from the reader
                 raise ValueError(f"model: cannot build a tokenizer from {path!r}: {type(e).__name__}: {e}") from None
             return cls(hf)

@@ -7,13 +7,13 @@ machine (mooncake://127.0.0.1:50051).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from ketch.cache.storage.backend import StorageBackend, StorageStats, check_key
 from ketch.cache.storage.file import FileStorage
 from ketch.config import HICACHE_STORAGE_BACKENDS
+from ketch.user_cache import user_cache_dir
 
 BACKENDS = HICACHE_STORAGE_BACKENDS  # one list for the flags and the factory
 
@@ -23,9 +23,7 @@ __all__ = ["BACKENDS", "FileStorage", "StorageBackend", "StorageStats", "check_k
 
 def default_file_dir() -> Path:
     """Where the file backend keeps pages when no URL is given (XDG base directory spec)."""
-    base = os.environ.get("XDG_CACHE_HOME") or ""
-    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"  # the spec ignores a relative value
-    return root / "ketch" / "kv"
+    return user_cache_dir("kv")
 
 
 def open_backend(kind: str, url: str | None = None) -> StorageBackend:
