@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 
 from conftest import TINY_LLAMA, assert_drained, collect, drain, make_tiny_engine
+from ketch.runner.graph_runner import GraphRunner
 from ketch.sampling.params import SamplingParams
 from ketch.spec.cost_model import AlwaysSpeculate
 from ketch.spec.block import BlockDraftHead
@@ -97,20 +98,46 @@ def test_the_head_loads_its_weights_file_and_refuses_another_models(tmp_path, ti
         make_tiny_engine(tiny_config_path, speculative_draft_model_path=str(wrong), **BLOCK)
 
 
-def test_the_head_drafts_from_the_targets_hidden_state_of_the_last_tokens_row(tiny_config_path):
+def block_engine(config_path: str, decode: str):
+    """A `block` engine whose decode steps run eagerly, through the graph runner's static buffers
+    (off CUDA: its forward runs eagerly on them), as CUDA graphs, or compiled (--cpu-compile)."""
+    if decode == "cuda_graphs":
+        return make_tiny_engine(config_path, device="cuda", cuda_graph=True, overlap_schedule=True, **BLOCK)
+    if decode == "cpu_compile":  # graphs of 1, 2 and 4 rows only: each costs a compile
+        return make_tiny_engine(config_path, cpu_compile=True, max_num_seqs=4, **BLOCK)
+    eng = make_tiny_engine(config_path, overlap_schedule=decode == "graph_runner", **BLOCK)
+    if decode == "graph_runner":
+        r = eng.runner
+        r.graphs = GraphRunner(r.model, r.attn, max_bs=16, max_model_len=eng.max_model_len, device=r.device,
+                               future=r.future)
+    return eng
+
+
+@pytest.mark.parametrize("decode", [
+    "eager", "graph_runner", "cpu_compile",
+    pytest.param("cuda_graphs", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_the_head_drafts_from_the_targets_hidden_state_of_the_last_tokens_row(tiny_config_path, decode):
     """What the engine hands the head: the final hidden state at the row that sampled the
     sequence's last token, i.e. the target's hidden state at position len - 2 of its ids. Checked
-    against a fresh engine that prefills those ids and samples from that very position."""
-    eng = make_tiny_engine(tiny_config_path, **BLOCK)
+    against a fresh eager engine that prefills those ids and samples from that very position,
+    whichever way the decode steps ran (a graph's hidden states live in a static buffer the next
+    replay overwrites, while the engine reads them a step later)."""
+    eng = block_engine(tiny_config_path, decode)
     seen: list[DraftInput] = []
     propose = eng.spec.proposer.propose
     eng.spec.proposer.propose = lambda batch: (seen.extend(batch), propose(batch))[1]
+    steps = []
+    if eng.runner.graphs is not None:
+        run = eng.runner.graphs.run
+        eng.runner.graphs.run = lambda batch: steps.append(batch.num_seqs) or run(batch)
     for i, p in enumerate(prompts(6)):
         eng.add_request(f"r{i}", p, GREEDY)
     drain(eng)
+    assert (len(steps) > 0) == (decode != "eager")  # the decode steps took the path under test
     assert all(x.hidden is not None for x in seen)
     assert eng.spec.stats.accepted_tokens > 0  # some verifies kept drafts: the last row is not the first
-    ref = make_tiny_engine(tiny_config_path, enable_prefix_cache=False)
+    ref = make_tiny_engine(tiny_config_path, device=eng.config.device, enable_prefix_cache=False)
     for x in seen:
         ref.add_request("ref", x.token_ids[:-1].tolist(), SamplingParams(temperature=0.0, max_tokens=1))
         out = drain(ref)

@@ -111,9 +111,6 @@ def make_proposer(config: EngineConfig, runner: ModelRunner, max_model_len: int,
 
 def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
     """The draft head over the target's hidden size: random (seeded) or a safetensors file's."""
-    if runner.graphs is not None:
-        raise ValueError("speculative_algorithm 'block': the decode graphs (CUDA graphs, --cpu-compile) do not keep "
-                         "hidden states yet; turn them off (--disable-cuda-graph, --cpu-compile off) or use 'ngram'")
     head = block_head_for(runner.model_config, config.speculative_num_draft_tokens,
                           config.speculative_draft_model_path, config.seed)
     return head.to(runner.device, runner.dtype).eval()

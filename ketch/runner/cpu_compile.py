@@ -103,8 +103,9 @@ class CompiledCPUDecode:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.kind is StepKind.DECODE and batch.num_seqs <= self.max_bs
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [batch.num_seqs, vocab] fp32 of a decode-only step that `can_run`."""
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] fp32 and final hidden states [n, H] of a decode-only step of n =
+        batch.num_seqs rows that `can_run` (as GraphRunner.run)."""
         n = batch.num_seqs
         bs = self.size_for(n)
         meta = self.attn.init_metadata(batch)
@@ -121,4 +122,4 @@ class CompiledCPUDecode:
                 self._warm.add(bs)
         finally:
             _STEP.clear()
-        return self.model.compute_logits(hidden[:n])
+        return self.model.compute_logits(hidden[:n]), hidden[:n]

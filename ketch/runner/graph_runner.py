@@ -13,7 +13,8 @@ What is the runner's, the same for every backend:
              a time on one stream, and each graph's logits are sampled before the next replay);
              keys captured at init go largest first, so smaller graphs reuse the pool's memory
     forward  ids resolved from the future-token buffer inside the graph (overlap), model,
-             logits [bs, vocab] fp32; the step reads its first n rows
+             logits [bs, vocab] fp32 and the final hidden states [bs, H] (what `block` drafts
+             from); the step reads their first n rows
 What is the backend's (AttentionBackend's hooks, ketch/attention/base.py): the static buffers
 (ids and positions among them, so one host copy can carry everything), the key's other
 dimensions (the torch backend's page bucket), what padded rows hold, whether a key is captured
@@ -50,7 +51,7 @@ class GraphRunner:
         self.max_bs = max_bs
         self.sizes = capture_sizes(max_bs)
         self.capture = device.type == "cuda"
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if self.capture else None
         keys = attn.init_capture(self.sizes, max_model_len)
         if self.capture:
@@ -69,29 +70,31 @@ class GraphRunner:
         return batch.kind is StepKind.DECODE and batch.num_seqs <= self.max_bs and \
             self.attn.graph_key(batch, self.size_for(batch.num_seqs)) is not None
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [batch.num_seqs, vocab] fp32 of a decode-only step that `can_run`."""
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] fp32 and final hidden states [n, H] of a decode-only step of n =
+        batch.num_seqs rows that `can_run`: views of static buffers the next replay overwrites."""
         n = batch.num_seqs
         key = self.attn.graph_key(batch, self.size_for(n))
         assert key is not None, "run() of a step can_run() refuses"
         self.attn.prepare_replay(batch, key)
         if not self.capture:
-            return self._forward(key)[:n]
+            logits, hidden = self._forward(key)
+            return logits[:n], hidden[:n]
         entry = self.graphs.get(key)
         if entry is None:  # a key first seen now: the buffers hold this step, safe to rerun
             entry = self.graphs[key] = self._capture(key)
-        graph, logits = entry
+        graph, logits, hidden = entry
         graph.replay()
-        return logits[:n]
+        return logits[:n], hidden[:n]
 
-    def _forward(self, key: GraphKey) -> torch.Tensor:
+    def _forward(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward of graph `key` on the static buffers (what the graph records)."""
         inputs = self.attn.capture_inputs(key)
         ids = inputs.ids if self.future is None else self.future.resolve(inputs.ids)
         hidden = self.model(ids, inputs.positions, self.attn, inputs.metadata)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
-    def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -100,5 +103,5 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits = self._forward(key)
-        return graph, logits
+            logits, hidden = self._forward(key)
+        return graph, logits, hidden

@@ -89,7 +89,10 @@ class ModelRunner:
         self.ops = layer_ops(config.resolved_layer_kernels)
         # sampled ids stay on the device; the next step reads them from here (overlap)
         self.future = FutureTokens(config.max_num_seqs, self.device)
-        self.last_hidden: torch.Tensor | None = None  # the last eager step's sampled rows (forward)
+        # the last step's sampled rows' final hidden states (forward); a graph step's are copied out
+        # of its static buffer only for `block`, the one user, which reads them a step later
+        self.last_hidden: torch.Tensor | None = None
+        self.keep_graph_hidden = config.speculative_algorithm == "block"
         self.model = self._load_model(max_model_len)
         # Graphs bake the pool's addresses in, so the pool comes first; its size leaves room for
         # them and the largest eager step, measured on a scratch pool (memory_plan.py).
@@ -163,8 +166,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             if pending is not None:
                 pending.wait_all()  # a captured graph holds no per-layer waits: the whole load first
-            self.last_hidden = None
-            return self.graphs.run(batch)
+            logits, hidden = self.graphs.run(batch)
+            # the copy is stream-ordered before the next replay (overlap launches it before this
+            # step's outputs are read)
+            self.last_hidden = hidden.clone() if self.keep_graph_hidden else None
+            return logits
         attn = self.attn if pending is None else LayerWaitingAttention(self.attn, pending)
         meta = attn.init_metadata(batch)
         # one copy for ids, positions and sampling rows; placeholders (overlap) resolve on the device
