@@ -1,7 +1,11 @@
 """Shared fixtures: the bundled SmolLM2 GGUF and tiny random models for fast engine tests."""
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +15,11 @@ from ketch.config import EngineConfig
 from ketch.engine.engine import Engine
 from ketch.sampling.params import SamplingParams
 from ketch.weights.source import default_model_path
+
+# The session's own user cache (converted tokenizers, the file L3's default folder), not the
+# user's: servers the tests start inherit it.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ketch-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],

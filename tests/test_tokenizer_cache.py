@@ -17,7 +17,7 @@ from ketch.text.tokenizer import Tokenizer
 from ketch.text.tokenizer_cache import MANIFEST, cache_dir_for
 
 TEXTS = ["Hello, world!", "  leading and trailing  ", "naïve café — 東京 🚀", "def f(x):\n\treturn x**2\n",
-         "<|im_start|>user\nHi<|im_end|>", "1234567890 3.14159", ""]
+         "<|im_start|>user\nHi<|im_end|>", "1234567890 3.14159", "Hello , world . it 's", ""]
 
 
 @pytest.fixture
@@ -37,6 +37,7 @@ def assert_same(tok: Tokenizer, hf: PreTrainedTokenizerFast) -> None:
     assert tok.hf.get_vocab() == hf.get_vocab()
     assert tok.chat_template == hf.chat_template and tok.chat_template
     assert (tok.bos_token, tok.eos_token, tok.all_special_ids) == (hf.bos_token, hf.eos_token, tuple(hf.all_special_ids))
+    assert tok.hf.clean_up_tokenization_spaces == hf.clean_up_tokenization_spaces  # picks the decode path
     for text in TEXTS:
         ids = hf.encode(text)
         assert tok.encode(text) == ids, text
@@ -72,7 +73,7 @@ def test_the_second_load_reads_the_cache(cache_home, smollm_path):
     assert Tokenizer.load(smollm_path).chat_template == "{{ 'edited' }}"
 
 
-@pytest.mark.parametrize("damage", ["flip_a_byte", "truncate", "no_manifest", "manifest_not_an_object"])
+@pytest.mark.parametrize("damage", ["flip_a_byte", "truncate", "no_manifest", "manifest_not_an_object", "extra_file"])
 def test_a_damaged_cache_is_converted_again_not_used(cache_home, smollm_path, converted, damage):
     Tokenizer.load(smollm_path)
     folder = cache_dir_for(smollm_path)
@@ -82,6 +83,8 @@ def test_a_damaged_cache_is_converted_again_not_used(cache_home, smollm_path, co
         template.write_text(template.read_text().replace("im_start", "im_stArt", 1))
     elif damage == "truncate":
         vocab.write_bytes(vocab.read_bytes()[: vocab.stat().st_size // 2])
+    elif damage == "extra_file":  # transformers would read it; the manifest does not know it
+        (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_start|>"}))
     elif damage == "no_manifest":
         (folder / MANIFEST).unlink()
     else:
@@ -89,6 +92,30 @@ def test_a_damaged_cache_is_converted_again_not_used(cache_home, smollm_path, co
     assert_same(Tokenizer.load(smollm_path), converted)
     manifest = json.loads((folder / MANIFEST).read_text())  # rewritten whole
     assert manifest["tokenizer.json"] == _sha256(vocab)
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # nothing staged or trashed left
+
+
+def _load_at_once(gguf: str, cache_home: str, barrier) -> tuple[int, str, list[int]]:
+    os.environ["XDG_CACHE_HOME"] = cache_home
+    barrier.wait()  # every process past its imports: the loads start together
+    tok = Tokenizer.load(gguf)
+    return len(tok.hf.get_vocab()), tok.chat_template, tok.encode(TEXTS[2])
+
+
+def test_processes_starting_together_each_get_the_whole_tokenizer(cache_home, smollm_path, converted):
+    """An engine and API processes load the tokenizer at the same moment on a cold cache: each
+    converts or reads a whole copy, one copy is kept, nothing half-written is left behind."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Manager().Barrier(3)
+    with ctx.Pool(3) as pool:
+        got = pool.starmap(_load_at_once, [(smollm_path, str(cache_home), barrier)] * 3)
+    want = (len(converted.get_vocab()), converted.chat_template, converted.encode(TEXTS[2]))
+    assert got == [want] * 3
+    folder = cache_dir_for(smollm_path)
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+    assert_same(Tokenizer.load(smollm_path), converted)
 
 
 def test_a_changed_file_gets_a_new_entry(cache_home, tmp_path):

@@ -6,10 +6,13 @@ engine and by every API process at each start); its saved tokenizer.json loads i
     $XDG_CACHE_HOME/ketch/tokenizers/<key>/   tokenizer.json, tokenizer_config.json, ... + manifest.json
 
 manifest.json holds each file's sha256: a cached tokenizer whose files do not match it (a torn
-write, a disk error, a hand edit) is removed and converted again, never used. A new or touched
-GGUF, or another transformers, gets a new key. Writes go to a private temporary folder renamed
-into place, so concurrent starts (several API processes) never see half a tokenizer; a cache
-folder that cannot be written only costs the conversion.
+write, a disk error, a hand edit) is converted again, never used. A new, touched or replaced
+GGUF (size, mtime, inode), or another transformers, gets a new key. A folder is never changed
+in place: a new one is staged in a private temporary folder and renamed into place (a rename
+onto an existing folder fails: the first process's copy stays), and a damaged one is first
+renamed aside, then deleted; so a process that found a folder intact reads it whole, whatever
+concurrent starts (the engine, several API processes) do. A cache that cannot be written only
+costs the conversion. Entries of old keys are not swept (~3.5 MB each).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def cache_dir_for(gguf_path: str) -> Path:
     import transformers
 
     st = os.stat(gguf_path)
-    key = f"{FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|" \
+    key = f"{FORMAT}|{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_dev}|{st.st_ino}|" \
           f"{transformers.__version__}|{tokenizers.__version__}"
     return user_cache_dir("tokenizers", hashlib.sha256(key.encode()).hexdigest()[:32])
 
@@ -47,10 +50,15 @@ def load_gguf_tokenizer(gguf_path: str) -> Any:
     folder = cache_dir_for(gguf_path)
     if _intact(folder):
         try:
-            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+            hf = PreTrainedTokenizerFast.from_pretrained(str(folder))
         except Exception as e:  # intact files transformers cannot read (e.g. written by a future format)
             log.warning("tokenizer cache %s unreadable (%s): converting the GGUF again", folder, e)
-    shutil.rmtree(folder, ignore_errors=True)
+            _discard(folder)
+        else:
+            if _intact(folder):  # still there, whole, after the read: what was read is the manifest's
+                return hf
+    elif folder.exists():
+        _discard(folder)
     directory, name = os.path.split(gguf_path)
     hf = PreTrainedTokenizerFast.from_pretrained(directory or ".", gguf_file=name)
     _store(hf, folder)
@@ -60,8 +68,10 @@ def load_gguf_tokenizer(gguf_path: str) -> Any:
 def _intact(folder: Path) -> bool:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        return bool(manifest) and all(_sha256(folder / name) == digest for name, digest in manifest.items())
-    except (OSError, ValueError, AttributeError):  # absent, torn, not a {name: digest} object
+        if not manifest or set(os.listdir(folder)) != set(manifest) | {MANIFEST}:  # a file added or lost
+            return False
+        return all(_sha256(folder / name) == digest for name, digest in manifest.items())
+    except (OSError, ValueError, AttributeError, TypeError):  # absent, torn, not a {name: digest} object
         return False
 
 
@@ -79,8 +89,25 @@ def _store(hf: Any, folder: Path) -> None:
         os.rename(staging, folder)  # atomic; fails if another process got there first (theirs is as good)
     except OSError:
         pass
+    except Exception as e:  # the tokenizer is converted and works: a cache failure must not cost it
+        log.warning("tokenizer cache %s not written: %s: %s", folder, type(e).__name__, e)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _discard(folder: Path) -> None:
+    """Rename a damaged folder aside (atomic: no reader sees it half deleted; one that was reading
+    it finds it gone at its second check) and delete it there. Another process may have moved it
+    first: then there is nothing to do."""
+    try:
+        trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=folder.parent))
+    except OSError:
+        return
+    try:
+        os.rename(folder, trash / "entry")
+    except OSError:
+        pass
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
