@@ -1,30 +1,81 @@
-"""The one-row logits kernel (torch.mv or the 1-row GEMM) is timed once at init on the CPU
-(`VocabParallelEmbedding.pick_one_row_kernel`); either gives the same logits up to summation order."""
+"""The one-row logits kernel (torch.mv, the 1-row GEMM, or int8 rows with a scale per vocab row) is
+timed once at init on the CPU (`VocabParallelEmbedding.pick_one_row_kernel`). mv and the GEMM give
+the same logits up to summation order; int8 within what its rounding allows, derived per row."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ketch.layers.vocab_parallel import VocabParallelEmbedding
+from ketch.layers.vocab_parallel import VocabParallelEmbedding, choose_one_row_kernel
 
 
-def test_pick_one_row_kernel_sets_a_choice_and_both_agree():
-    torch.manual_seed(0)
-    head = VocabParallelEmbedding(4096, 64)
-    head.weight.data = torch.randn(4096, 64).bfloat16()
+def bf16_head(vocab: int = 4096, dim: int = 64) -> VocabParallelEmbedding:
+    g = torch.Generator().manual_seed(0)
+    head = VocabParallelEmbedding(vocab, dim)
+    # rows of different scales: one scale per row must follow each
+    head.weight.data = (torch.randn(vocab, dim, generator=g) * torch.rand(vocab, 1, generator=g)).bfloat16()
+    return head
+
+
+def test_pick_one_row_kernel_sets_a_choice_and_keeps_int8_only_when_picked():
+    head = bf16_head()
     picked = head.pick_one_row_kernel()
-    assert isinstance(picked, bool) and head.one_row_mv is picked
-    x = torch.randn(1, 64).bfloat16()
-    head.one_row_mv = True
-    mv = head.project(x)
-    head.one_row_mv = False
-    gemm = head.project(x)
-    assert mv.dtype == gemm.dtype == torch.float32 and mv.shape == gemm.shape == (1, 4096)
-    torch.testing.assert_close(mv, gemm, rtol=1e-2, atol=1e-2)
+    assert picked in ("mv", "gemm", "int8") and head.one_row_kernel == picked
+    assert (head.int8 is not None) == (picked == "int8")
+    exact_only = bf16_head()
+    assert exact_only.pick_one_row_kernel(kernels=("mv", "gemm")) in ("mv", "gemm") and exact_only.int8 is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_rows_round_to_half_a_step_of_their_own_scale(dtype):
+    head = bf16_head()
+    w = head.weight.float()
+    w[7] = 0  # a zero row (TP pads the last rank's share with them)
+    w[9] *= 1e-4  # a row whose fp16 scale would be subnormal: its sign must survive
+    head.weight.data = w.to(dtype)
+    head.quantize_int8(chunk_rows=1000)  # chunks that do not divide the rows
+    q, scales = head.int8
+    assert q.dtype == torch.int8 and q.shape == head.weight.shape and scales.shape == (4096,) and scales.dtype == dtype
+    w = head.weight.float()
+    assert (q[7] == 0).all()  # and row 9's signs: a wrapped q would break the bound below
+    big = w.abs().amax(dim=1) / 127 >= torch.finfo(dtype).tiny  # rows whose scale is not the floor
+    assert (q.abs().amax(dim=1)[big] >= 126).all()  # they use the whole int8 range
+    assert ((q.float() * scales.float()[:, None] - w).abs() <= scales.float()[:, None] * 0.5 * (1 + 1e-6)).all()
+
+
+def test_int8_is_picked_only_by_a_margin():
+    assert choose_one_row_kernel({"mv": 2.0, "gemm": 1.0, "int8": 0.79}) == "int8"
+    assert choose_one_row_kernel({"mv": 2.0, "gemm": 1.0, "int8": 0.81}) == "gemm"  # a near tie keeps bf16
+    assert choose_one_row_kernel({"mv": 1.0, "gemm": 2.0, "int8": 0.9}) == "mv"
+    assert choose_one_row_kernel({"mv": 1.0, "gemm": 2.0}) == "mv"
+    assert choose_one_row_kernel({"int8": 1.0}) == "int8"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_three_kernels_agree(seed):
+    head = bf16_head()
+    head.quantize_int8()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    logits = {}
+    for kernel in ("mv", "gemm", "int8"):
+        head.one_row_kernel = kernel
+        logits[kernel] = head.project(x)
+        assert logits[kernel].dtype == torch.float32 and logits[kernel].shape == (1, 4096)
+    torch.testing.assert_close(logits["mv"], logits["gemm"], rtol=1e-2, atol=1e-2)
+    # int8: each weight is off by at most half its row's step, so a row's logit is off by at most
+    # that times sum |x|, plus the bf16 output's rounding
+    _, scales = head.int8
+    exact = x.float() @ head.weight.float().t()
+    quantized = scales.float() * 0.5 * x.float().abs().sum()
+    bound = quantized + (exact.abs() + quantized) * 2**-8  # the int8 result is rounded to bf16
+    assert ((logits["int8"] - exact).abs() <= bound).all()
+    assert (logits["int8"] != logits["gemm"]).any()  # it is a different kernel, not the GEMM again
 
 
 def test_fp32_rows_keep_the_reference_gemm():
     head = VocabParallelEmbedding(256, 16)
     head.weight.data = torch.randn(256, 16)
-    head.one_row_mv = True  # ignored for fp32: parity with HF needs the GEMM
-    x = torch.randn(1, 16)
-    assert torch.equal(head.project(x), x @ head.weight.t())
+    for kernel in ("mv", "int8"):  # ignored for fp32: parity with HF needs the GEMM
+        head.one_row_kernel = kernel
+        x = torch.randn(1, 16)
+        assert torch.equal(head.project(x), x @ head.weight.t())

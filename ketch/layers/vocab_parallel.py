@@ -5,8 +5,11 @@ size splits. The embedding looks up the ids its rank holds, writes zeros for the
 the all-reduce sums each token's one real row (x + 0 is exact). The LM head computes the logits
 of its rows and all-gathers them along the vocab, trimming the padding. With TP=1 both are
 exactly the unsharded math: `F.embedding`, and the logits product the model used before
-(LayerOps.linear when the ops have their own, else torch's GEMM, or `torch.mv` for one bf16 row where
-the CPU runner timed it faster at init: `pick_one_row_kernel`).
+(LayerOps.linear when the ops have their own, else torch's GEMM). One bf16/fp16 row (CPU decode
+at batch 1) takes whichever of three the CPU runner timed fastest at init (`pick_one_row_kernel`):
+`torch.mv`, the 1-row GEMM, or an int8 copy of the matrix with one scale per vocab row
+(`torch._weight_int8pack_mm`: half the bytes of bf16, and a batch-1 LM head only streams bytes).
+The int8 copy rounds each weight to 1/254 of its row's largest; fp32 never uses it.
 A tied model uses its embedding as the head (`project`).
 """
 from __future__ import annotations
@@ -20,9 +23,13 @@ from ketch.layers.sharding import load_shard
 from ketch.parallel import SINGLE, ParallelContext
 
 
+INT8_MARGIN = 0.8  # int8 rows must take < 80 % of the faster bf16 kernel's time to be picked
+
+
 class VocabParallelEmbedding(nn.Module):
     shard_ids: tuple[ShardId, ...] = (None,)
-    one_row_mv = True  # one bf16/fp16 row: torch.mv (else the 1-row GEMM); `pick_one_row_kernel`
+    one_row_kernel = "mv"  # one bf16/fp16 row: "mv" | "gemm" | "int8"; `pick_one_row_kernel`
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 rows, per-row scales): "int8" only
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, parallel: ParallelContext = SINGLE,
                  dense: Dense | None = None) -> None:
@@ -55,32 +62,70 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight
         if self.dense is not None:
             logits = self.dense(hidden, weight, None).float()  # small steps: the skinny GEMM
-        elif self.one_row_mv and hidden.shape[0] == 1 and hidden.dtype != torch.float32:
+        elif hidden.shape[0] == 1 and hidden.dtype != torch.float32 and self.one_row_kernel != "gemm":
             # one row in bf16/fp16: the matrix-vector kernel streamed the vocab matrix ~1.8x faster
-            # than a 1-row GEMM on Sapphire Rapids, ~1.8x slower on a no-AMX Xeon
-            # (`pick_one_row_kernel`); fp32 keeps the reference GEMM so parity stays exact
-            logits = torch.mv(weight, hidden[0]).float()[None]
+            # than a 1-row GEMM on Sapphire Rapids, ~1.8x slower on a no-AMX Xeon, where int8 rows
+            # beat both (`pick_one_row_kernel`); fp32 keeps the reference GEMM so parity stays exact
+            logits = self._one_row(hidden, self.one_row_kernel).float()
         else:
             logits = (hidden @ weight.t()).float()
         if self.parallel.world_size == 1:
             return logits
         return self.parallel.all_gather(logits, dim=-1)[:, : self.vocab_size]
 
-    def pick_one_row_kernel(self, rounds: int = 3) -> bool:
-        """Time one bf16/fp16 row through `torch.mv` and the 1-row GEMM on this machine's own
-        weight (alternated, best of `rounds`); keep the faster for `project`. Called once at init
-        by the CPU runner; returns `one_row_mv`."""
+    def _one_row(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "mv":
+            return torch.mv(self.weight, hidden[0])[None]
+        if kernel == "int8":
+            q, scales = self.int8
+            return torch._weight_int8pack_mm(hidden, q, scales)
+        return hidden @ self.weight.t()
+
+    def quantize_int8(self, chunk_rows: int = 8192) -> None:
+        """The int8 copy of the rows: q = round(w / s), s = max |w| of the row / 127 in the weight's
+        dtype (the kernel's), nudged up before rounding (and kept a normal number) so that no q
+        passes 127: |q s - w| <= s / 2. In chunks of rows: no fp32 copy of the whole matrix."""
+        dtype = self.weight.dtype
+        q = torch.empty(self.weight.shape, dtype=torch.int8, device=self.weight.device)
+        scales = torch.empty(self.weight.shape[0], dtype=dtype, device=self.weight.device)
+        for start in range(0, self.weight.shape[0], chunk_rows):
+            w = self.weight[start : start + chunk_rows].float()
+            # bf16/fp16 round a normal number by < 2^-8 of it: the nudge keeps s >= amax / 127
+            s = (w.abs().amax(dim=1) / 127 * (1 + 2**-7)).clamp_min(torch.finfo(dtype).tiny).to(dtype)
+            q[start : start + chunk_rows] = torch.round(w / s.float()[:, None]).clamp_(-127, 127)
+            scales[start : start + chunk_rows] = s
+        self.int8 = (q, scales)
+
+    def pick_one_row_kernel(self, rounds: int = 3, kernels: tuple[str, ...] = ("mv", "gemm", "int8")) -> str:
+        """Time one bf16/fp16 row through each kernel on this machine's own weight (alternated,
+        best of `rounds`) and keep `choose_one_row_kernel`'s pick for `project` (the int8 copy
+        only if it is picked). Called once at init by the CPU runner; returns `one_row_kernel`."""
         import time
 
+        if "int8" in kernels:
+            self.quantize_int8()
         x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
-        best = {True: float("inf"), False: float("inf")}
+        best = dict.fromkeys(kernels, float("inf"))
         for _ in range(rounds):
-            for mv in (True, False):
+            for kernel in kernels:
                 t0 = time.perf_counter()
-                torch.mv(self.weight, x[0]) if mv else x @ self.weight.t()
-                best[mv] = min(best[mv], time.perf_counter() - t0)
-        self.one_row_mv = best[True] <= best[False]
-        return self.one_row_mv
+                self._one_row(x, kernel)
+                best[kernel] = min(best[kernel], time.perf_counter() - t0)
+        self.one_row_kernel = choose_one_row_kernel(best)
+        if self.one_row_kernel != "int8":
+            self.int8 = None  # 1 byte per weight not worth keeping
+        return self.one_row_kernel
+
+
+def choose_one_row_kernel(seconds: dict[str, float]) -> str:
+    """The fastest exact kernel ("mv", "gemm"), unless int8 rows take under INT8_MARGIN of its time:
+    int8's logits differ more, so a near tie (where timing noise could flip the choice from one
+    start to the next) keeps bf16."""
+    exact = [k for k in seconds if k != "int8"]
+    if not exact:
+        return "int8"
+    fastest = min(exact, key=seconds.__getitem__)
+    return "int8" if seconds.get("int8", float("inf")) < INT8_MARGIN * seconds[fastest] else fastest
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -129,9 +129,13 @@ class DecoderStack(nn.Module):
             x, residual = layer(x, residual, rope, attn, meta)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    @property
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The module whose `project` gives the logits: the LM head, or the tied embedding."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.project(hidden)
+        return self.logits_head.project(hidden)
 
 
 class LlamaForCausalLM(DecoderStack):

@@ -137,9 +137,12 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
-        if self.device.type == "cpu" and self.dtype != torch.float32:  # one-row logits: mv or GEMM, timed here
-            for head in (m for m in model.modules() if isinstance(m, VocabParallelEmbedding)):
-                head.pick_one_row_kernel()
+        # one-row logits: mv, GEMM or int8 rows, timed here (on the head compute_logits uses, where
+        # the family says which: DecoderStack.logits_head)
+        head = getattr(model, "logits_head", None)
+        if isinstance(head, VocabParallelEmbedding) and head.dense is None and self.device.type == "cpu" \
+                and self.dtype != torch.float32:
+            head.pick_one_row_kernel()
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
