@@ -26,6 +26,16 @@ def test_pick_one_row_kernel_sets_a_choice_and_keeps_int8_only_when_picked():
     assert exact_only.pick_one_row_kernel(kernels=("mv", "gemm")) in ("mv", "gemm") and exact_only.int8 is None
 
 
+def test_every_head_of_a_shape_takes_the_first_ones_pick():
+    """Two engines of one process (a test comparing them, an A/B) must not differ by a timing."""
+    picks = set()
+    for _ in range(4):
+        head = bf16_head()
+        picks.add(head.pick_one_row_kernel())
+        assert (head.int8 is not None) == (head.one_row_kernel == "int8")
+    assert len(picks) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int8_rows_round_to_half_a_step_of_their_own_scale(dtype):
     head = bf16_head()

@@ -24,6 +24,7 @@ from ketch.parallel import SINGLE, ParallelContext
 
 
 INT8_MARGIN = 0.8  # int8 rows must take < 80 % of the faster bf16 kernel's time to be picked
+_PICKED: dict[tuple, str] = {}  # (shape, dtype, device, kernels) -> the kernel this process picked
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -99,21 +100,28 @@ class VocabParallelEmbedding(nn.Module):
     def pick_one_row_kernel(self, rounds: int = 3, kernels: tuple[str, ...] = ("mv", "gemm", "int8")) -> str:
         """Time one bf16/fp16 row through each kernel on this machine's own weight (alternated,
         best of `rounds`) and keep `choose_one_row_kernel`'s pick for `project` (the int8 copy
-        only if it is picked). Called once at init by the CPU runner; returns `one_row_kernel`."""
+        only if it is picked). Called once at init by the CPU runner; returns `one_row_kernel`.
+        Once per process and head shape: every later engine of this process takes the same
+        kernel, so two engines of one process (an A/B, a test) never differ by a timing."""
         import time
 
-        if "int8" in kernels:
-            self.quantize_int8()
-        x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
-        best = dict.fromkeys(kernels, float("inf"))
-        for _ in range(rounds):
-            for kernel in kernels:
-                t0 = time.perf_counter()
-                self._one_row(x, kernel)
-                best[kernel] = min(best[kernel], time.perf_counter() - t0)
-        self.one_row_kernel = choose_one_row_kernel(best)
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, kernels)
+        if key not in _PICKED:
+            if "int8" in kernels:
+                self.quantize_int8()
+            x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
+            best = dict.fromkeys(kernels, float("inf"))
+            for _ in range(rounds):
+                for kernel in kernels:
+                    t0 = time.perf_counter()
+                    self._one_row(x, kernel)
+                    best[kernel] = min(best[kernel], time.perf_counter() - t0)
+            _PICKED[key] = choose_one_row_kernel(best)
+        self.one_row_kernel = _PICKED[key]
         if self.one_row_kernel != "int8":
             self.int8 = None  # 1 byte per weight not worth keeping
+        elif self.int8 is None:
+            self.quantize_int8()
         return self.one_row_kernel
 
 
