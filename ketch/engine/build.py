@@ -91,6 +91,7 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     if config.speculative_algorithm:
         verify_cost = VerifyCost()  # measured by Speculation, read by the block proposer's schedule
         spec = Speculation(config, make_proposer(config, runner, max_model_len, verify_cost), verify_cost)
+        runner.keep_hidden = spec.needs_hidden  # the engine hands them to the proposer a step later
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                         storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts

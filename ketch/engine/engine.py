@@ -73,7 +73,6 @@ class Engine:
         self.runner, self.kv, self.scheduler, self.grammars = parts.runner, parts.kv, parts.scheduler, parts.grammars
         self.transport, self.pd_sends, self.kv_gate = parts.transport, parts.pd_sends, parts.kv_gate  # PD (pd.py)
         self.spec = parts.spec  # speculative decoding (speculation.py), None when off
-        self._keep_hidden = self.spec is not None and self.spec.needs_hidden
         self.requests: dict[str, list[Request]] = {}  # caller's id → its n samples
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
@@ -267,7 +266,7 @@ class Engine:
             filled.append((c.req, len(c.req.output_ids), c.draft))
             c.req.output_ids.append(placeholder)
             c.req.num_unresolved += 1
-        return LaunchedStep(filled, result.start_copy(), verify, self.runner.last_hidden if self._keep_hidden else None)
+        return LaunchedStep(filled, result.start_copy(), verify, self.runner.last_hidden if self.runner.keep_hidden else None)
 
     def _process(self, step: LaunchedStep) -> list[EngineOutput]:
         """The launched step's ids are on the host: fill them in, check stops, report."""

@@ -90,9 +90,10 @@ class ModelRunner:
         # sampled ids stay on the device; the next step reads them from here (overlap)
         self.future = FutureTokens(config.max_num_seqs, self.device)
         # the last step's sampled rows' final hidden states (forward); a graph step's are copied out
-        # of its static buffer only for `block`, the one user, which reads them a step later
+        # of its static buffer only when a proposer drafts from them a step later (set by
+        # build_engine from Speculation.needs_hidden; other TP ranks never need them)
         self.last_hidden: torch.Tensor | None = None
-        self.keep_graph_hidden = config.speculative_algorithm == "block"
+        self.keep_hidden = False
         self.model = self._load_model(max_model_len)
         # Graphs bake the pool's addresses in, so the pool comes first; its size leaves room for
         # them and the largest eager step, measured on a scratch pool (memory_plan.py).
@@ -172,7 +173,7 @@ class ModelRunner:
             logits, hidden = self.graphs.run(batch)
             # the copy is stream-ordered before the next replay (overlap launches it before this
             # step's outputs are read)
-            self.last_hidden = hidden.clone() if self.keep_graph_hidden else None
+            self.last_hidden = hidden.clone() if self.keep_hidden else None
             return logits
         attn = self.attn if pending is None else LayerWaitingAttention(self.attn, pending)
         meta = attn.init_metadata(batch)

@@ -25,7 +25,6 @@ import numpy as np
 from ketch.spec.cost_model import bucket, ema
 
 
-
 @dataclass
 class VerifyCost:
     seconds: dict[int, float] = field(default_factory=dict)  # rows bucket -> seconds per step
