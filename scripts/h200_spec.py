@@ -12,6 +12,12 @@ Per batch size, on random 512-token prompts, decode-only steps timed on the host
                 model stops speculating and whether it tracks the better of the two
   ngram         prompt lookup on repetitive prompts (a motif repeated), k = 4, always / adaptive
                 (the cost model; `plain steps` says how often it chose not to speculate)
+  block         (--algorithm block --block-batches ..., k = max of --ks) the block draft head's pass
+                every step with the oracle's tokens as its drafts, sure of each: all wrong (its
+                whole cost, always / adaptive) and all right (the machinery's upper bound); hidden
+                states copied out of the decode graphs. The plain run keeps no hidden states. (The
+                head's own random guesses are not used: on dummy weights the target's greedy chain
+                is degenerate enough that a random head guesses it.)
 Each line: tok/s, ms per step, tokens per sequence and step, vs plain in the same run."""
 from __future__ import annotations
 
@@ -73,16 +79,22 @@ def main() -> None:
     ap.add_argument("--oracle-fixpoint", type=int, default=12, help="most re-recorded oracle runs per k")
     ap.add_argument("--turnoff-batches", default="", help="e.g. 1,8,32,64: the acceptance sweep")
     ap.add_argument("--turnoff-gen", type=int, default=320, help="tokens per request in the sweep (blocks to learn from)")
+    ap.add_argument("--algorithm", choices=("ngram", "block"), default="ngram",
+                    help="block: the engine runs the block head (only --block-batches is meaningful)")
+    ap.add_argument("--block-batches", default="", help="e.g. 1,8,32: block vs plain (needs --algorithm block)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")] if a.batches else []
     ks = [int(x) for x in a.ks.split(",")]
     nb = [int(x) for x in a.ngram_batches.split(",")] if a.ngram_batches else []
     tb = [int(x) for x in a.turnoff_batches.split(",")] if a.turnoff_batches else []
-    max_bs = max(batches + nb + tb)
+    bb = [int(x) for x in a.block_batches.split(",")] if a.block_batches else []
+    if bb and a.algorithm != "block":
+        ap.error("--block-batches needs --algorithm block")
+    max_bs = max(batches + nb + tb + bb)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=a.model, load_format=a.load_format, device=a.device, dtype=a.dtype,
-                                 max_num_seqs=max_bs, speculative_algorithm="ngram", cuda_graph_max_bs=a.cuda_graph_max_bs,
+                                 max_num_seqs=max_bs, speculative_algorithm=a.algorithm, cuda_graph_max_bs=a.cuda_graph_max_bs,
                                  speculative_num_draft_tokens=max(ks + [4]), speculative_adaptive=False))
     print(f"engine up in {time.perf_counter() - t0:.0f} s; graphs: {engine.runner.graphs is not None}", flush=True)
     vocab = engine.vocab_size
@@ -132,6 +144,38 @@ def main() -> None:
                 report(bs, f"turn-off m={m} {name} (accept length {acc:.2f}, fixed point {r['ids'] == want})",
                        r, plain, r["ids"] == plain["ids"])
 
+    def block(bs: int) -> None:
+        """Plain (no hidden states kept), then through the head: the oracle's fixed point, every
+        draft wrong and every draft right, always and adaptive."""
+        head, runner = spec.proposer, engine.runner
+        prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(bs)]
+        decode_run(engine, prompts[:1], 8)  # warm-up
+        runner.keep_hidden = False
+        mode(Never())
+        plain = decode_run(engine, prompts, a.gen)
+        report(bs, "plain (block engine, no hidden states kept)", plain, None)
+        runner.keep_hidden = True
+        want, tries, r = plain["ids"], 0, None
+        for tries in range(1, a.oracle_fixpoint + 1):  # (see the oracle k lines below)
+            head.oracle, head.cost = OracleProposer(head.k, {tuple(p): ids for p, ids in zip(prompts, want)}), None
+            mode(AlwaysSpeculate())
+            r = decode_run(engine, prompts, a.gen)
+            if r["ids"] == want:
+                break
+            want = r["ids"]
+        runs = {tuple(p): ids for p, ids in zip(prompts, want)}
+        # every draft wrong (m = 0): the head's pass and the verify for nothing, the most block can
+        # lose, and whether the cost model and schedule turn it off; then every draft right
+        for m, what in ((0, "all drafts wrong"), (head.k, f"oracle, fixed point after {tries} runs")):
+            for name, cost, table in (("always", AlwaysSpeculate(), None), ("adaptive", SpecCostModel(), spec.verify_cost)):
+                head.oracle, head.cost = OracleProposer(head.k, runs, correct=m, vocab_size=vocab), table
+                mode(cost)
+                r, acc = accept_length(lambda: decode_run(engine, prompts, a.gen))
+                r["plain_steps"] = cost.plain_steps
+                report(bs, f"block k={head.k} {what}, {name} (accept length {acc:.2f})", r, plain, r["ids"] == plain["ids"])
+
+    for bs in bb:
+        block(bs)
     for bs in batches:
         prompts = [[rng.randrange(3, vocab) for _ in range(a.prompt_len)] for _ in range(bs)]
         decode_run(engine, prompts[:1], 8)  # warm-up (graphs of the small sizes, caches)
