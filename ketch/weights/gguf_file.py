@@ -26,6 +26,7 @@ _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")
 # ggml types stored as plain values; everything else is stored as blocks of bytes.
 _PLAIN = {
     GGMLQuantizationType.F32: np.float32,
@@ -131,6 +132,19 @@ class GGUFFile:
             raise struct.error("string runs past the end of the file")
         return self._buf[pos + 8 : end].decode("utf-8"), end
 
+    def _strings(self, pos: int, count: int) -> tuple[list[str], int]:
+        """A string array (the vocabulary, the merges: ~100 k strings) in one flat loop: a third
+        of the time of a call per item, and the header is parsed up to three times a start-up."""
+        buf, unpack, size, items = self._buf, _LENGTH.unpack_from, len(self._buf), []
+        append = items.append
+        for _ in range(count):
+            start = pos + 8
+            pos = start + unpack(buf, pos)[0]
+            if pos > size:
+                raise struct.error("string runs past the end of the file")
+            append(buf[start:pos].decode("utf-8"))
+        return items, pos
+
     def _value(self, pos: int, vtype: int) -> tuple[Any, int]:
         if vtype in _SCALARS:
             fmt = _SCALARS[vtype]
@@ -146,6 +160,8 @@ class GGUFFile:
                     raise struct.error("array runs past the end of the file")
                 values = np.frombuffer(self._buf, dtype=_NUMPY[itype], count=count, offset=pos).tolist()
                 return values, pos + count * width
+            if itype == _STRING:
+                return self._strings(pos, count)
             items = []
             for _ in range(count):
                 item, pos = self._value(pos, itype)

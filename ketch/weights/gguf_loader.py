@@ -1,7 +1,8 @@
 """GGUF -> config.json's dict and Hugging Face-named tensors, value-identical to transformers' GGUF loader.
 
-Values: `gguf.quants.dequantize` (what transformers calls) in float32, then one cast to the target
-dtype, so a float32 load equals `from_pretrained(..., gguf_file=...)` bit for bit.
+Values: `gguf.quants.dequantize`'s (what transformers calls) in float32, then one cast to the target
+dtype, so a float32 load equals `from_pretrained(..., gguf_file=...)` bit for bit. Q4_0, Q4_1 and
+Q8_0 blocks are decoded in torch to the same values (gguf_dequant.py), the rest by gguf itself.
 
 Layout: GGUF dims are fastest-first, so a tensor written as [in, out] reads back as numpy
 [out, in], which is already the HF Linear layout; no transposes are needed.
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from ketch.weights.gguf_dequant import dequantize_blocks
 from ketch.weights.gguf_file import GGUFFile
 from ketch.weights.gguf_rope import rope_scaling_from_gguf
 
@@ -169,10 +171,13 @@ class GGUFWeights:
 
     def _load(self, name: str) -> torch.Tensor:
         info = self.gguf.tensors[name]
-        values = dequantize(self.gguf.data(name), info.ggml_type)
-        if not values.flags.writeable:  # a plain F32 tensor is a view of the read-only mapping
-            values = values.copy()
-        t = torch.from_numpy(np.ascontiguousarray(values)).to(self.dtype)
+        t = dequantize_blocks(self.gguf.data(name), info.ggml_type, info.shape)  # Q4_0/Q4_1/Q8_0 in torch
+        if t is None:
+            values = dequantize(self.gguf.data(name), info.ggml_type)
+            if not values.flags.writeable:  # a plain F32 tensor is a view of the read-only mapping
+                values = values.copy()
+            t = torch.from_numpy(np.ascontiguousarray(values))
+        t = t.to(self.dtype)
         heads = self.rotary_heads(name)
         if heads:
             t = unpermute_rotary(t, heads)
