@@ -74,3 +74,33 @@ def test_bench_offline_writes_json(tmp_path):
         assert abs(res["output_tok_s"] * res["total_s"] - res["batch"] * 8) <= 0.1 * res["batch"] * 8
     assert data["meta"]["threads"] == 1
     assert "batch    1 | in 16 out 8" in r.stdout and "batch    2 | in 16 out 8" in r.stdout
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (from /proc: field 5 of stat)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp_path):
+    """`ketch serve` starts the engine process before it loads the tokenizer (the two overlap):
+    a tokenizer that fails still exits 2 naming the field, and the engine it started is gone."""
+    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "serve", "--port", "0", "--tokenizer", str(tmp_path),
+                             "--num-threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=True)  # a group of its own: the engine joins it
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err[-2000:]
+    assert "error: tokenizer" in err
+    assert _group_members(proc.pid) == [], "a process of the server outlived it"

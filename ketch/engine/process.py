@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
@@ -38,17 +39,22 @@ from ketch.engine.outboxes import Outboxes
 _IDLE_POLL_MS = 1000  # idle: wake this often to check that the parent is still alive
 
 
-def start_engine_process(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs: list[str],
-                         output_addrs: list[str]) -> multiprocessing.Process:
+def start_engine_process(config: EngineConfig, input_addrs: list[str],
+                         output_addrs: list[str]) -> tuple[multiprocessing.Process, Connection]:
     """Spawn (never fork: torch and ZMQ state do not survive it) the engine process; one input and
-    one output address per API process, in origin order."""
+    one output address per API process, in origin order. Returns the process and the pipe end on
+    which the caller sends the tokenizer's EOS ids (a tuple): the engine imports its modules while
+    the caller loads the tokenizer, and waits for them before it builds; closing the pipe unsent
+    ends it."""
     ctx = multiprocessing.get_context("spawn")
+    eos_in, eos_out = ctx.Pipe(duplex=False)
     # daemonic processes may not start children: with TP > 1 the engine process starts its
     # ranks, so it is not one (it still ends with the API process: Shutdown, or the orphan check)
-    proc = ctx.Process(target=run_engine, args=(config, eos_token_ids, input_addrs, output_addrs, os.getpid()),
+    proc = ctx.Process(target=run_engine, args=(config, eos_in, input_addrs, output_addrs, os.getpid()),
                        name="ketch-engine", daemon=config.tensor_parallel_size == 1)
     proc.start()
-    return proc
+    eos_in.close()  # the child's copy is the one that reads
+    return proc, eos_out
 
 
 @dataclass
@@ -110,9 +116,17 @@ class _StopSignal:
         return cls.at is not None and time.monotonic() - cls.at > _STOP_GRACE_S
 
 
-def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs: list[str],
+def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
                output_addrs: list[str], parent_pid: int) -> None:
     _StopSignal.install()
+    from ketch.engine.engine import Engine  # (the imports overlap the API process's tokenizer load)
+
+    try:
+        eos_token_ids = tuple(eos_in.recv())
+    except EOFError:  # the API process gave up before the engine was built (a bad tokenizer, a signal)
+        return
+    finally:
+        eos_in.close()
     zctx = zmq.Context()
     inbox = zctx.socket(zmq.PULL)
     for addr in input_addrs:
@@ -123,8 +137,6 @@ def run_engine(config: EngineConfig, eos_token_ids: tuple[int, ...], input_addrs
                             daemon=True)
     code = 0
     try:
-        from ketch.engine.engine import Engine
-
         engine = Engine(config, eos_token_ids=eos_token_ids)
         # Everything built so far (torch, the model's modules, graphs) lives as long as the
         # process: keep it out of the cyclic GC, whose full passes over it stalled the GPU

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import zmq
@@ -71,6 +72,7 @@ class EngineClient:
         self._pull = self._async.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._proc = None
+        self._eos_out: Connection | None = None  # launched: where the EOS ids go (start sends them)
         self._engine_pid: int | None = None  # attached: the engine we did not start
         self._parent_pid: int | None = None  # attached: the API process that started it
         self._router: asyncio.Task | None = None
@@ -81,12 +83,18 @@ class EngineClient:
         return f"ipc://{workdir}/input-{origin}", f"ipc://{workdir}/output-{origin}"
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self, timeout: float = 600.0, api_servers: int = 1) -> m.EngineReady:
-        """Start the engine process (for `api_servers` API processes) and wait until it is ready."""
+    def launch(self, api_servers: int = 1) -> None:
+        """Start the engine process (for `api_servers` API processes); it imports its modules until
+        `start` hands it the EOS ids: the caller loads the tokenizer in between."""
         self._bind()
         addrs = [self.addresses(self.workdir, k) for k in range(api_servers)]
-        self._proc = start_engine_process(self.config, self.eos_token_ids, [a[0] for a in addrs],
-                                          [a[1] for a in addrs])
+        self._proc, self._eos_out = start_engine_process(self.config, [a[0] for a in addrs], [a[1] for a in addrs])
+
+    async def start(self, eos_token_ids: tuple[int, ...], timeout: float = 600.0) -> m.EngineReady:
+        """Hand the launched engine its EOS ids and wait until it is ready."""
+        self.eos_token_ids = eos_token_ids
+        self._eos_out.send(tuple(eos_token_ids))
+        self._eos_out.close()
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))
@@ -140,6 +148,8 @@ class EngineClient:
 
     def close(self) -> None:
         """Ask the engine to stop, then end it; idempotent."""
+        if self._eos_out is not None:
+            self._eos_out.close()  # an engine still waiting for its EOS ids ends at once
         if self._proc is not None and self._proc.is_alive():
             try:
                 self._push.send(m.encode(m.Shutdown()), zmq.NOBLOCK)

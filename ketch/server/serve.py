@@ -1,4 +1,5 @@
-"""`ketch serve`: load the tokenizer, start the engine process, wait for it, then serve HTTP.
+"""`ketch serve`: start the engine process, load the tokenizer meanwhile, hand the engine its EOS ids,
+wait for it, then serve HTTP.
 
 The exit code is 0 after a normal shutdown (Ctrl-C / SIGTERM) and 1 when the engine process died,
 hung (the watchdog) or never became ready: a supervisor should restart a server whose engine is gone.
@@ -110,17 +111,19 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
 
 async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
     sc = server_config
-    tokenizer = _load_tokenizer(config)
     many = sc.api_server_count > 1
     workdir = tempfile.mkdtemp(prefix="ketch-") if many else None
     sock = reuseport_socket(sc.host, sc.port) if many else None  # bound first: port 0 picks one port for all
     port = sock.getsockname()[1] if sock is not None else sc.port
     metrics_dir = shared_metrics_dir(workdir) if workdir else None
-    client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else (), sc.watchdog_timeout, workdir=workdir)
+    client = EngineClient(config, (), sc.watchdog_timeout, workdir=workdir)
     workers: ApiWorkers | None = None
     try:
+        # the engine process first: its imports (~2 s) run while this process loads the tokenizer
+        client.launch(api_servers=sc.api_server_count)
+        tokenizer = _load_tokenizer(config)
         try:
-            ready = await client.start(api_servers=sc.api_server_count)
+            ready = await client.start(tokenizer.eos_token_ids if tokenizer else ())
             if many:
                 workers = ApiWorkers.start(config, sc, workdir, client.engine_pid, port)
                 await workers.wait_ready()
