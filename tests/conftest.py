@@ -56,6 +56,16 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' own fp32 model of the bundled GGUF (its GGUF loader: ~20 s, so loaded once for
+    the weight tests and the parity reference; neither changes it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_config_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = tmp_path_factory.mktemp("tiny")
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))

@@ -7,7 +7,6 @@ enough to force preemption; and with overlap scheduling (tokens processed one st
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -53,13 +52,9 @@ def prompt_ids(llm) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_path, prompt_ids, llm) -> list[tuple[list[int], list[float]]]:
+def reference(hf_smollm, prompt_ids, llm) -> list[tuple[list[int], list[float]]]:
     """HF transformers greedy ids and chosen-token logprobs, one prompt at a time."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm_path), gguf_file=os.path.basename(smollm_path), dtype=torch.float32
-    ).eval()
+    hf = hf_smollm
     eos = list(llm.engine.eos_ids)
     refs = []
     with torch.inference_mode():

@@ -39,8 +39,8 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return hf_from_gguf(GGUF)
+def hf_model(hf_smollm):
+    return hf_smollm
 
 
 @pytest.fixture(scope="module")
