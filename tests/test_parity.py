@@ -7,7 +7,6 @@ enough to force preemption; and with overlap scheduling (tokens processed one st
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
