@@ -19,6 +19,7 @@ from ketch.runner.graph_runner import GraphRunner
 from ketch.sampling.params import SamplingParams
 from ketch.spec.cost_model import AlwaysSpeculate
 from ketch.spec.block import BlockDraftHead
+from ketch.spec.oracle import OracleProposer
 from ketch.spec.proposer import DraftInput
 from ketch.spec.verify_schedule import VerifyCost, verify_lengths
 from test_spec_engine import BLOCK, GREEDY, prompts
@@ -124,6 +125,17 @@ def block_engine(config_path: str, decode: str):
     return eng
 
 
+class EveryOtherStep:
+    """Drafts on every other call, none on the rest."""
+
+    def __init__(self, inner: OracleProposer) -> None:
+        self.inner, self.calls = inner, 0
+
+    def propose(self, batch: list[DraftInput]) -> list[list[int]]:
+        self.calls += 1
+        return self.inner.propose(batch) if self.calls % 2 else [[] for _ in batch]
+
+
 @pytest.mark.parametrize("decode", [
     "eager", "graph_runner", "cpu_compile",
     pytest.param("cuda_graphs", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
@@ -135,6 +147,15 @@ def test_the_head_drafts_from_the_targets_hidden_state_of_the_last_tokens_row(ti
     whichever way the decode steps ran (a graph's hidden states live in a static buffer the next
     replay overwrites, while the engine reads them a step later)."""
     eng = block_engine(tiny_config_path, decode)
+    # the head's pass runs, but on every other step its drafts are the plain run's tokens (verifies
+    # keep some: the last token's row is often not a verify's first; the random head alone kept none
+    # on CUDA) and on the others none (plain decode steps: the path under test)
+    plain = make_tiny_engine(tiny_config_path, device=eng.config.device)
+    for i, p in enumerate(prompts(6)):
+        plain.add_request(f"r{i}", p, GREEDY)
+    runs = collect(drain(plain))
+    eng.spec.proposer.oracle = EveryOtherStep(OracleProposer(
+        eng.spec.proposer.k, {tuple(p): runs[(f"r{i}", 0)]["ids"] for i, p in enumerate(prompts(6))}))
     seen: list[DraftInput] = []
     propose = eng.spec.proposer.propose
     eng.spec.proposer.propose = lambda batch: (seen.extend(batch), propose(batch))[1]

@@ -97,11 +97,12 @@ class BlockProposer:
         conf, ids = probs.max(dim=-1)
         conf = conf.view(len(ready), self.k).cpu().numpy()
         ids = ids.view(len(ready), self.k).tolist()
+        room = [min(batch[i].max_draft, self.k) for i in ready]
         if self.oracle is not None:  # its tokens, sure of each (the head's pass still runs: its cost counts)
             guesses = self.oracle.propose([batch[i] for i in ready])
             ids = [d + [0] * (self.k - len(d)) for d in guesses]
             conf = np.array([[1.0] * len(d) + [0.0] * (self.k - len(d)) for d in guesses]).reshape(len(ready), self.k)
-        room = [min(batch[i].max_draft, self.k) for i in ready]
+            room = [min(r, len(d)) for r, d in zip(room, guesses)]  # no more than it guessed
         lengths = room if self.cost is None else verify_lengths(conf, room, self.cost)
         for j, i in enumerate(ready):
             out[i] = ids[j][: lengths[j]]
