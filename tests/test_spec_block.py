@@ -105,8 +105,9 @@ def block_engine(config_path: str, decode: str):
     if decode == "cuda_graphs":
         return make_tiny_engine(config_path, device="cuda", cuda_graph=True, overlap_schedule=True, **BLOCK)
     if decode == "cpu_compile":  # graphs of 1, 2 and 4 rows only: each costs a compile
-        return make_tiny_engine(config_path, cpu_compile=True, max_num_seqs=4, **BLOCK)
-    eng = make_tiny_engine(config_path, overlap_schedule=decode == "graph_runner", **BLOCK)
+        return make_tiny_engine(config_path, device="cpu", cpu_compile=True, max_num_seqs=4, **BLOCK)
+    # the CPU, also on a GPU machine (there the default device would capture CUDA graphs)
+    eng = make_tiny_engine(config_path, device="cpu", overlap_schedule=decode == "graph_runner", **BLOCK)
     if decode == "graph_runner":
         r = eng.runner
         r.graphs = GraphRunner(r.model, r.attn, max_bs=16, max_model_len=eng.max_model_len, device=r.device,
