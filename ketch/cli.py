@@ -5,13 +5,14 @@ import argparse
 import os
 import sys
 
-from ketch.bench.one_batch_args import add_one_batch_args
-from ketch.bench.serve_args import add_bench_serve_args
-from ketch.cli_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from ketch.gateway.args import add_gateway_args
+
+# The engine's flags (ketch.cli_args) import ketch.config and with it torch (~1.3 s): they are
+# imported where a command needs them, so `ketch gateway` (a proxy, no torch) starts without it.
 
 
 def _generate(a: argparse.Namespace) -> int:
+    from ketch.cli_args import engine_kwargs, sampling_params
     from ketch.llm import LLM
 
     params = sampling_params(a)  # bad flags fail before the model loads
@@ -24,6 +25,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _chat(a: argparse.Namespace) -> int:
+    from ketch.cli_args import engine_kwargs, sampling_params
     from ketch.llm import LLM
 
     params = sampling_params(a)
@@ -49,6 +51,7 @@ def _chat(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
+    from ketch.cli_args import engine_kwargs
     from ketch.config import EngineConfig
     from ketch.server.config import ServerConfig
     from ketch.server.serve import read_chat_template, run
@@ -93,9 +96,11 @@ def _bench_serve(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ketch", description="ketch: fast LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from ketch.bench.one_batch_args import add_one_batch_args
+    from ketch.bench.serve_args import add_bench_serve_args
+    from ketch.cli_args import add_engine_args, add_sampling_args
 
+    parser, sub = _root_parser()
     g = sub.add_parser("generate", help="complete one prompt, streaming the text")
     g.add_argument("prompt")
     add_engine_args(g)
@@ -141,10 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     s.set_defaults(func=_serve)
 
-    gw = sub.add_parser("gateway", help="an OpenAI-compatible router in front of several `ketch serve` workers")
-    add_gateway_args(gw)
-    gw.set_defaults(func=_gateway)
-
+    _add_gateway(sub)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     off = bsub.add_parser("offline", help="throughput of the in-process engine on random prompts")
@@ -177,8 +179,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    parser = argparse.ArgumentParser(prog="ketch", description="ketch: fast LLM serving")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def _add_gateway(sub: argparse._SubParsersAction) -> None:
+    gw = sub.add_parser("gateway", help="an OpenAI-compatible router in front of several `ketch serve` workers")
+    add_gateway_args(gw)
+    gw.set_defaults(func=_gateway)
+
+
+def _gateway_parser() -> argparse.ArgumentParser:
+    """`ketch gateway` alone: the same subcommand, without the engine's flags (and torch)."""
+    parser, sub = _root_parser()
+    _add_gateway(sub)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = (_gateway_parser() if argv[:1] == ["gateway"] else build_parser()).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

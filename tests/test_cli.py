@@ -104,3 +104,15 @@ def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp
     assert proc.returncode == 2, err[-2000:]
     assert "error: tokenizer" in err
     assert _group_members(proc.pid) == [], "a process of the server outlived it"
+
+
+def test_ketch_gateway_never_imports_torch():
+    """The gateway is a proxy: parsing its flags and building its app load no torch (~1.3 s and
+    ~300 MB a process), while `ketch serve`'s flags do (they hold the engine's config)."""
+    probe = ("import sys; from ketch import cli; "
+             "cli._gateway_parser().parse_args(['gateway', '--worker-urls', 'http://127.0.0.1:9']); "
+             "import ketch.gateway.serve, ketch.gateway.app; light = 'torch' not in sys.modules; "
+             "cli.build_parser(); print(light, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True"]  # none for the gateway; the full parser does import it
