@@ -50,7 +50,15 @@ def engine_stats(engine: "Engine") -> EngineStats:
         **engine.kv.storage_stats(),
         **pd.stats(engine),
         **_spec_stats(engine),
+        **_moe_stats(engine),
     )
+
+
+def _moe_stats(engine: "Engine") -> dict:
+    load = engine.runner.expert_load
+    if load is None:
+        return {}
+    return dict(moe_layers=load.layer_ids, moe_expert_tokens=tuple(map(tuple, load.totals())))
 
 
 def _spec_stats(engine: "Engine") -> dict:

@@ -112,6 +112,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_verifies: int = 0
     spec_accept_counts: tuple[int, ...] = ()
     spec_plain_steps: int = 0
+    # MoE models (empty otherwise): per sparse layer (its decoder layer index), the (token, pick)s
+    # routed to each expert since start-up; under CUDA graphs a decode graph's padding rows count too
+    moe_layers: tuple[int, ...] = ()
+    moe_expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def kv_pages_in_use(self) -> int:

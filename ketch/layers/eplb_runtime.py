@@ -1,10 +1,11 @@
 """EPLB at run time: the experts' measured load and their re-placement.
 
-    ExpertLoad(routers, num_experts)    per-layer, per-expert counters of routed (token, pick)s:
-                                        a forward hook on each MoE layer's Router adds its ids
+    ExpertLoad(routers, num_experts,    per-layer, per-expert counters of routed (token, pick)s:
+               layer_ids)               a forward hook on each MoE layer's Router adds its ids
                                         (scatter_add_ into a [layers, experts] int64 buffer on
-                                        the model's device: no host sync). `snapshot()` is what
-                                        /metrics or the planner read; `reset()` starts a window
+                                        the model's device: no host sync). `totals()` only grows
+                                        (/metrics); `snapshot()` is the planner's window since
+                                        its last `reset()`
     Eplb(layers, load, parallel)        every `parallel.ep.eplb_interval` forwards (`step()`, run
                                         by every rank after the same forward): the load (summed
                                         over ranks when each rank routed only its own tokens),
@@ -28,9 +29,14 @@ from ketch.parallel.collectives import all_to_all_rows
 
 
 class ExpertLoad(nn.Module):
-    def __init__(self, routers: list[nn.Module], num_experts: int) -> None:
+    def __init__(self, routers: list[nn.Module], num_experts: int, layer_ids: list[int]) -> None:
+        """layer_ids: the decoder layer of each router (the rows' labels on /metrics)."""
         super().__init__()
+        if len(layer_ids) != len(routers):
+            raise ValueError(f"layer_ids: {len(layer_ids)} for {len(routers)} routers")
+        self.layer_ids = tuple(layer_ids)
         self.register_buffer("counts", torch.zeros(len(routers), num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("window_start", torch.zeros_like(self.counts), persistent=False)
         for i, router in enumerate(routers):
             router.register_forward_hook(self._hook(i))
 
@@ -42,10 +48,15 @@ class ExpertLoad(nn.Module):
 
     def snapshot(self) -> torch.Tensor:
         """[MoE layers, experts]: (token, pick)s routed to each expert since the last reset."""
-        return self.counts.clone()
+        return self.counts - self.window_start
 
     def reset(self) -> None:
-        self.counts.zero_()
+        self.window_start.copy_(self.counts)
+
+    def totals(self) -> list[list[int]]:
+        """[MoE layers][experts]: every (token, pick) routed since the model was built (one host
+        copy: read when /metrics asks, never per step)."""
+        return self.counts.tolist()
 
 
 def _sources(old: list[int], new: list[int], per_rank: int) -> list[int]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
+from ketch.layers.eplb_runtime import ExpertLoad
 from ketch.layers.linear import Linear
 from ketch.layers.norm import RMSNorm
 from ketch.layers.ops import TORCH_OPS, LayerOps
@@ -122,6 +123,8 @@ class DeepseekForCausalLM(DecoderStack):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = ScaledRotary(cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.yarn)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # routed picks per expert: /metrics
+        self.expert_load = ExpertLoad([self.layers[i].mlp.gate for i in ids], cfg.n_routed_experts or 0, ids)
         self.requires_grad_(False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

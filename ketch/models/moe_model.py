@@ -12,7 +12,8 @@ Expert parallelism (`parallel.ep`, ketch/parallel/expert.py): with ep_size > 1 e
 layer is an `ExpertParallelMoE` (ketch/layers/moe_ep.py: whole experts split over the ranks);
 under DP attention everything else is built with `parallel.for_attention()` (one rank's whole
 heads and vocabulary). `expert_load` counts every sparse layer's routed picks per expert
-(ketch/layers/eplb_runtime.py); with EPLB on, `forward` steps the re-placement after each pass.
+(ketch/layers/eplb_runtime.py: totals for /metrics, a window for the planner); with EPLB on,
+`forward` steps the re-placement after each pass.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class MoEForCausalLM(LlamaForCausalLM):
                  parallel: ParallelContext = SINGLE) -> None:
         self._moe_parallel = parallel  # make_mlp's (the base is built with the attention context)
         super().__init__(cfg, max_positions, ops=ops, parallel=parallel.for_attention())
-        sparse = [layer.mlp for layer in self.layers if cfg.is_sparse(layer.self_attn.layer)]
-        self.expert_load = ExpertLoad([m.gate for m in sparse], cfg.num_experts)
+        ids = [layer.self_attn.layer for layer in self.layers if cfg.is_sparse(layer.self_attn.layer)]
+        sparse = [self.layers[i].mlp for i in ids]
+        self.expert_load = ExpertLoad([m.gate for m in sparse], cfg.num_experts, ids)
         self.eplb = Eplb(sparse, self.expert_load, parallel) if parallel.ep.eplb_interval else None
         block = cfg.checkpoint_block
         gate, up, down = cfg.expert_names

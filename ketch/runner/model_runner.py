@@ -95,6 +95,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.keep_hidden = False
         self.model = self._load_model(max_model_len)
+        # MoE families count routed picks per expert (ExpertLoad: totals() for /metrics); None otherwise
+        self.expert_load = getattr(self.model, "expert_load", None)
         # Graphs bake the pool's addresses in, so the pool comes first; its size leaves room for
         # them and the largest eager step, measured on a scratch pool (memory_plan.py).
         build_graphs = functools.partial(self._build_graphs, max_model_len=max_model_len) \

@@ -92,6 +92,8 @@ class _EngineCollector(Collector):
         if s.pd_enabled:
             yield from _pd_metrics(s)
         yield from _spec_metrics(s)
+        if s.moe_layers:
+            yield _moe_metrics(s)
         if s.kv_host_pages_total:  # the hierarchical cache is on
             yield GaugeMetricFamily("ketch_kv_host_pages_total", "Pages in the host tier (L2)", value=s.kv_host_pages_total)
             yield GaugeMetricFamily("ketch_kv_host_pages_free", "Host-tier pages holding nothing", value=s.kv_host_pages_free)
@@ -114,6 +116,17 @@ class _EngineCollector(Collector):
             }
             for name, (doc, value) in host.items():
                 yield CounterMetricFamily(name, doc, value=value)
+
+
+def _moe_metrics(s: EngineStats) -> CounterMetricFamily:
+    """Routed (token, pick)s per expert and sparse layer: the load EPLB balances (a hot expert is
+    a series that grows faster than its layer's others)."""
+    family = CounterMetricFamily("ketch_moe_expert_tokens", "Tokens routed to each expert of each MoE layer (a token "
+                                 "counts once per expert it picks: top_k per token and layer)", labels=["layer", "expert"])
+    for layer, counts in zip(s.moe_layers, s.moe_expert_tokens, strict=True):
+        for expert, n in enumerate(counts):
+            family.add_metric([str(layer), str(expert)], n)
+    return family
 
 
 def _pd_metrics(s: EngineStats) -> Iterator[Metric]:
