@@ -17,7 +17,8 @@ numbers applied to q_pe and k_pe alike, so every score is the same.
 
 The residual adds are fused into the next norm as in the Llama family (llama.py), whose MLP
 (gate|up fused, SiLU) the dense layers reuse; the mixture-of-experts layers' block (routed +
-shared experts) is deepseek_moe.py. One rank only for now (the family's kv_spec).
+shared experts) is deepseek_moe.py. Tensor parallel: the heads, the MLPs' and experts'
+intermediate features and the vocabulary are split over the ranks, the latent is whole on each.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from torch import nn
 from ketch.layers.eplb_runtime import ExpertLoad
 from ketch.layers.linear import Linear
 from ketch.layers.norm import RMSNorm
+from ketch.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -46,21 +48,27 @@ LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the norms' default, no
 
 
 class DeepseekAttention(nn.Module):
-    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps) -> None:
+    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps, parallel: ParallelContext = SINGLE) -> None:
+        """Under tensor parallelism each rank has its share of the heads: q (or q_b) and kv_b
+        split by output rows, o by input columns (summed over the ranks); the LoRA down-projections
+        and the latent are whole on every rank (one latent for all heads: nothing to split)."""
         super().__init__()
         self.layer, self.ops, self.interleave = layer, ops, c.rope_interleave
-        self.heads, self.nope, self.rank = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        self.heads, self.nope, self.rank = parallel.split(c.num_heads, "num_attention_heads"), c.qk_nope_head_dim, \
+            c.kv_lora_rank
         q_out, lin = c.num_heads * c.qk_head_dim, ops.linear
         if c.q_lora_rank is None:
-            self.q_proj = Linear(c.hidden_size, q_out, bias=False, dense=lin)
+            self.q_proj = ColumnParallelLinear(c.hidden_size, q_out, parallel=parallel, dense=lin)
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, dense=lin)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False, dense=lin)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, parallel=parallel, dense=lin)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, bias=c.attention_bias, dense=lin)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, dense=lin)
+        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                              parallel=parallel)
+        self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias,
+                                        parallel=parallel, dense=lin)
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [tokens, heads, rope_dim] -> rotated (interleaved pairs gathered to [even | odd] first)."""
@@ -88,14 +96,15 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps) -> None:
+    def __init__(self, c: DeepseekConfig, layer: int, ops: LayerOps, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         self.ops, self.eps = ops, c.rms_norm_eps
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DeepseekAttention(c, layer, ops)
+        self.self_attn = DeepseekAttention(c, layer, ops, parallel)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # the dense MLP reads hidden/intermediate_size off the config
-        self.mlp = DeepseekMoE(c, ops) if c.is_moe_layer(layer) else LlamaMLP(c, ops, SINGLE)  # type: ignore[arg-type]
+        self.mlp = DeepseekMoE(c, ops, parallel) if c.is_moe_layer(layer) \
+            else LlamaMLP(c, ops, parallel)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,14 +124,15 @@ class DeepseekForCausalLM(DecoderStack):
     def __init__(self, cfg: DeepseekConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        if parallel.world_size != 1:
-            raise ValueError("tensor_parallel_size: the DeepSeek family runs on one rank for now")
+        if parallel.ep.enabled:
+            raise ValueError("ep_size: the DeepSeek family's experts run tensor-parallel for now (no --ep-size)")
         self.config, self.ops, self.parallel = cfg, ops, parallel
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ops, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = ScaledRotary(cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.yarn)
-        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
+                                                                          parallel=parallel)
         ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # routed picks per expert: /metrics
         self.expert_load = ExpertLoad([self.layers[i].mlp.gate for i in ids], cfg.n_routed_experts or 0, ids)
         self.requires_grad_(False)

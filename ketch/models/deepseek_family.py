@@ -121,9 +121,8 @@ def _rope(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def kv_spec(cfg: DeepseekConfig, parallel: ParallelContext) -> KVSpec:
-    """One latent of [kv_lora_rank + qk_rope_head_dim] per layer and token."""
-    if parallel.world_size != 1:
-        raise ValueError("tensor_parallel_size: the DeepSeek family runs on one rank for now")
+    """One latent of [kv_lora_rank + qk_rope_head_dim] per layer and token, whole on every rank
+    under tensor parallelism (it serves all heads)."""
     return KVSpec(cfg.num_layers, (KVTensorSpec(LATENT, (cfg.latent_dim,)),))
 
 
@@ -170,7 +169,8 @@ def mla_attention(config: DeepseekConfig, pool: Any, *, backend: str, parallel: 
     if backend == "triton":
         from ketch.attention.mla_triton_backend import MLATritonBackend
 
-        return MLATritonBackend(pool, LATENT, config.num_heads, config.kv_lora_rank, config.softmax_scale, device,
+        heads = parallel.split(config.num_heads, "num_attention_heads")  # this rank's
+        return MLATritonBackend(pool, LATENT, heads, config.kv_lora_rank, config.softmax_scale, device,
                                 decode_splits_len=max_model_len)
     if backend != "torch":
         raise ValueError(f"attention_backend: unknown {backend!r} (expected torch or triton)")

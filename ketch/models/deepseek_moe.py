@@ -35,7 +35,7 @@ from ketch.layers.moe_routing import grouped_topk
 from ketch.layers.ops import LayerOps
 from ketch.models.llama import LlamaMLP
 from ketch.models.param_loader import expert_name_map
-from ketch.parallel import SINGLE
+from ketch.parallel import SINGLE, ParallelContext
 
 if TYPE_CHECKING:
     from ketch.models.deepseek_family import DeepseekConfig
@@ -107,11 +107,13 @@ def routing(c: DeepseekConfig) -> partial:
 class DeepseekMoE(MoE):
     """gate + routed experts (MoE) + shared experts; forward(x [T, H]) -> [T, H]."""
 
-    def __init__(self, c: DeepseekConfig, ops: LayerOps) -> None:
-        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c),
+    def __init__(self, c: DeepseekConfig, ops: LayerOps, parallel: ParallelContext = SINGLE) -> None:
+        """Tensor parallel: routed and shared experts split by intermediate feature (each sums over
+        the ranks), the router whole on every rank."""
+        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c), parallel=parallel,
                          correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True, ops=ops)
         shared = c.moe_intermediate_size * c.n_shared_experts
-        self.shared_experts = LlamaMLP(c, ops, SINGLE, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
+        self.shared_experts = LlamaMLP(c, ops, parallel, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
