@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ketch.weights.fp8_blocks import SCALE_SUFFIX, dequantize_fp8_blocks, fp8_block_size
+
 
 _INDEX = "model.safetensors.index.json"
 
@@ -71,15 +73,22 @@ class SafetensorsWeights:
     def __init__(self, directory: str, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
                  fp32: tuple[str, ...] = ()) -> None:
         """shapes: the tensors the model expects (its family's `weight_shapes`); names ending in
-        one of `fp32` are read in float32, not `dtype`."""
+        one of `fp32` are read in float32, not `dtype`. Block-scaled fp8 weights (fp8_blocks.py)
+        come out dequantized; their scale tensors are not yielded."""
         self.dtype, self.fp32 = dtype, fp32
+        self.fp8_block = fp8_block_size(read_hf_config(directory)[1])
         self.entries: list[tuple[str, str]] = []  # (file, tensor name), in file order
+        self.scales: dict[str, str] = {}  # fp8 checkpoints: weight name -> the file of its scale
+        self._scale_files: dict[str, Any] = {}  # path -> open safetensors handle
         for path in safetensors_files(directory):
             try:
                 with safe_open(path, framework="pt") as f:
                     names = list(f.keys())
             except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
                 raise ValueError(f"model: {path!r} is not a readable safetensors file: {e}") from None
+            if self.fp8_block is not None:
+                self.scales.update({n.removesuffix(SCALE_SUFFIX): path for n in names if n.endswith(SCALE_SUFFIX)})
+                names = [n for n in names if not n.endswith(SCALE_SUFFIX)]
             self.entries += [(path, n) for n in names if not _skip(n, shapes)]
 
     def __len__(self) -> int:
@@ -94,4 +103,18 @@ class SafetensorsWeights:
                 tensor = handle.get_tensor(name)
             except Exception as e:
                 raise ValueError(f"model: cannot read tensor {name!r} from {path!r}: {e}") from None
+            if name in self.scales:
+                tensor = self._dequantized(name, tensor)
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # its scales would be ignored
+                raise ValueError(f"model: {name!r} is fp8 without a block scale (config.json's quantization_config "
+                                 "must say quant_method fp8 with weight_block_size, and each fp8 weight carry "
+                                 f"its {SCALE_SUFFIX})")
             yield name, tensor.to(torch.float32 if name.endswith(self.fp32) else self.dtype)
+
+    def _dequantized(self, name: str, q: torch.Tensor) -> torch.Tensor:
+        path = self.scales[name]
+        if path not in self._scale_files:  # a shard's header is parsed once
+            self._scale_files[path] = safe_open(path, framework="pt")
+        scale = self._scale_files[path].get_tensor(name + SCALE_SUFFIX)
+        assert self.fp8_block is not None  # scales are only collected for an fp8 checkpoint
+        return dequantize_fp8_blocks(q, scale, self.fp8_block, name)
