@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-num-redundant-experts", type=int, default=0, help="EPLB: extra slots for hot experts' replicas")
     g.add_argument("--enable-eplb", action="store_true", help="re-place experts from their measured load (needs --ep-size)")
     g.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, help="EPLB: forward steps between re-placements")
+    g.add_argument("--enable-expert-distribution-metrics", action="store_true",
+                   help="/metrics: tokens routed to each expert of each MoE layer (layers x experts series)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
     g.add_argument("--enable-hierarchical-cache", action="store_true",
@@ -126,7 +128,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
         attention_backend=a.attention_backend, layer_kernels=a.layer_kernels,
         tensor_parallel_size=a.tensor_parallel_size, ep_size=a.ep_size, enable_dp_attention=a.enable_dp_attention,
         ep_num_redundant_experts=a.ep_num_redundant_experts, enable_eplb=a.enable_eplb,
-        eplb_rebalance_num_iterations=a.eplb_rebalance_num_iterations, enable_hierarchical_cache=a.enable_hierarchical_cache,
+        eplb_rebalance_num_iterations=a.eplb_rebalance_num_iterations,
+        enable_expert_distribution_metrics=a.enable_expert_distribution_metrics,
+        enable_hierarchical_cache=a.enable_hierarchical_cache,
         hicache_ratio=a.hicache_ratio, hicache_size=a.hicache_size, hicache_write_policy=a.hicache_write_policy,
         hicache_io_backend=a.hicache_io_backend,
         hicache_storage_backend=a.hicache_storage_backend, hicache_storage_url=a.hicache_storage_url,

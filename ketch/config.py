@@ -225,6 +225,10 @@ class EngineConfig:
     ep_num_redundant_experts: int = 0  # EPLB's extra physical expert slots (replicas of hot experts)
     enable_eplb: bool = False  # re-place experts from their measured load ...
     eplb_rebalance_num_iterations: int = 1000  # ... every this many forward steps
+    # /metrics: tokens routed to each expert of each MoE layer (ketch_moe_expert_tokens_total). Off
+    # by default: DeepSeek-V3 has 58 x 256 such series, too many for every scrape (a gateway's is
+    # every second).
+    enable_expert_distribution_metrics: bool = False
     # Hierarchical KV cache (SGLang's HiCache flags): pages evicted from the device pool go to a
     # host-memory pool (L2) and come back on a hit (ketch/cache/hiradix.py). Host pool size:
     # hicache_size GB when given, else hicache_ratio × the device pool. write_through copies pages

@@ -70,11 +70,11 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default=None, help="default 1,8,64 (none with --algorithm block)")
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=96)
-    ap.add_argument("--ngram-batches", default="1,8,32,64,128")
+    ap.add_argument("--ngram-batches", default=None, help="default 1,8,32,64,128 (none with --algorithm block)")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=256)
     ap.add_argument("--oracle-fixpoint", type=int, default=12, help="most re-recorded oracle runs per k")
     ap.add_argument("--turnoff-batches", default="", help="e.g. 1,8,32,64: the acceptance sweep")
@@ -84,6 +84,11 @@ def main() -> None:
     ap.add_argument("--block-batches", default="", help="e.g. 1,8,32: block vs plain (needs --algorithm block)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    block_only = a.algorithm == "block"  # the oracle / ngram sections swap the proposer: not on a block engine
+    if block_only and (a.batches or a.ngram_batches or a.turnoff_batches):
+        ap.error("--algorithm block runs --block-batches only")
+    a.batches = "" if block_only else a.batches if a.batches is not None else "1,8,64"
+    a.ngram_batches = "" if block_only else a.ngram_batches if a.ngram_batches is not None else "1,8,32,64,128"
     batches = [int(x) for x in a.batches.split(",")] if a.batches else []
     ks = [int(x) for x in a.ks.split(",")]
     nb = [int(x) for x in a.ngram_batches.split(",")] if a.ngram_batches else []

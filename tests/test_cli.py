@@ -6,9 +6,12 @@ processes for the cores make each decode step far slower (the flag is part of wh
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from server_util import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +106,8 @@ def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp
         proc.kill()
     assert proc.returncode == 2, err[-2000:]
     assert "error: tokenizer" in err
-    assert _group_members(proc.pid) == [], "a process of the server outlived it"
+    # multiprocessing's resource tracker ends on its own once its parent is gone: a short wait
+    wait_for(lambda: _group_members(proc.pid) == [], "every process of the server to end", deadline_s=20)
 
 
 def test_ketch_gateway_never_imports_torch():
@@ -116,3 +120,27 @@ def test_ketch_gateway_never_imports_torch():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "True"]  # none for the gateway; the full parser does import it
+
+
+def test_serve_whose_engine_cannot_import_exits_1_saying_why(tmp_path):
+    """A broken install (here: a sitecustomize that makes `ketch.engine.engine` fail to import, in
+    every process of the server) ends `ketch serve` with exit 1 and the import error's text: the
+    engine process reports it once its sockets exist, not only its exit code."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Broken(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'ketch.engine.engine':\n"
+        "            raise ImportError('planted: the engine module is broken')\n"
+        "sys.meta_path.insert(0, Broken())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "serve", "--port", "0", "--num-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert "error: ImportError: planted: the engine module is broken" in err
+    wait_for(lambda: _group_members(proc.pid) == [], "every process of the server to end", deadline_s=20)

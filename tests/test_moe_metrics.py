@@ -1,4 +1,5 @@
-"""Per-expert routed-token counters of MoE models (issue 19 item 5) on /metrics: for each sparse
+"""Per-expert routed-token counters of MoE models (issue 19 item 5) on /metrics, with
+--enable-expert-distribution-metrics (off by default: layers x experts series): for each sparse
 layer (labelled with its decoder layer) and expert, the (token, pick)s routed to it since start-up.
 Every token run through the model picks top_k experts in every sparse layer, so each layer's sum
 is exactly computed tokens × top_k, with dense layers absent; an EPLB window reset leaves the
@@ -33,6 +34,15 @@ PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 4)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """What LLM(num_threads=1) sets, in place before each test's thread-count snapshot; given back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def served(request, tmp_path_factory):
     """(engine stats after the prompts ran, sparse layers, top_k)"""
@@ -44,12 +54,30 @@ def served(request, tmp_path_factory):
     cfg = getattr(transformers, cls)(**{**COMMON, **fields})
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     llm = LLM(str(path), tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1,
-              kv_cache_memory=4 << 20, page_size=8)
+              kv_cache_memory=4 << 20, page_size=8, enable_expert_distribution_metrics=True)
     try:
         llm.generate(PROMPTS, PARAMS)
         return llm.engine.stats(), sparse, top_k
     finally:
         llm.close()
+
+
+def test_off_by_default(tmp_path):
+    """Without --enable-expert-distribution-metrics a MoE model's stats carry no series."""
+    import transformers
+
+    cls, fields, _, _ = CHECKPOINTS["qwen3_moe"]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls)(**{**COMMON, **fields})
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1,
+              kv_cache_memory=4 << 20, page_size=8)
+    try:
+        llm.generate(PROMPTS[:1], PARAMS)
+        stats = llm.engine.stats()
+    finally:
+        llm.close()
+    assert stats.moe_layers == () and "ketch_moe_expert_tokens" not in ServerMetrics().render(stats).decode()
 
 
 def test_each_sparse_layer_counts_top_k_picks_of_every_computed_token(served):

@@ -56,8 +56,8 @@ def engine_stats(engine: "Engine") -> EngineStats:
 
 def _moe_stats(engine: "Engine") -> dict:
     load = engine.runner.expert_load
-    if load is None:
-        return {}
+    if load is None or not engine.config.enable_expert_distribution_metrics:
+        return {}  # (the counters run anyway: EPLB plans from them; reading them costs a device sync)
     return dict(moe_layers=load.layer_ids, moe_expert_tokens=tuple(map(tuple, load.totals())))
 
 

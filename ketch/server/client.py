@@ -93,8 +93,14 @@ class EngineClient:
     async def start(self, eos_token_ids: tuple[int, ...], timeout: float = 600.0) -> m.EngineReady:
         """Hand the launched engine its EOS ids and wait until it is ready."""
         self.eos_token_ids = eos_token_ids
-        self._eos_out.send(tuple(eos_token_ids))
-        self._eos_out.close()
+        try:
+            self._eos_out.send(tuple(eos_token_ids))
+        except OSError:  # the engine is gone already (BrokenPipeError): it died while importing
+            self._proc.join(timeout=5)
+            self.close()
+            raise EngineStartError(f"the engine process exited during startup (code {self._proc.exitcode})") from None
+        finally:
+            self._eos_out.close()
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))

@@ -122,7 +122,8 @@ def _moe_metrics(s: EngineStats) -> CounterMetricFamily:
     """Routed (token, pick)s per expert and sparse layer: the load EPLB balances (a hot expert is
     a series that grows faster than its layer's others)."""
     family = CounterMetricFamily("ketch_moe_expert_tokens", "Tokens routed to each expert of each MoE layer (a token "
-                                 "counts once per expert it picks: top_k per token and layer)", labels=["layer", "expert"])
+                                 "counts once per expert it picks: top_k per token and layer; under CUDA graphs the "
+                                 "padding rows of a decode graph count too)", labels=["layer", "expert"])
     for layer, counts in zip(s.moe_layers, s.moe_expert_tokens, strict=True):
         for expert, n in enumerate(counts):
             family.add_metric([str(layer), str(expert)], n)

@@ -142,6 +142,8 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
             workers.stop(sc.shutdown_timeout + 2 * _ANSWER_GRACE_S)
         failure = client.failure or (workers.failure if workers is not None else None)
         client.close()
+        if sock is not None:
+            sock.close()  # (bound before the tokenizer loaded: an error there must not leak it)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:

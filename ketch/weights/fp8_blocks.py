@@ -32,9 +32,11 @@ def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
 
 def dequantize_fp8_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
     """float32 values of a 2-D fp8 weight and its per-block scales."""
+    if q.dim() != 2:
+        raise ValueError(f"model: fp8 tensor {name!r} has shape {tuple(q.shape)}; block scales need a 2-D weight")
     out, inp = q.shape
     want = (-(-out // block[0]), -(-inp // block[1]))
-    if q.dim() != 2 or tuple(scale_inv.shape) != want:
+    if tuple(scale_inv.shape) != want:
         raise ValueError(f"model: {name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; a {tuple(q.shape)} "
                          f"weight in {block[0]}x{block[1]} blocks needs {want}")
     s = scale_inv.float().repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]

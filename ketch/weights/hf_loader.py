@@ -95,6 +95,12 @@ class SafetensorsWeights:
         return len(self.entries)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from self._tensors()
+        finally:
+            self._scale_files.clear()  # the scale shards' handles (and their mappings) go with the pass
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         handle, handle_path = None, None
         for path, name in self.entries:
             if path != handle_path:
