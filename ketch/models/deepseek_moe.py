@@ -108,13 +108,19 @@ class DeepseekMoE(MoE):
     """gate + routed experts (MoE) + shared experts; forward(x [T, H]) -> [T, H]."""
 
     def __init__(self, c: DeepseekConfig, ops: LayerOps, parallel: ParallelContext = SINGLE) -> None:
-        """Tensor parallel: routed and shared experts split by intermediate feature (each sums over
-        the ranks), the router whole on every rank."""
+        """Tensor parallel: routed and shared experts split by intermediate feature, the router
+        whole on every rank; the two partial sums are added first and summed over the ranks once
+        (one all-reduce a layer, not one each)."""
         super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c), parallel=parallel,
                          correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True, ops=ops)
         shared = c.moe_intermediate_size * c.n_shared_experts
         self.shared_experts = LlamaMLP(c, ops, parallel, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
+        if self.shared_experts is not None:
+            self.shared_experts.down_proj.reduce = False  # this rank's partial sum: reduced with the routed one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+        if self.shared_experts is None:
+            return super().forward(x)
+        weights, ids = self.gate(x)
+        y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids) + self.shared_experts(x)
+        return self.parallel.all_reduce(y) if self.reduce else y
