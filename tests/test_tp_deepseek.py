@@ -2,7 +2,8 @@
 dense, shared and routed experts' intermediate features and the vocabulary split over the ranks,
 the latent KV whole on each; greedy ids equal one rank's on tiny random MoE checkpoints (V2:
 softmax group-limited routing, no q LoRA; V3: sigmoid noaux_tc routing with q LoRA, shared
-experts, a dense first layer), mixed prefill chunks and decode rows in one step."""
+experts, a dense first layer), mixed prefill chunks and decode rows in one step; and with
+expert parallelism (`--ep-size 2`) and EPLB re-placing the experts every 3 steps."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -39,23 +40,44 @@ def _one_thread_each() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def greedy_ids(path: str, tp: int) -> list[list[int]]:
+def greedy_ids(path: str, tp: int, rebalances: list | None = None, **kw) -> list[list[int]]:
+    """The prompts' greedy ids; `rebalances` gets rank 0's count of EPLB re-placements."""
     llm = LLM(path, tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1,
-              kv_cache_memory=4 << 20, page_size=8, max_num_batched_tokens=32, tensor_parallel_size=tp)
+              kv_cache_memory=4 << 20, page_size=8, max_num_batched_tokens=32, tensor_parallel_size=tp, **kw)
     try:
-        return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+        ids = [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+        if rebalances is not None:
+            rebalances.append(llm.engine.runner.model.eplb.rebalances)
+        return ids
     finally:
         llm.close()
 
 
-@pytest.mark.parametrize("version", sorted(CHECKPOINTS))
-def test_tp2_greedy_ids_equal_tp1(version, tmp_path):
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """A tiny checkpoint's path and its one-rank greedy ids."""
     import transformers
 
-    cls, extra = CHECKPOINTS[version]
+    cls, extra = CHECKPOINTS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**BASE, **extra),
-                                                  dtype=torch.float32).save_pretrained(tmp_path)
-    ref = greedy_ids(str(tmp_path), 1)
+                                                  dtype=torch.float32).save_pretrained(path)
+    ref = greedy_ids(str(path), 1)
     assert len({tuple(ids) for ids in ref}) == len(PROMPTS)  # varied output: a broken shard would show
-    assert greedy_ids(str(tmp_path), 2) == ref
+    return str(path), ref
+
+
+def test_tp2_greedy_ids_equal_tp1(checkpoint):
+    path, ref = checkpoint
+    assert greedy_ids(path, 2) == ref
+
+
+def test_ep2_with_eplb_greedy_ids_equal_tp1(checkpoint):
+    """Whole routed experts split over 2 ranks plus 2 redundant slots, re-placed every 3 forward
+    steps (the shared experts and attention stay tensor-parallel)."""
+    path, ref = checkpoint
+    rebalances: list[int] = []
+    assert greedy_ids(path, 2, rebalances, ep_size=2, ep_num_redundant_experts=2, enable_eplb=True,
+                      eplb_rebalance_num_iterations=3) == ref
+    assert rebalances[0] >= 5  # ~20 forward steps: the experts really moved, several times

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import nn
 
-from ketch.layers.eplb_runtime import ExpertLoad
+from ketch.layers.eplb_runtime import Eplb, ExpertLoad
 from ketch.layers.linear import Linear
 from ketch.layers.norm import RMSNorm
 from ketch.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -35,7 +35,7 @@ from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
-from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekMoE
+from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekEPMoE, DeepseekMoE
 from ketch.models.llama import DecoderStack, LlamaMLP
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
@@ -100,11 +100,14 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.ops, self.eps = ops, c.rms_norm_eps
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DeepseekAttention(c, layer, ops, parallel)
+        dense = parallel.for_attention()  # the ranks' context of everything but the routed experts
+        self.self_attn = DeepseekAttention(c, layer, ops, dense)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         # the dense MLP reads hidden/intermediate_size off the config
-        self.mlp = DeepseekMoE(c, ops, parallel) if c.is_moe_layer(layer) \
-            else LlamaMLP(c, ops, parallel)  # type: ignore[arg-type]
+        if not c.is_moe_layer(layer):
+            self.mlp = LlamaMLP(c, ops, dense)  # type: ignore[arg-type]
+        else:
+            self.mlp = DeepseekEPMoE(c, ops, parallel) if parallel.ep.enabled else DeepseekMoE(c, ops, parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,18 +127,25 @@ class DeepseekForCausalLM(DecoderStack):
     def __init__(self, cfg: DeepseekConfig, max_positions: int, ops: LayerOps = TORCH_OPS,
                  parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        if parallel.ep.enabled:
-            raise ValueError("ep_size: the DeepSeek family's experts run tensor-parallel for now (no --ep-size)")
-        self.config, self.ops, self.parallel = cfg, ops, parallel
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=parallel)
+        dense = parallel.for_attention()
+        self.config, self.ops, self.parallel = cfg, ops, dense
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=dense)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, ops, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = ScaledRotary(cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.yarn)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
-                                                                          parallel=parallel)
+                                                                          parallel=dense)
         ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # routed picks per expert: /metrics
-        self.expert_load = ExpertLoad([self.layers[i].mlp.gate for i in ids], cfg.n_routed_experts or 0, ids)
+        sparse = [self.layers[i].mlp for i in ids]
+        self.expert_load = ExpertLoad([m.gate for m in sparse], cfg.n_routed_experts or 0, ids)
+        self.eplb = Eplb(sparse, self.expert_load, parallel) if parallel.ep.eplb_interval else None
         self.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any) -> torch.Tensor:
+        hidden = super().forward(input_ids, positions, attn, meta)
+        if self.eplb is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.eplb.step()  # every rank runs every forward: they re-place at the same step
+        return hidden
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (gate/up into the fused MLP slot, each routed expert's projections into

@@ -74,6 +74,11 @@ class DeepseekConfig:
         """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (layers/yarn.py)."""
         return self.qk_head_dim**-0.5 * (self.yarn.softmax_factor if self.yarn else 1.0)
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model); the name the engine's --ep-size check reads."""
+        return self.n_routed_experts or 0
+
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
 

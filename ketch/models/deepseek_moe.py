@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ketch.layers.moe import MoE
+from ketch.layers.moe_ep import ExpertParallelMoE
 from ketch.layers.moe_routing import grouped_topk
 from ketch.layers.ops import LayerOps
 from ketch.models.llama import LlamaMLP
@@ -124,3 +125,20 @@ class DeepseekMoE(MoE):
         weights, ids = self.gate(x)
         y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids) + self.shared_experts(x)
         return self.parallel.all_reduce(y) if self.reduce else y
+
+
+class DeepseekEPMoE(ExpertParallelMoE):
+    """`--ep-size`: whole routed experts split over the ranks (ketch/layers/moe_ep.py: dispatch,
+    EPLB's slots), the shared experts split as the dense MLPs are (by intermediate feature under
+    tensor-parallel attention); forward(x [T, H]) -> [T, H]."""
+
+    def __init__(self, c: DeepseekConfig, ops: LayerOps, parallel: ParallelContext) -> None:
+        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c), parallel=parallel,
+                         correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True)
+        shared = c.moe_intermediate_size * c.n_shared_experts
+        self.shared_experts = LlamaMLP(c, ops, parallel.for_attention(),  # type: ignore[arg-type]
+                                       intermediate_size=shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
