@@ -120,11 +120,12 @@ def test_v2_lite_dense_prefix_shapes_match_hf_names():
     assert DEEPSEEK.weight_shapes(DeepseekConfig.from_hf(d)) == want
 
 
-def test_tensor_parallel_and_gqa_configs_are_refused():
+def test_the_latent_is_whole_on_every_rank_and_gqa_configs_are_refused():
+    """Under tensor parallelism each rank's pool holds the whole latent (it serves all heads:
+    tests/test_tp_deepseek.py runs TP=2); a config with grouped kv heads is not MLA."""
     cfg = load_model_config(str(V2_LITE))
     two = type("Two", (), {"world_size": 2})()
-    with pytest.raises(ValueError, match="one rank"):
-        DEEPSEEK.kv_spec(cfg, two)
+    assert DEEPSEEK.kv_spec(cfg, two) == DEEPSEEK.kv_spec(cfg, type("One", (), {"world_size": 1})())
     d = json.loads((V2_LITE / "config.json").read_text())
     with pytest.raises(ValueError, match="num_key_value_heads"):
         DeepseekConfig.from_hf({**d, "num_key_value_heads": 4})
