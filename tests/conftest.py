@@ -39,6 +39,17 @@ TINY_LLAMA = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For a module whose tests build `LLM(num_threads=1)` (tiny models, or ranks sharing a small
+    box): that thread count, in place before each test's snapshot below, given back at teardown.
+    Use as `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads_given_back() -> Iterator[None]:
     """A test that changes torch's global thread count (LLM(num_threads=...) sets it) gives it

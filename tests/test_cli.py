@@ -94,20 +94,27 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp_path):
-    """`ketch serve` starts the engine process before it loads the tokenizer (the two overlap):
-    a tokenizer that fails still exits 2 naming the field, and the engine it started is gone."""
-    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "serve", "--port", "0", "--tokenizer", str(tmp_path),
-                             "--num-threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, start_new_session=True)  # a group of its own: the engine joins it
+def _serve_that_fails(*flags: str, env: dict | None = None) -> tuple[int, str]:
+    """`ketch serve` expected to exit during start-up: (its exit code, its stderr), once every
+    process of its group (the engine joins it) has ended."""
+    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "serve", "--port", "0", "--num-threads", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                            start_new_session=True)  # a group of its own
     try:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 2, err[-2000:]
-    assert "error: tokenizer" in err
     # multiprocessing's resource tracker ends on its own once its parent is gone: a short wait
     wait_for(lambda: _group_members(proc.pid) == [], "every process of the server to end", deadline_s=20)
+    return proc.returncode, err
+
+
+def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp_path):
+    """`ketch serve` starts the engine process before it loads the tokenizer (the two overlap):
+    a tokenizer that fails still exits 2 naming the field, and the engine it started is gone."""
+    code, err = _serve_that_fails("--tokenizer", str(tmp_path))
+    assert code == 2, err[-2000:]
+    assert "error: tokenizer" in err
 
 
 def test_ketch_gateway_never_imports_torch():
@@ -133,14 +140,6 @@ def test_serve_whose_engine_cannot_import_exits_1_saying_why(tmp_path):
         "        if name == 'ketch.engine.engine':\n"
         "            raise ImportError('planted: the engine module is broken')\n"
         "sys.meta_path.insert(0, Broken())\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "serve", "--port", "0", "--num-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1, err[-2000:]
+    code, err = _serve_that_fails(env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])})
+    assert code == 1, err[-2000:]
     assert "error: ImportError: planted: the engine module is broken" in err
-    wait_for(lambda: _group_members(proc.pid) == [], "every process of the server to end", deadline_s=20)

@@ -29,16 +29,7 @@ CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_l
               first_k_dense_replace=1, n_shared_experts=1, n_group=4, topk_group=2, tie_word_embeddings=False)
 PROMPTS = [[5 + i for i in range(n)] for n in (9, 21, 4)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops run fastest on one thread (CI has two cores); in place before each test's
-    thread-count snapshot (LLM(num_threads=1) sets it), given back at module teardown."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,15 +32,7 @@ CHECKPOINTS = {  # (config class, its fields, the sparse layers, top_k)
 }
 PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 4)]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """What LLM(num_threads=1) sets, in place before each test's thread-count snapshot; given back."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))

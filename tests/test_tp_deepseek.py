@@ -6,8 +6,6 @@ experts, a dense first layer), mixed prefill chunks and decode rows in one step;
 expert parallelism (`--ep-size 2`) and EPLB re-placing the experts every 3 steps."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -28,16 +26,7 @@ CHECKPOINTS = {
 }
 PROMPTS = [list(range(5, 5 + n)) for n in (7, 19, 33)] + [[250, 3, 77, 9]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread_each() -> Iterator[None]:
-    """Two ranks on a small shared box: one torch thread each (what LLM(num_threads=1) sets), in
-    place before each test's thread-count snapshot, restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy_ids(path: str, tp: int, rebalances: list | None = None, **kw) -> list[list[int]]:

@@ -104,7 +104,10 @@ class Eplb:
         self.rebalances = 0
 
     def step(self) -> None:
-        """One forward done (on every rank); re-place the experts when the interval is up."""
+        """One forward done (on every rank); re-place the experts when the interval is up. A
+        forward being captured into a CUDA graph is not a step (nothing ran)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
             self.rebalance()

@@ -63,6 +63,6 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: Any) -> torch.Tensor:
         hidden = super().forward(input_ids, positions, attn, meta)
-        if self.eplb is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if self.eplb is not None:
             self.eplb.step()  # every rank runs every forward: they re-place at the same step
         return hidden
