@@ -5,9 +5,11 @@ checkpoints (transformers `from_config` + `save_pretrained`), with overlap sched
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from ketch import LLM, SamplingParams
 from ketch.cli import build_parser
@@ -61,6 +63,10 @@ def greedy_ids(path: str, tp: int, overlap: bool) -> list[list[int]]:
     llm = LLM(path, tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1, kv_cache_memory=4 << 20, page_size=8,
               max_num_batched_tokens=32, tensor_parallel_size=tp, overlap_schedule=overlap)
     try:
+        if tp > 1:
+            # the workers wait in a collective for rank 0's next step however long the server
+            # idles: torch's default timeout (30 minutes) would end them (tp_ranks.RANK_WAIT)
+            assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout >= timedelta(days=30)
         return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
     finally:
         llm.close()

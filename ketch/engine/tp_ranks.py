@@ -9,35 +9,33 @@ Each step rank 0 broadcasts the ForwardBatch, then (after sampling) the sampled 
 (batch_wire.py); a worker has nothing to decide, so every rank runs the same collectives in
 the same order.
 
-A dead rank would leave the others blocked in a collective forever, so a thread waits on the
-workers' sentinels: when one exits while the engine is not closing, it names the rank on
-stderr and ends this process at once (os._exit: the main thread may be stuck inside gloo or
-nccl and could never unwind). For `ketch serve` that process is the engine process, and the
-API process sees it exit; for `ketch.LLM` it is the caller's process.
+A rank that dies ends this process (rank_procs.py).
 """
 from __future__ import annotations
 
 import atexit
-import multiprocessing.connection
 import os
 import socket
-import sys
-import threading
 from dataclasses import replace
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ketch.config import EngineConfig, ModelConfig
 from ketch.engine import batch_wire as wire
+from ketch.engine.rank_procs import RankProcesses
 from ketch.forward_batch import ForwardBatch
 from ketch.models.registry import family_for
 from ketch.parallel import ExpertParallel, ParallelContext
 from ketch.weights.source import ModelSource
 
-DEAD_RANK_EXIT = 1
+# How long a collective waits for the other ranks. The workers wait in one for rank 0's next
+# step, however long the server idles; torch's default (30 minutes) would end them, and with
+# them the engine, after half an hour without a request. A rank that dies is seen by its
+# process's exit (rank_procs.py) or by the closed connections, not by this timeout.
+RANK_WAIT = timedelta(days=365)
 
 
 def free_port() -> int:
@@ -61,7 +59,8 @@ def check_no_group() -> None:
 
 def expert_parallel(config: EngineConfig) -> ExpertParallel:
     """How the MoE layers use the ranks (ketch/parallel/expert.py): EP over the TP ranks, EPLB."""
-    return ExpertParallel(config.ep_size, num_redundant=config.ep_num_redundant_experts,
+    return ExpertParallel(config.ep_size, dp_attention=config.enable_dp_attention,
+                          num_redundant=config.ep_num_redundant_experts,
                           eplb_interval=config.eplb_rebalance_num_iterations if config.enable_eplb else 0)
 
 
@@ -73,7 +72,7 @@ def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.tensor_parallel_size)
+                            world_size=config.tensor_parallel_size, timeout=RANK_WAIT)
     return ParallelContext.from_group(dist.group.WORLD, expert_parallel(config))
 
 
@@ -91,21 +90,15 @@ class TensorParallelRanks:
         if config.ep_size > 1 and not getattr(model_config, "num_experts", 0):
             raise ValueError(f"ep_size: {model_config.architecture} has no routed experts to split")
         self.device = rank_config(config, 0).torch_device
-        self._closing = False
         port = free_port()
-        ctx = mp.get_context("spawn")  # never fork: torch and ZMQ state do not survive it
-        self.procs = [ctx.Process(target=run_worker, name=f"ketch-tp{r}", daemon=True,
-                                  args=(config, model_config, max_model_len, source, r, port, os.getpid()))
-                      for r in range(1, config.tensor_parallel_size)]
-        for p in self.procs:
-            p.start()
-        # from here a worker that dies (during its start-up too) ends this process
-        threading.Thread(target=self._watch, name="ketch-tp-watch", daemon=True).start()
+        self._ranks = RankProcesses(run_worker, lambda r: (config, model_config, max_model_len, source, r, port,
+                                                           os.getpid()), config.tensor_parallel_size, "tensor-parallel")
+        self.procs = self._ranks.procs
         atexit.register(self.close)  # before multiprocessing's exit hook terminates the workers
         try:
             self.parallel = init_rank(config, 0, port)
         except BaseException:
-            self._kill_workers()  # they wait for a rank 0 that will not come
+            self._ranks.kill()  # they wait for a rank 0 that will not come
             raise
 
     def send_step(self, batch: ForwardBatch) -> None:
@@ -118,44 +111,23 @@ class TensorParallelRanks:
 
     def close(self) -> None:
         """Tell the workers to stop and wait for them; idempotent."""
-        if self._closing or not dist.is_initialized():
+        if self._ranks.closing or not dist.is_initialized():
             return
-        self._closing = True
+        self._ranks.closing = True
         try:
             self._send(wire.control_header(wire.Op.SHUTDOWN), None)
         except RuntimeError:
             pass  # a worker is already gone: nothing to tell
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        self._ranks.join()
         dist.destroy_process_group()
 
     def abandon(self) -> None:
         """Rank 0 failed while starting: kill the workers (they may be inside a collective that
         will never complete) without a word to them."""
-        self._kill_workers()
+        self._ranks.kill()
         dist.destroy_process_group()
-
-    def _kill_workers(self) -> None:
-        self._closing = True  # their exits are expected now: the watcher stays quiet
-        for p in self.procs:
-            p.kill()
-            p.join()
 
     def _send(self, header: np.ndarray, payload: np.ndarray | None) -> None:
         dist.broadcast(wire.to_wire(header, self.device), src=0, group=self.parallel.group)
         if payload is not None and payload.size:
             dist.broadcast(wire.to_wire(payload, self.device), src=0, group=self.parallel.group)
-
-    def _watch(self) -> None:
-        ready = multiprocessing.connection.wait([p.sentinel for p in self.procs])
-        if self._closing:
-            return
-        dead = next(p for p in self.procs if p.sentinel in ready)
-        dead.join(timeout=5)  # the sentinel fires before the exit code is collected
-        rank = self.procs.index(dead) + 1
-        print(f"ketch: tensor-parallel rank {rank} (pid {dead.pid}) exited with code {dead.exitcode}",
-              file=sys.stderr, flush=True)
-        os._exit(DEAD_RANK_EXIT)
