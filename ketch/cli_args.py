@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,
                    help="MoE models: split whole experts over the tensor-parallel ranks (1 or the TP size)")
     g.add_argument("--enable-dp-attention", action="store_true",
-                   help="attention data-parallel, MoE expert-parallel (model-level only so far: refused)")
+                   help="MoE models, with --tp N --ep-size N: an engine per rank over its own requests "
+                        "(attention data-parallel), the experts split over the ranks")
     g.add_argument("--ep-num-redundant-experts", type=int, default=0, help="EPLB: extra slots for hot experts' replicas")
     g.add_argument("--enable-eplb", action="store_true", help="re-place experts from their measured load (needs --ep-size)")
     g.add_argument("--eplb-rebalance-num-iterations", type=int, default=1000, help="EPLB: forward steps between re-placements")

@@ -221,7 +221,7 @@ class EngineConfig:
     # Expert parallelism of MoE models (SGLang's flags; ketch/parallel/expert.py): ep_size 1 or
     # tensor_parallel_size (whole experts split over the TP ranks, attention stays TP).
     ep_size: int = 1
-    enable_dp_attention: bool = False  # model-level only so far: the engine refuses it
+    enable_dp_attention: bool = False  # an engine per rank, experts split over them (engine/dp_attention.py)
     ep_num_redundant_experts: int = 0  # EPLB's extra physical expert slots (replicas of hot experts)
     enable_eplb: bool = False  # re-place experts from their measured load ...
     eplb_rebalance_num_iterations: int = 1000  # ... every this many forward steps

@@ -18,7 +18,7 @@ SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("ngram", "draft", "block")  # SGLang'
 
 def check_expert_parallel(c: Any) -> None:
     """ep_size is 1 or tensor_parallel_size (the EP ranks are the TP ranks, SGLang's
-    ep_size == tp_size); redundant experts and EPLB need EP; DP attention is model-level only."""
+    ep_size == tp_size); redundant experts, EPLB and DP attention need EP."""
     for name, least in (("ep_size", 1), ("ep_num_redundant_experts", 0), ("eplb_rebalance_num_iterations", 1)):
         value = getattr(c, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -30,9 +30,12 @@ def check_expert_parallel(c: Any) -> None:
         if getattr(c, name) and c.ep_size == 1:
             raise ValueError(f"{name} (--{name.replace('_', '-')}) needs expert parallelism: add --ep-size "
                              f"{max(c.tensor_parallel_size, 2)}")
-    if c.enable_dp_attention:
-        raise ValueError("enable_dp_attention: the engine does not run DP attention yet (it needs one scheduler "
-                         "per DP rank); the model-level forward is ExpertParallel(dp_attention=True)")
+    if c.enable_dp_attention and c.ep_size == 1:
+        raise ValueError(f"enable_dp_attention: needs expert parallelism over the ranks: add --tp N --ep-size N "
+                         f"(N >= 2; got tensor_parallel_size {c.tensor_parallel_size}, ep_size 1)")
+    if c.enable_dp_attention and c.cpu_compile:
+        raise ValueError("cpu_compile: not with enable_dp_attention (the MoE layers' collectives run inside the "
+                         "forward; compiled decode graphs are not built for them)")
 
 
 def check_disaggregation(c: Any, modes: tuple[str, ...]) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 from tqdm import tqdm
 
 from ketch.config import EngineConfig
-from ketch.engine.engine import Engine
+from ketch.engine.factory import make_engine
 from ketch.engine.outputs import EngineOutput, TokenLogprob
 from ketch.sampling.params import SamplingParams
 from ketch.text.chat_template import ChatTemplate
@@ -70,7 +70,7 @@ class LLM:
         source = ModelSource.resolve(model, self.config.load_format, self.config.tokenizer).tokenizer
         self.tokenizer = None if source is None else Tokenizer.load(source)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        self.engine = Engine(self.config, eos_token_ids=eos)
+        self.engine = make_engine(self.config, eos)
         self._ids = itertools.count()
         self._template: ChatTemplate | None = None
 

@@ -65,7 +65,7 @@ def test_ep_flags_reach_the_config():
     (dict(ep_num_redundant_experts=-1), "ep_num_redundant_experts"),
     (dict(ep_num_redundant_experts=2), "ep_num_redundant_experts"), (dict(enable_eplb=True), "enable_eplb"),
     (dict(eplb_rebalance_num_iterations=0), "eplb_rebalance_num_iterations"),
-    (dict(enable_dp_attention=True, ep_size=2, tensor_parallel_size=2), "enable_dp_attention"),
+    (dict(enable_dp_attention=True, tensor_parallel_size=2), "enable_dp_attention"),
 ])
 def test_bad_ep_settings_name_their_field(kw, field):
     with pytest.raises(ValueError, match=field):

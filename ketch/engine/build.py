@@ -35,7 +35,7 @@ from ketch.engine.model_fingerprint import model_fingerprint
 from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
 from ketch.models import load_model_config
-from ketch.parallel import SINGLE
+from ketch.parallel import SINGLE, ParallelContext
 from ketch.runner.model_runner import ModelRunner
 from ketch.scheduler.scheduler import Scheduler
 from ketch.spec.block import BlockDraftHead, BlockProposer, block_head_for
@@ -65,8 +65,11 @@ class EngineParts:
     spec: Speculation | None = None  # speculative decoding: proposer, cost model, counters
 
 
-def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None) -> EngineParts:
-    """fake_hub: PD with the fake transport in one process (tests pair a prefill and a decode engine)."""
+def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None,
+                 parallel: ParallelContext | None = None) -> EngineParts:
+    """fake_hub: PD with the fake transport in one process (tests pair a prefill and a decode engine).
+    parallel: a DP-attention rank's context (dp_attention.py: the ranks are already joined, and
+    each runs an engine of its own); None: TP > 1 starts the other ranks here."""
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
     model_config = load_model_config(source)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -74,9 +77,12 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     ranks = None
     if config.tensor_parallel_size > 1:
         config = _without_graphs(config)
-        ranks = TensorParallelRanks(config, model_config, max_model_len, source)
+        if parallel is None:
+            ranks = TensorParallelRanks(config, model_config, max_model_len, source)
+    if parallel is None:
+        parallel = ranks.parallel if ranks else SINGLE
     try:
-        runner = ModelRunner(config, model_config, max_model_len, source, ranks.parallel if ranks else SINGLE)
+        runner = ModelRunner(config, model_config, max_model_len, source, parallel)
     except BaseException:
         if ranks:
             ranks.abandon()

@@ -39,6 +39,7 @@ from ketch.engine.outputs import EngineOutput, EngineStats, TokenLogprob
 from ketch.engine.step_batch import forward_batch
 from ketch.engine.tpot_buckets import TPOT_BUCKETS, tpot_bucket
 from ketch.engine.validation import validate_bootstrap, validate_request
+from ketch.parallel import ParallelContext
 from ketch.sampling.params import SamplingParams
 from ketch.sampling.counter_rng import fresh_seed
 from ketch.sampling.sampler import HostSample, SampleResult, SamplingBatch, SamplingRow, sample_on_device
@@ -64,8 +65,10 @@ class LaunchedStep:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None) -> None:
-        parts = build_engine(config, eos_token_ids, fake_hub)  # the composition root (build.py)
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake_hub: FakeHub | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """parallel: a DP-attention rank's context (dp_attention.py); None otherwise."""
+        parts = build_engine(config, eos_token_ids, fake_hub, parallel)  # the composition root (build.py)
         self.config = parts.config
         self.source, self.model_config, self.max_model_len = parts.source, parts.model_config, parts.max_model_len
         self.eos_ids = parts.eos_ids
@@ -108,7 +111,7 @@ class Engine:
         `generated_token_ids` resumes a stream another worker began (README, "Resuming a stream"):
         they are its first outputs, prefilled after the prompt, and it goes on from there.
         `bootstrap`: PD disaggregation (pd.py): required on a prefill or decode engine."""
-        self._validate(request_id, prompt_ids, params, generated_token_ids)
+        self.validate(request_id, prompt_ids, params, generated_token_ids)
         b = bootstrap
         validate_bootstrap(self.config.disaggregation_mode, b and b.host, b and b.port, b and b.room, params,
                            generated_token_ids)
@@ -139,8 +142,9 @@ class Engine:
         for req in samples:
             self.scheduler.add(req)
 
-    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  generated: Sequence[int]) -> None:
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 generated: Sequence[int] = ()) -> None:
+        """add_request's checks without adding (a DP-attention front checks here for every rank)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,

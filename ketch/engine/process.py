@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -116,20 +117,20 @@ class _StopSignal:
         return cls.at is not None and time.monotonic() - cls.at > _STOP_GRACE_S
 
 
-def _import_engine() -> tuple[type | None, Exception | None]:
-    """The Engine class, or why it would not import (a broken install): raised once the output
+def _import_engine() -> tuple[Any, Exception | None]:
+    """The engine's factory (factory.py), or why it would not import (a broken install): raised once the output
     sockets exist, so the API process prints the reason, not only an exit code."""
     try:
-        from ketch.engine.engine import Engine
+        from ketch.engine.factory import make_engine
     except Exception as e:
         return None, e
-    return Engine, None
+    return make_engine, None
 
 
 def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
                output_addrs: list[str], parent_pid: int) -> None:
     _StopSignal.install()
-    engine_class, import_error = _import_engine()  # (overlaps the API process's tokenizer load)
+    make_engine, import_error = _import_engine()  # (overlaps the API process's tokenizer load)
     try:
         eos_token_ids = tuple(eos_in.recv())
     except EOFError:  # the API process gave up before the engine was built (a bad tokenizer, a signal)
@@ -148,7 +149,7 @@ def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
     try:
         if import_error is not None:  # reported as any start-up failure: EngineError, exit 1
             raise import_error
-        engine = engine_class(config, eos_token_ids=eos_token_ids)
+        engine = make_engine(config, eos_token_ids)
         # Everything built so far (torch, the model's modules, graphs) lives as long as the
         # process: keep it out of the cyclic GC, whose full passes over it stalled the GPU
         # ~0.15 s each in long runs.

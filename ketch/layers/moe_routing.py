@@ -38,7 +38,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def _group_scores(choice: torch.Tensor, n_group: int, by_top2_sum: bool) -> torch.Tensor:
     """[tokens, n_group]: each group's best score, or the sum of its best two (noaux_tc)."""
-    grouped = choice.view(choice.shape[0], n_group, -1)
+    grouped = choice.view(choice.shape[0], n_group, choice.shape[1] // n_group)  # (not -1: 0 tokens)
     if by_top2_sum:
         return grouped.topk(2, dim=-1).values.sum(dim=-1)
     return grouped.max(dim=-1).values

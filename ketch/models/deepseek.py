@@ -84,7 +84,8 @@ class DeepseekAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        q = self._query(x).view(t, self.heads, -1)
+        q = self._query(x)
+        q = q.view(t, self.heads, q.shape[1] // self.heads)  # (not -1: an idle forward has t == 0)
         q = torch.cat((q[..., : self.nope], self._rotate(q[..., self.nope :], rope)), -1)
         ckv = self.kv_a_proj_with_mqa(x)
         n = self.kv_a_layernorm
@@ -92,7 +93,7 @@ class DeepseekAttention(nn.Module):
         latent = torch.cat((c, self._rotate(ckv[:, None, self.rank :], rope)[:, 0]), -1)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
         o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :])
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.flatten(1))
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -20,9 +20,9 @@ def rows_per_rank(parallel: ParallelContext, rows: int, device: torch.device) ->
 def all_gather_rows(parallel: ParallelContext, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The ranks' x [counts[r], ...] stacked in rank order (padded to the largest for the
     collective, the padding dropped)."""
-    if parallel.world_size == 1:
-        return x
     most = max(counts)
+    if parallel.world_size == 1 or most == 0:  # every rank idle (DP attention): nothing to gather
+        return x
     padded = x.new_zeros((most, *x.shape[1:]))
     padded[: x.shape[0]] = x
     parts = parallel.all_gather(padded, dim=0).split(most)

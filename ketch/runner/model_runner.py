@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ketch.attention.base import AttentionBackend
+from ketch.attention.idle import IDLE_ATTENTION
 from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
@@ -71,6 +72,7 @@ class ModelRunner:
         if config.cpu_compile and config.torch_device.type != "cpu":
             raise ValueError(f"cpu_compile: needs the CPU device, got device={config.device!r}")
         self.parallel = parallel
+        self.forwards = 0  # forward passes run, idle ones included (DP attention keeps the ranks in step by it)
         self.config = config
         self.model_config = model_config
         # model, KV layout, weights and attention backend all come from the family: nothing
@@ -165,8 +167,17 @@ class ModelRunner:
         return KVPool(spec, num_pages, ec.page_size, kv_dtype, self.device, compute_dtype=self.dtype)
 
     @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """The model over zero tokens: a DP-attention rank with nothing scheduled joins the MoE
+        layers' collectives of the others' forward (engine/dp_attention.py)."""
+        self.forwards += 1
+        none = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.model(none, none, IDLE_ATTENTION, None)
+
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the step; returns logits [len(batch.sample_rows), vocab] in fp32, in sampling order."""
+        self.forwards += 1
         # a host-tier load queued since the last step (CUDA; None otherwise: one read per step)
         pending = self.pool.take_pending_load()
         if self.graphs is not None and self.graphs.can_run(batch):
