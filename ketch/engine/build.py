@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
 from ketch.disagg import DisaggConfig, KVTransport, make_transport
@@ -44,6 +46,11 @@ from ketch.spec.ngram import NgramProposer
 from ketch.spec.proposer import Proposer
 from ketch.spec.verify_schedule import VerifyCost
 from ketch.weights.source import ModelSource
+
+
+# CUDA: the draft model's KV pool, as a share of the device's memory (an H200: 7 GB, ~220 k tokens
+# of a Llama-3.2-1B-shaped draft); the target's memory plan sees it, and the draft's weights, as in use
+DRAFT_POOL_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,10 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
             ranks = TensorParallelRanks(config, model_config, max_model_len, source)
     if parallel is None:
         parallel = ranks.parallel if ranks else SINGLE
+    # before the target's runner: on CUDA its memory plan then counts the draft's weights, pool
+    # and graphs as in use, and sizes the target's pool from what is left
+    draft = _draft_model(config, model_config.vocab_size, max_model_len) \
+        if config.speculative_algorithm == "draft" else None
     try:
         runner = ModelRunner(config, model_config, max_model_len, source, parallel)
     except BaseException:
@@ -96,20 +107,19 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     spec = None
     if config.speculative_algorithm:
         verify_cost = VerifyCost()  # measured by Speculation, read by the block proposer's schedule
-        spec = Speculation(config, make_proposer(config, runner, max_model_len, verify_cost), verify_cost)
+        spec = Speculation(config, draft or make_proposer(config, runner, verify_cost), verify_cost)
         runner.keep_hidden = spec.needs_hidden  # the engine hands them to the proposer a step later
     parts = EngineParts(config, source, model_config, max_model_len, eos_ids, ranks, runner, kv, scheduler, grammars,
                         storage_gate, spec=spec)
     return _with_transport(parts, fingerprint, fake_hub) if pd else parts
 
 
-def make_proposer(config: EngineConfig, runner: ModelRunner, max_model_len: int, verify_cost: VerifyCost) -> Proposer:
+def make_proposer(config: EngineConfig, runner: ModelRunner, verify_cost: VerifyCost) -> Proposer:
+    """The proposers that need no model of their own (`draft`'s is built before the target's runner)."""
     k = config.speculative_num_draft_tokens
     if config.speculative_algorithm == "ngram":
         return NgramProposer(k, config.speculative_ngram_min_match_window_size,
                              config.speculative_ngram_max_match_window_size)
-    if config.speculative_algorithm == "draft":
-        return _draft_model(config, runner.model_config.vocab_size, max_model_len)
     if config.speculative_algorithm == "block":
         return BlockProposer(_block_head(config, runner), runner.model, k,
                              verify_cost if config.speculative_adaptive else None)
@@ -125,17 +135,19 @@ def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
 
 def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> DraftModelProposer:
     """The draft model's own runner and KV manager: its dtype is the device's default (on a bf16
-    CPU its GGUF stays 4-bit), pages of one token, a quarter of the target's KV budget."""
+    CPU its GGUF stays 4-bit), pages of one token. Its pool: a quarter of the target's KV budget
+    where one is given, else a quarter of `kv_cache_fraction` on the CPU and DRAFT_POOL_FRACTION
+    of the device on CUDA; its decode steps replay CUDA graphs when the target's do."""
     path = config.speculative_draft_model_path
     assert path is not None  # EngineConfig checked it
-    if config.torch_device.type == "cuda":
-        raise ValueError("speculative_algorithm 'draft': not on CUDA yet (the target's memory plan leaves no room "
-                         "for a draft model's weights and pool); use 'ngram' there, or the draft model on the CPU")
     budget = config.kv_cache_memory // 4 if config.kv_cache_memory else None
+    if budget is None and config.torch_device.type == "cuda":
+        budget = int(torch.cuda.get_device_properties(config.torch_device).total_memory * DRAFT_POOL_FRACTION)
     dc = EngineConfig(model=path, load_format="dummy" if path.endswith(".json") else "auto", device=config.device,
                       seed=config.seed, page_size=1, kv_cache_memory=budget,
                       kv_cache_fraction=config.kv_cache_fraction / 4, max_num_seqs=config.max_num_seqs,
-                      cuda_graph=False, num_threads=config.num_threads, quantization=config.quantization,
+                      cuda_graph=config.use_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
+                      num_threads=config.num_threads, quantization=config.quantization,
                       attention_backend=config.attention_backend, layer_kernels=config.layer_kernels)
     source = ModelSource.resolve(dc.model, dc.load_format)
     model_config = load_model_config(source)
