@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ketch.config import EngineConfig
-from ketch.spec.cost_model import BLOCK_STEPS, PROBE_EVERY, SpecCostModel
+from ketch.spec.cost_model import BLOCK_STEPS, PROBE_BUDGET, PROBE_EVERY, SpecCostModel
 from ketch.spec.ngram import NgramProposer
 from ketch.spec.proposer import DraftInput
 from ketch.spec.verify import accepted_rows
@@ -100,6 +100,19 @@ def test_cost_model_turns_speculation_off_where_it_loses_and_probes_it_again() -
     win = run_blocks(m, 8, 20 * PROBE_EVERY, {True: 0.030, False: 0.020}, {True: 3.0, False: 1.0}, clock)
     assert m.pays(8) and win[-span:] == [True] * span
     assert win.count(False) < len(win) // 2
+
+
+def test_probes_stay_within_their_budget_where_a_verify_is_dear() -> None:
+    """bs 64: a speculating step takes 5 plain steps' time and keeps no draft (a verify of k = 4 is
+    320 rows). Once both sides are measured, the probes' extra time is at most PROBE_BUDGET of the
+    plain time between them (a probe block runs BLOCK_STEPS steps and the one that closes it);
+    doubling the wait alone (up to 64 blocks) spent ~8 % here."""
+    m, clock = SpecCostModel(), [0.0]
+    modes = run_blocks(m, 64, 600, {True: 0.050, False: 0.010}, {True: 1.0, False: 1.0}, clock)
+    later = modes[2 * (BLOCK_STEPS + 1):]  # after the first speculating and plain blocks
+    assert later.count(True) >= BLOCK_STEPS  # it still probes
+    extra, plain = later.count(True) * (0.050 - 0.010), later.count(False) * 0.010
+    assert extra <= PROBE_BUDGET * plain * (BLOCK_STEPS + 1) / BLOCK_STEPS, (extra, plain)
 
 
 def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:

@@ -14,19 +14,25 @@ verify cost grows with k and the batch (at bs 64 a verify of k = 4 is 320 decode
 free), the lost overlap costs a few percent, and the acceptance depends on the workload. Unknowns
 are measured first (a speculating block, then a plain one); a bucket that turned speculation off
 probes it after PROBE_EVERY blocks, and each probe that finds it still losing doubles the wait (up
-to MAX_PROBE_EVERY: a probe where a verify costs 3 plain steps is then a 3 % loss); one that has
+to MAX_PROBE_EVERY). The wait is also never shorter than what keeps the probes' measured cost
+within PROBE_BUDGET of the time between them: a probe block that runs `loss` blocks' time longer
+than a plain one (loss = plain rate / speculating rate - 1: at bs 64 a verify of k = 4 with no
+draft kept is ~4) waits loss / PROBE_BUDGET blocks (80), up to MAX_PROBE_WAIT. One that has
 it on re-measures a plain block every REFRESH_EVERY. A block that a prompt chunk or a batch-size change interrupts is dropped; the step
 after a full block closes it (a verify's tokens are counted when it is processed, just before
 that launch) and is measured by no block.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 EMA_WEIGHT = 0.3  # of the newest block
 BLOCK_STEPS = 8
 PROBE_EVERY = 4  # blocks: the first probe after speculation turned off ...
 MAX_PROBE_EVERY = 64  # ... each probe that finds it still losing doubles the wait, up to this
+PROBE_BUDGET = 0.05  # the probes' extra time, at most this share of the plain time between them ...
+MAX_PROBE_WAIT = 512  # ... as long as that wait (blocks) is at most this
 REFRESH_EVERY = 16  # blocks
 
 
@@ -120,13 +126,22 @@ class SpecCostModel:
         b.rate[blk.speculating] = ema(b.rate.get(blk.speculating), blk.tokens / blk.batch_size / (now - blk.started))
         favoured = len(b.rate) < 2 or b.rate[True] >= b.rate[False]
         if favoured != favoured_before or not known:
-            b.blocks, b.probe_every = 0, PROBE_EVERY
+            b.blocks, b.probe_every = 0, _affordable_wait(b, PROBE_EVERY)
         elif blk.speculating != favoured:  # a probe (or refresh) that changed nothing: wait longer to probe again
             b.blocks = 0
             if not favoured:
-                b.probe_every = min(2 * b.probe_every, MAX_PROBE_EVERY)
+                b.probe_every = _affordable_wait(b, min(2 * b.probe_every, MAX_PROBE_EVERY))
         else:
             b.blocks += 1
+
+
+def _affordable_wait(b: _Bucket, wait: int) -> int:
+    """`wait` blocks between probes, or more where a probe's measured extra time would exceed
+    PROBE_BUDGET of the plain time between them."""
+    if len(b.rate) < 2 or b.rate[True] >= b.rate[False] or b.rate[True] <= 0:
+        return wait
+    loss = b.rate[False] / b.rate[True] - 1  # a probe block's extra time, in plain blocks
+    return max(wait, min(MAX_PROBE_WAIT, math.ceil(loss / PROBE_BUDGET)))
 
 
 class AlwaysSpeculate:
