@@ -5,15 +5,19 @@ and DeepSeek-V3 checkpoints it gives the one-rank greedy ids: requests spread ov
 a long prompt in chunks, a lone request beside an idle rank, EPLB re-placing experts; every page
 returns on every rank; bad input raises on the caller and the ranks keep serving. A dense model
 and DP attention without expert parallelism are refused naming the field; `ketch serve` runs it
-behind the openai SDK."""
+behind the openai SDK, and a killed rank (either) ends the other."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import openai
 import pytest
 import torch
-from server_util import running_server
+from server_util import gone, running_server
+from test_tp_server import DEATH_DEADLINE_S, engine_and_worker
 
 from ketch.config import EngineConfig
 from ketch.llm import LLM
@@ -117,9 +121,15 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
 
 
-def test_ketch_serve_runs_dp_attention(tmp_path):
+def serve_dp2(path: str):
+    return running_server("--model", path, "--load-format", "dummy", "--tokenizer", default_model_path(),
+                          "--tp", "2", "--ep-size", "2", "--enable-dp-attention")
+
+
+def test_ketch_serve_runs_dp_attention_and_a_dead_rank_ends_it(tmp_path):
     """`ketch serve --tp 2 --ep-size 2 --enable-dp-attention` on dummy weights: completions, streamed
-    and not, give the one-rank engine's text for the same token prompts."""
+    and not, give the one-rank engine's text for the same token prompts; then rank 1 is killed and
+    the server exits, naming it, instead of hanging in a collective."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
     prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 130))]
     kw = dict(load_format="dummy", tokenizer=default_model_path(), device="cpu", dtype="float32", num_threads=1)
@@ -129,11 +139,28 @@ def test_ketch_serve_runs_dp_attention(tmp_path):
         want = [out.text for out in llm.generate(prompts, params)]
     finally:
         llm.close()
-    with running_server("--model", str(tmp_path), "--load-format", "dummy", "--tokenizer", default_model_path(),
-                        "--tp", "2", "--ep-size", "2", "--enable-dp-attention") as (_, base):
+    with serve_dp2(str(tmp_path)) as (server, base):
+        engine, rank1 = engine_and_worker(server)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         args = dict(model=client.models.list().data[0].id, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
         got = [client.completions.create(prompt=p, **args).choices[0].text for p in prompts]
         streamed = ["".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **args))
                     for p in prompts]
-    assert got == streamed == want
+        assert got == streamed == want
+        os.kill(rank1, signal.SIGKILL)
+        code = server.wait(timeout=DEATH_DEADLINE_S)
+        output = server.stdout.read()
+        assert code != 0 and f"DP-attention rank 1 (pid {rank1}) exited with code -9" in output, output
+        assert gone(engine)
+
+
+def test_a_killed_engine_process_ends_rank_1(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
+    with serve_dp2(str(tmp_path)) as (server, _):
+        engine, rank1 = engine_and_worker(server)
+        os.kill(engine, signal.SIGKILL)
+        assert server.wait(timeout=DEATH_DEADLINE_S) != 0
+        deadline = time.monotonic() + DEATH_DEADLINE_S
+        while not gone(rank1):  # its collective with a closed peer fails
+            assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+            time.sleep(0.1)  # polling interval, not a synchronisation
