@@ -2,8 +2,9 @@
 
 Decoding a few tokens is a matrix-vector product bound by how many weight bytes stream from
 memory: torch's int4 kernel over the GGUF's own 4-bit blocks reads ~4x fewer bytes than bf16
-and wins up to ~8 tokens; beyond that the dense bf16 GEMM (AMX) wins. The choice is by the
-step's token count; both forms hold the same quantized values.
+and wins the small steps; beyond a crossover the dense bf16 GEMM wins (~8 tokens with AMX, far
+more without: int4_crossover.py measures it per shape at start-up). The choice is by the step's
+token count; both forms hold the same quantized values.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from torch import nn
 
 from ketch.layers.q4 import BLOCK, Q4Weight
 
-INT4_MAX_TOKENS = 8  # crossover measured on a 2-core Sapphire Rapids (docs/performance.md)
+INT4_MAX_TOKENS = 8  # crossover on a 2-core Sapphire Rapids (AMX); each machine measures its own at start-up
 
 
 class Linear(nn.Linear):
     int4: torch.Tensor | None = None  # packed weight for torch's int4 CPU kernel
     int4_scale_zero: torch.Tensor | None = None  # [in / 32, out, 2]
+    # steps of up to this many tokens take the 4-bit kernel: measured per shape at start-up
+    # (int4_crossover.py, ModelRunner); INT4_MAX_TOKENS until then
+    int4_max_tokens: int = INT4_MAX_TOKENS
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear) -> None:
@@ -45,10 +49,17 @@ class Linear(nn.Linear):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias): the 4-bit kernel for small steps when attached, else the dense product."""
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
+        if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
+            y = self.int4_product(x)
             return y if bias is None else y + bias
         return self.dense(x, self.weight, bias)
+
+    def int4_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T by the dense path, without bias (what calibration times against int4_product)."""
+        return self.dense(x, self.weight, None)
 
 
 def concat_q4(parts: list[Q4Weight]) -> Q4Weight:

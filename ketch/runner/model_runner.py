@@ -31,6 +31,7 @@ from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
+from ketch.layers.int4_crossover import calibrate as calibrate_int4
 from ketch.layers.ops import layer_ops
 from ketch.layers.vocab_parallel import VocabParallelEmbedding
 from ketch.models.family import FamilyConfig
@@ -142,6 +143,11 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
+            # up to how many tokens the 4-bit kernel beats the dense GEMM on this machine, per shape
+            crossings = calibrate_int4(model.modules())
+            print(f"ketch: 4-bit weights for steps of up to {min(crossings.values(), default=0)}-"
+                  f"{max(crossings.values(), default=0)} tokens (measured per shape: "
+                  f"{', '.join(f'{o}x{i}: {n}' for (o, i), n in sorted(crossings.items()))})", file=sys.stderr)
         # one-row logits: mv, GEMM or int8 rows, timed here (on the head compute_logits uses, where
         # the family says which: DecoderStack.logits_head)
         head = getattr(model, "logits_head", None)

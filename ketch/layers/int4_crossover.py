@@ -1,0 +1,78 @@
+"""Up to how many tokens the 4-bit kernel beats the dense GEMM: measured per weight shape at
+start-up, on this machine, with the engine's threads (issue 18: no fixed threshold).
+
+torch's int4 CPU kernel reads ~4x fewer weight bytes than the dense bf16 GEMM but computes less
+efficiently, so it wins the small steps and loses the large ones; where they cross depends on the
+machine. With AMX (Sapphire Rapids) the dense GEMM wins from ~8 tokens; without it (most laptops
+and cloud VMs: AVX-512 or AVX2 only) the dense bf16 GEMM is several times slower and the 4-bit
+kernel keeps winning at much larger batches. So each distinct (out, in) shape of a layer with
+4-bit blocks is timed on its own weights at 1, 2, 4, ... tokens, both kernels alternated, until
+the dense GEMM wins; the layer then takes the 4-bit kernel up to the last size it won at.
+
+A size counts as won only when the 4-bit kernel takes under MARGIN of the dense time: near a tie
+either is as fast, and the margin keeps start-ups on a noisy machine from flipping the choice (and
+with it the bf16 rounding) back and forth. fp32 never holds 4-bit blocks, so its numerics (and
+parity with HF) are untouched.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # token counts timed (a step's rows)
+MARGIN = 0.9  # the 4-bit kernel wins a size only below this share of the dense GEMM's time
+REPS = 5  # alternated timings per kernel and size; the median counts
+
+
+def crossover(int4_s: Sequence[float], dense_s: Sequence[float], sizes: Sequence[int] = SIZES) -> int:
+    """The largest size up to which the 4-bit kernel won every size timed (0: not even one token)."""
+    best = 0
+    for m, a, b in zip(sizes, int4_s, dense_s):
+        if a >= MARGIN * b:
+            break
+        best = m
+    return best
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def measure(int4_mm: Callable[[torch.Tensor], torch.Tensor], dense_mm: Callable[[torch.Tensor], torch.Tensor],
+            in_features: int, dtype: torch.dtype, sizes: Sequence[int] = SIZES, reps: int = REPS) -> int:
+    """Time both products of one weight at each size until the dense one wins; the crossover."""
+    g = torch.Generator().manual_seed(0)
+    int4_s: list[float] = []
+    dense_s: list[float] = []
+    for m in sizes:
+        x = torch.randn(m, in_features, generator=g).to(dtype)
+        int4_mm(x), dense_mm(x)  # warm: first calls allocate (and oneDNN picks its kernel)
+        a, b = [], []
+        for _ in range(reps):  # alternated, so a burst of load hits both alike
+            a.append(_seconds(lambda: int4_mm(x)))
+            b.append(_seconds(lambda: dense_mm(x)))
+        int4_s.append(statistics.median(a))
+        dense_s.append(statistics.median(b))
+        if int4_s[-1] >= MARGIN * dense_s[-1]:
+            break  # the dense GEMM won: larger steps only favour it more
+    return crossover(int4_s, dense_s, sizes)
+
+
+def calibrate(layers: Iterable[torch.nn.Module]) -> dict[tuple[int, int], int]:
+    """Set `int4_max_tokens` on every layer holding 4-bit blocks, measured once per (out, in)
+    shape on the first such layer's own weights; returns the crossover per shape."""
+    found: dict[tuple[int, int], int] = {}
+    for layer in layers:
+        if getattr(layer, "int4", None) is None:
+            continue
+        shape = tuple(layer.weight.shape)
+        if shape not in found:
+            found[shape] = measure(layer.int4_product, layer.dense_product, shape[1], layer.weight.dtype)
+        layer.int4_max_tokens = found[shape]
+    return found
