@@ -42,8 +42,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_llm(path: str, **kw) -> LLM:
+    kw.setdefault("overlap_schedule", False)
     return LLM(path, tokenizer=default_model_path(), dtype="float32", device="cpu", num_threads=1,
-               kv_cache_memory=4 << 20, page_size=8, max_num_batched_tokens=32, overlap_schedule=False, **kw)
+               kv_cache_memory=4 << 20, page_size=8, max_num_batched_tokens=32, **kw)
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -96,9 +97,11 @@ def test_dp_attention_gives_the_one_rank_ids(checkpoint):
 
 
 def test_dp_attention_with_eplb_gives_the_one_rank_ids(checkpoint):
-    """Two redundant expert slots, re-placed every 2 forwards (the idle ones count on every rank)."""
+    """Two redundant expert slots, re-placed every 2 forwards (the idle ones count on every rank),
+    with overlap scheduling (a step launches before the last one is processed)."""
     path, ref = checkpoint
-    llm = make_llm(path, ep_num_redundant_experts=2, enable_eplb=True, eplb_rebalance_num_iterations=2, **DP)
+    llm = make_llm(path, ep_num_redundant_experts=2, enable_eplb=True, eplb_rebalance_num_iterations=2,
+                   overlap_schedule=True, **DP)
     try:
         assert greedy(llm, PROMPTS) == ref
         assert llm.engine.runner.model.eplb.rebalances >= 5
