@@ -16,7 +16,7 @@ import time
 import openai
 import pytest
 import torch
-from server_util import gone, running_server
+from server_util import gone, metrics, running_server
 from test_tp_server import DEATH_DEADLINE_S, engine_and_worker
 
 from ketch.config import EngineConfig
@@ -131,7 +131,8 @@ def serve_dp2(path: str):
 
 def test_ketch_serve_runs_dp_attention_and_a_dead_rank_ends_it(tmp_path):
     """`ketch serve --tp 2 --ep-size 2 --enable-dp-attention` on dummy weights: completions, streamed
-    and not, give the one-rank engine's text for the same token prompts; then rank 1 is killed and
+    and not, give the one-rank engine's text for the same token prompts, and /metrics counts both
+    ranks' tokens; then rank 1 is killed and
     the server exits, naming it, instead of hanging in a collective."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_MOE))
     prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 130))]
@@ -150,6 +151,8 @@ def test_ketch_serve_runs_dp_attention_and_a_dead_rank_ends_it(tmp_path):
         streamed = ["".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **args))
                     for p in prompts]
         assert got == streamed == want
+        counts = metrics(base)  # the ranks' counts, summed
+        assert counts["ketch_generation_tokens_total"] == 2 * 2 * 8, counts  # 2 prompts x 8 tokens, twice
         os.kill(rank1, signal.SIGKILL)
         code = server.wait(timeout=DEATH_DEADLINE_S)
         output = server.stdout.read()
