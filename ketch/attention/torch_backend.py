@@ -2,7 +2,8 @@
 
 Per step:   tokens = [ decode-like chunks (1 token each) | prefill chunks (ragged) ]
 - decode-like chunks are batched: their pages are gathered into [B, pages*page_size] and
-  masked beyond each sequence's length;
+  masked beyond each sequence's length (one sequence on consecutive pages, the common batch-1
+  case, reads them as a view instead: two copies per layer fewer);
 - a prefill chunk with nothing cached attends causally to its own K/V;
 - a prefill chunk after a cached prefix gathers its pages and uses an explicit causal mask
   shifted by the prefix length.
@@ -52,6 +53,9 @@ class TorchAttentionMetadata:
     decode_pages: torch.Tensor | None  # [B, max_pages]
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_pages * page_size] additive (0 / -inf)
     prefills: list[PrefillMeta]
+    # one decoding sequence whose pages are consecutive (a lone request on a fresh pool: the
+    # allocator hands out ascending pages): its first page, read as a view, not gathered
+    decode_first_page: int | None = None
 
 
 @dataclass
@@ -85,9 +89,12 @@ class TorchAttentionBackend(AttentionBackend):
     def init_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         ps, nd = self.page_size, batch.num_decode
         used = batch.pages_used
-        decode_pages = decode_mask = None
+        decode_pages = decode_mask = first = None
         if nd:
             width = int(used[:nd].max())
+            row = batch.page_table[0, :width]
+            if nd == 1 and (width == 1 or bool((np.diff(row) == 1).all())):
+                first = int(row[0])
             decode_pages = to_device(batch.page_table[:nd, :width], self.device, torch.long)  # zeros past a row's pages
             lens = to_device(batch.kv_lens[:nd], self.device, torch.long)
             visible = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
@@ -110,6 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_pages=decode_pages,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_first_page=first,
         )
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
@@ -142,8 +150,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
-        """One query token per sequence, [B, heads, dim], over its gathered, masked pages."""
-        kc, vc = self.pool.gather(layer, meta.decode_pages)
+        """One query token per sequence, [B, heads, dim], over its gathered, masked pages (one
+        sequence on consecutive pages: a view of them, the same values without the copy)."""
+        if meta.decode_first_page is None:
+            kc, vc = self.pool.gather(layer, meta.decode_pages)
+        else:
+            kc, vc = self.pool.span(layer, meta.decode_first_page, meta.decode_pages.shape[1])
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, heads, 1, dim]
             kc.transpose(1, 2),

@@ -104,6 +104,16 @@ class KVPool:
         pages = src.index_select(0, page_tables.reshape(-1)).view(b, p * self.page_size, *src.shape[2:])
         return pages.to(self._read_dtype[name])
 
+    def read_span(self, layer: int, name: str, first: int, count: int) -> torch.Tensor:
+        """read_pages of the consecutive pages first..first+count-1 of one sequence, [1, count *
+        page_size, *shape]: a view of the pool (a copy only when the pool is narrower)."""
+        src = self.layers[layer][name]
+        return src.narrow(0, first, count).view(1, count * self.page_size, *src.shape[2:]).to(self._read_dtype[name])
+
+    def span(self, layer: int, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MHA: gather's K/V for one sequence on consecutive pages (read_span)."""
+        return self.read_span(layer, "k", first, count), self.read_span(layer, "v", first, count)
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """MHA: write new tokens' K/V ([tokens, kv_heads, head_dim]) into their slots."""
         self.write(layer, "k", slots, k)
