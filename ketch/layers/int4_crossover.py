@@ -6,8 +6,10 @@ efficiently, so it wins the small steps and loses the large ones; where they cro
 machine. With AMX (Sapphire Rapids) the dense GEMM wins from ~8 tokens; without it (most laptops
 and cloud VMs: AVX-512 or AVX2 only) the dense bf16 GEMM is several times slower and the 4-bit
 kernel keeps winning at much larger batches. So each distinct (out, in) shape of a layer with
-4-bit blocks is timed on its own weights at 1, 2, 4, ... tokens, both kernels alternated, until
-the dense GEMM wins; the layer then takes the 4-bit kernel up to the last size it won at.
+4-bit blocks is timed on the weights of all its layers (in turn, as a step streams them: one
+layer's alone stays in the core's cache, and timed that way the dense GEMM won from 2-4 tokens
+where the engine's step was 1.2x slower for it) at 1, 2, 4, ... tokens, both kernels alternated,
+until the dense GEMM wins; the layers then take the 4-bit kernel up to the last size it won at.
 
 A size counts as won only when the 4-bit kernel takes under MARGIN of the dense time: near a tie
 either is as fast, and the margin keeps start-ups on a noisy machine from flipping the choice (and
@@ -24,7 +26,11 @@ import torch
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # token counts timed (a step's rows)
 MARGIN = 0.9  # the 4-bit kernel wins a size only below this share of the dense GEMM's time
-REPS = 5  # alternated timings per kernel and size; the median counts
+REPS = 3  # alternated timings per kernel and size; the median counts
+# From this many tokens a product is bound by its arithmetic, not by streaming the weight, so
+# where the weight sits matters little: two layers of the shape are timed instead of all of them
+# (without AMX the dense GEMM is slow there, and timing every layer took 26 s of start-up).
+COMPUTE_BOUND_TOKENS = 64
 
 
 def crossover(int4_s: Sequence[float], dense_s: Sequence[float], sizes: Sequence[int] = SIZES) -> int:
@@ -44,19 +50,29 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 @torch.inference_mode()
-def measure(int4_mm: Callable[[torch.Tensor], torch.Tensor], dense_mm: Callable[[torch.Tensor], torch.Tensor],
-            in_features: int, dtype: torch.dtype, sizes: Sequence[int] = SIZES, reps: int = REPS) -> int:
-    """Time both products of one weight at each size until the dense one wins; the crossover."""
+def measure(int4_mms: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+            dense_mms: Sequence[Callable[[torch.Tensor], torch.Tensor]], in_features: int, dtype: torch.dtype,
+            sizes: Sequence[int] = SIZES, reps: int = REPS) -> int:
+    """Time both products of every layer of one shape, one after the other as a step runs them (so
+    their weights stream from memory as in a step: one layer's alone would sit in the core's cache
+    and favour the dense GEMM), at each size until the dense one wins; the crossover."""
     g = torch.Generator().manual_seed(0)
     int4_s: list[float] = []
     dense_s: list[float] = []
+
+    def run_all(mms: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> None:
+        for mm in mms:
+            mm(x)
+
     for m in sizes:
         x = torch.randn(m, in_features, generator=g).to(dtype)
-        int4_mm(x), dense_mm(x)  # warm: first calls allocate (and oneDNN picks its kernel)
+        some = slice(None) if m < COMPUTE_BOUND_TOKENS else slice(2)
+        int4_m, dense_m = int4_mms[some], dense_mms[some]
+        run_all(int4_m, x), run_all(dense_m, x)  # warm: first calls allocate (and oneDNN picks its kernel)
         a, b = [], []
         for _ in range(reps):  # alternated, so a burst of load hits both alike
-            a.append(_seconds(lambda: int4_mm(x)))
-            b.append(_seconds(lambda: dense_mm(x)))
+            a.append(_seconds(lambda: run_all(int4_m, x)))
+            b.append(_seconds(lambda: run_all(dense_m, x)))
         int4_s.append(statistics.median(a))
         dense_s.append(statistics.median(b))
         if int4_s[-1] >= MARGIN * dense_s[-1]:
@@ -66,13 +82,15 @@ def measure(int4_mm: Callable[[torch.Tensor], torch.Tensor], dense_mm: Callable[
 
 def calibrate(layers: Iterable[torch.nn.Module]) -> dict[tuple[int, int], int]:
     """Set `int4_max_tokens` on every layer holding 4-bit blocks, measured once per (out, in)
-    shape on the first such layer's own weights; returns the crossover per shape."""
-    found: dict[tuple[int, int], int] = {}
+    shape over all the layers of that shape; returns the crossover per shape."""
+    by_shape: dict[tuple[int, int], list[torch.nn.Module]] = {}
     for layer in layers:
-        if getattr(layer, "int4", None) is None:
-            continue
-        shape = tuple(layer.weight.shape)
-        if shape not in found:
-            found[shape] = measure(layer.int4_product, layer.dense_product, shape[1], layer.weight.dtype)
-        layer.int4_max_tokens = found[shape]
+        if getattr(layer, "int4", None) is not None:
+            by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
+    found = {}
+    for shape, group in by_shape.items():
+        found[shape] = measure([m.int4_product for m in group], [m.dense_product for m in group], shape[1],
+                               group[0].weight.dtype)
+        for m in group:
+            m.int4_max_tokens = found[shape]
     return found
