@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 
 import openai
 import pytest
@@ -89,6 +90,8 @@ def test_dp_attention_gives_the_one_rank_ids(checkpoint):
             llm.generate([[5, 400]], PARAMS)  # 400 is past the vocabulary
         assert greedy(llm, PROMPTS[:2]) == ref[:2]  # still serving, on both ranks
         engine.check_invariants()  # on every rank
+        # the ranks wait for rank 0's next tick however long the server idles (torch's default: 30 minutes)
+        assert engine._link.group._get_backend(torch.device("cpu")).options._timeout >= timedelta(days=30)
         stats = engine.stats()
         assert stats.kv_pages_in_use == 0 and stats.num_running == stats.num_waiting == 0
         assert stats.kv_pages_total == 2 * engine.runner.pool.num_pages  # the ranks' pools summed

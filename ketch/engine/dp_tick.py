@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ketch.engine.outputs import EngineOutput
+from ketch.engine.tp_ranks import RANK_WAIT
 
 if TYPE_CHECKING:
     from ketch.engine.engine import Engine
@@ -49,7 +50,9 @@ class ControlLink:
     """This rank's end of the control group (made right after the model's group, on every rank)."""
 
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+        # a rank waits here for rank 0's next tick however long the server idles (tp_ranks.RANK_WAIT;
+        # a group's timeout is its own, not the world's)
+        self.group = dist.new_group(backend="gloo", timeout=RANK_WAIT)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def receive(self) -> Tick:
