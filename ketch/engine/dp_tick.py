@@ -34,9 +34,13 @@ OPS = ("step", "stats", "flush", "check", "audit", "shutdown")
 
 @dataclass
 class Tick:
-    op: str
+    op: str  # one of OPS
     adds: list[list[tuple]] = field(default_factory=list)  # per rank: add_request's arguments
     aborts: list[list[tuple[str, int | None]]] = field(default_factory=list)  # per rank: abort's
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:  # a typo would otherwise be a tick every rank silently ignores
+            raise ValueError(f"tick op must be one of {OPS}, got {self.op!r}")
 
 
 @dataclass
