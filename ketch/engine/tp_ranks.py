@@ -2,7 +2,7 @@
 step to them, and take the engine down when one dies.
 
     engine process (rank 0: Engine, scheduler, sampler, ModelRunner of shard 0)
-      ├── ketch-tp1 (tp_worker.py: ModelRunner of shard 1)
+      ├── ketch-rank1 (tp_worker.py: ModelRunner of shard 1)
       └── ...       every rank runs each forward; the layers' collectives join them inside it
 
 Each step rank 0 broadcasts the ForwardBatch, then (after sampling) the sampled ids
