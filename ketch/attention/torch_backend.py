@@ -92,9 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
         decode_pages = decode_mask = first = None
         if nd:
             width = int(used[:nd].max())
-            row = batch.page_table[0, :width]
-            if nd == 1 and (width == 1 or bool((np.diff(row) == 1).all())):
-                first = int(row[0])
+            if nd == 1 and (width == 1 or bool((np.diff(batch.page_table[0, :width]) == 1).all())):
+                first = int(batch.page_table[0, 0])
             decode_pages = to_device(batch.page_table[:nd, :width], self.device, torch.long)  # zeros past a row's pages
             lens = to_device(batch.kv_lens[:nd], self.device, torch.long)
             visible = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]

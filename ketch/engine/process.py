@@ -26,9 +26,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import zmq
@@ -118,8 +118,8 @@ class _StopSignal:
 
 
 def _import_engine() -> tuple[Any, Exception | None]:
-    """The engine's factory (factory.py), or why it would not import (a broken install): raised once the output
-    sockets exist, so the API process prints the reason, not only an exit code."""
+    """The engine's factory (factory.py), or why it would not import (a broken install): raised
+    once the output sockets exist, so the API process prints the reason, not only an exit code."""
     try:
         from ketch.engine.factory import make_engine
     except Exception as e:
