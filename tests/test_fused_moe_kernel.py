@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -93,6 +94,23 @@ def test_fused_experts_triton_is_the_reference(tokens, dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (5, 2, 64), (3, 6, 1500)])
+def test_combine_is_the_references_sum(tokens, top_k, hidden, dtype):
+    """The fused path's third launch: each token's k rows summed (fp32, one rounding) as
+    `out.view(T, k, H).sum(1)` does; a hidden size past one block and not a power of two too."""
+    from ketch.kernels.moe_combine import moe_sum
+
+    rows = torch.randn(tokens, top_k, hidden, generator=torch.Generator().manual_seed(hidden + top_k)).to(dtype)
+    got = moe_sum(rows.to(DEVICE))
+    ref = rows.float().sum(dim=1).to(dtype)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert moe_sum(torch.empty(0, top_k, hidden, dtype=dtype, device=DEVICE)).shape == (0, hidden)
+    with pytest.raises(ValueError, match="tokens, top_k, hidden"):
+        moe_sum(rows[0].to(DEVICE))
+
+
 def test_no_tokens_and_bad_shapes():
     w13, w2 = experts(torch.float32)
     weights, ids = routed(0, seed=0)
@@ -156,7 +174,8 @@ def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
     and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs, the fp8 gated one (two
     accumulators and the scales) and the prefill down GEMM (the widest tile); the one-CTA
-    alignment kernel and the softmax top-k routing kernel at the models' expert counts."""
+    alignment kernel, the softmax top-k routing kernel at the models' expert counts and the
+    combine (which loads nothing before the PDL wait: its rows are the down GEMM's output)."""
     script = """
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
@@ -185,6 +204,13 @@ for experts, top_k in ((128, 8), (8, 2)):  # Qwen3-30B-A3B, Mixtral
     u = _usage("route", _compile(_softmax_topk_kernel, sig, consts, 90, 1, 1))
     print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait)
     assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+from ketch.kernels.moe_combine import _moe_sum_kernel
+sig = {"X": "*bf16", "Out": "*bf16", "stride_t": "i32", "stride_k": "i32", "stride_o": "i32"}
+for top_k, hidden in ((8, 2048), (6, 2048), (2, 4096)):  # Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral
+    consts = dict(TOP_K=top_k, HIDDEN=hidden, BLOCK=1024, USE_PDL=True)
+    u = _usage("combine", _compile(_moe_sum_kernel, sig, consts, 90, 4, 3))
+    print("combine", top_k, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
+    assert u.spill_bytes == 0 and u.loads_before_wait == 0 and u.stores_before_wait == 0, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -192,16 +218,19 @@ for experts, top_k in ((128, 8), (8, 2)):  # Qwen3-30B-A3B, Mixtral
 
 
 def test_moe_layer_picks_the_kernel_at_build():
-    """MoE(ops=triton_ops()) runs the fused kernel (no branch in forward), MoE() the torch path;
-    the two give the same output."""
+    """MoE(ops=triton_ops()) runs the fused kernel and its router through the ops' linear (the
+    skinny GEMM for decode-sized steps; no branch in forward), MoE() the torch path; the two give
+    the same output, at a decode-sized step and a larger one."""
     from functools import partial
 
     from ketch.layers.moe import MoE, torch_experts
     from ketch.layers.ops import triton_ops
 
     select = partial(softmax_topk, top_k=K, renormalize=True)
-    torch_moe, triton_moe = MoE(H, E, I, select), MoE(H, E, I, select, ops=triton_ops())
+    ops = triton_ops()
+    torch_moe, triton_moe = MoE(H, E, I, select), MoE(H, E, I, select, ops=ops)
     assert torch_moe.run_experts is torch_experts and triton_moe.run_experts is fused_experts_triton
+    assert triton_moe.gate.dense is ops.linear and torch_moe.gate.dense is F.linear
     w13, w2 = experts(torch.float32, seed=3)
     gate = torch.randn(E, H, generator=torch.Generator().manual_seed(4))
     for moe in (torch_moe, triton_moe):
@@ -210,9 +239,10 @@ def test_moe_layer_picks_the_kernel_at_build():
             moe.gate.weight.copy_(gate)
             moe.experts.w13.copy_(w13)
             moe.experts.w2.copy_(w2)
-    x = torch.randn(9, H, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    with torch.no_grad():
-        torch.testing.assert_close(triton_moe(x), torch_moe(x), atol=2e-5, rtol=2e-5)
+    for tokens in (2, 9):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(triton_moe(x), torch_moe(x), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

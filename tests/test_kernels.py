@@ -32,7 +32,7 @@ from ketch.kernels.decode_attention import (
 )
 from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
 from ketch.kernels.kv_store import store_kv, store_kv_ref
-from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, qk_rms_norm, qk_rms_norm_ref, rms_norm, rms_norm_ref
 from ketch.kernels.rotary import rotary
 from ketch.layers.activation import silu_and_mul as silu_and_mul_ref  # the layer's torch code is the reference
 from ketch.layers.rotary import RotaryEmbedding, apply_rotary
@@ -173,6 +173,27 @@ def test_rms_norm_and_fused_add_match_reference(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_head_norm_matches_two_norms(dtype: torch.dtype) -> None:
+    """Qwen3's q / k head norms in one launch, read straight out of the fused qkv rows (a token
+    stride wider than the q and k heads): each head with its own weight, as two norms and a cat,
+    and the same bits as the rms_norm kernel per head. The torch ops' version is the reference."""
+    from ketch.layers.ops import torch_qk_norm
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, num_q, num_k, dim = 5, 4, 2, 48  # dim not a power of two: masked tail
+    qkv = (torch.randn(tokens, (num_q + 2 * num_k) * dim, generator=gen) * 30).to(DEVICE, dtype)
+    qk = qkv[:, : (num_q + num_k) * dim].view(tokens, num_q + num_k, dim)
+    wq, wk = (torch.randn(dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    got = qk_rms_norm(qk, wq, wk, 1e-6, num_q)
+    assert got.shape == qk.shape and got.is_contiguous()
+    close(got, qk_rms_norm_ref(qk, wq, wk, 1e-6, num_q), dtype)
+    assert torch.equal(got[:, :num_q], rms_norm(qk[:, :num_q], wq, 1e-6))
+    assert torch.equal(got[:, num_q:], rms_norm(qk[:, num_q:], wk, 1e-6))
+    assert torch.equal(torch_qk_norm(qk.cpu(), wq.cpu(), wk.cpu(), 1e-6, num_q), qk_rms_norm_ref(qk.cpu(), wq.cpu(), wk.cpu(), 1e-6, num_q))
+    assert qk_rms_norm(qk[:0], wq, wk, 1e-6, num_q).shape == (0, num_q + num_k, dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_model_layout(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(D, 128, 10000.0, None).to(DEVICE)
@@ -211,8 +232,8 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     rows = {name: spill for name, spill, _ in found}
-    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "rotary", "silu_and_mul",
-                         "gemv_m1", "gemv_dot", "page_copy"}
+    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm", "rotary",
+                         "silu_and_mul", "gemv_m1", "gemv_dot", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
     # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
     # (the norm weight; the gemv's first W tile, its prefetch); extend attention stays non-PDL
@@ -221,6 +242,7 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
     loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["add_rms_norm"] > 0, proc.stdout
+    assert loads["qk_rms_norm"] > 0, proc.stdout  # its two weights
     assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "silu_and_mul")), proc.stdout
 
 

@@ -127,3 +127,40 @@ def test_routing_kernel_bf16_logits():
     probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
     torch.testing.assert_close(probs / probs.sum(-1, keepdim=True), weights, atol=1e-6, rtol=0)
     assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()), "k distinct experts"
+
+
+@pytest.mark.parametrize("method,n_group,topk_group,scale,kernel", [
+    ("greedy", 1, 1, 1.0, True),  # V2-Lite's
+    ("group_limited_greedy", 4, 4, 2.5, True),  # every group kept: nothing masked
+    ("group_limited_greedy", 4, 2, 1.0, False),  # groups masked: torch's grouped top-k
+    ("noaux_tc", 1, 1, 1.0, False),  # V3's sigmoid + bias
+])
+def test_deepseek_routing_uses_the_kernel_where_no_group_is_masked(tmp_path, method, n_group, topk_group, scale,
+                                                                   kernel):
+    """DeepSeek-V2 routing that masks no group is softmax top-k times the scaling factor: with the
+    Triton layer ops it runs the one-launch kernel and gives grouped_topk's experts and weights;
+    group masking and V3's noaux_tc stay on torch's grouped_topk."""
+    import json
+    from pathlib import Path
+
+    from ketch.layers.moe_routing import grouped_topk
+    from ketch.layers.ops import TORCH_OPS, triton_ops
+    from ketch.models.deepseek_moe import _scaled_softmax_topk, routing
+    from ketch.models.registry import load_model_config
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "configs" / "deepseek-v2-lite" / "config.json").read_text())
+    d.update(topk_method=method, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale)
+    if method == "noaux_tc":
+        d.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="sigmoid")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = load_model_config(str(tmp_path / "config.json"), "dummy")
+    select = routing(cfg, triton_ops())
+    assert (select.func is _scaled_softmax_topk) == kernel
+    assert routing(cfg, TORCH_OPS).func is grouped_topk and routing(cfg).func is grouped_topk
+    if method == "noaux_tc":
+        return
+    logits = 3.0 * torch.randn(37, 64, generator=torch.Generator().manual_seed(n_group + topk_group))
+    weights, ids = select(logits.to(DEVICE))
+    ref_w, ref_ids = routing(cfg)(logits)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=0)

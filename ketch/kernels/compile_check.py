@@ -33,7 +33,7 @@ from ketch.kernels.gemv import _gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
-from ketch.kernels.rmsnorm import _rms_norm_kernel
+from ketch.kernels.rmsnorm import _qk_rms_norm_kernel, _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
 
 
@@ -104,6 +104,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
           "BLOCK_DV": bd, "PRECISION": prec}, 4, 2),
         ("add_rms_norm", _rms_norm_kernel, {"N": hidden, "BLOCK": pow2(hidden), "HAS_RESIDUAL": True},
          min(16, max(1, pow2(hidden) // 256)), 3),
+        ("qk_rms_norm", _qk_rms_norm_kernel,  # Qwen3's q / k head norms
+         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim)}, 1, 3),
         ("rotary", _rotary_kernel,
          {"HEADS": heads + kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(heads + kv_heads), "BLOCK_D": pow2(head_dim)},
          4 if (heads + kv_heads) * head_dim >= 2048 else 2, 3),

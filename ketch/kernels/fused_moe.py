@@ -13,8 +13,8 @@ Three launches after the alignment (no host sync anywhere: shapes decide the gri
        less (decode steps are launch-bound, kernels/README.md: a 3-4 µs floor each) and the
        [T*k, 2I] gate|up activations never reach memory.
     2. down GEMM over inter's rows, times the routing weight in the epilogue -> out [T*k, H].
-    3. the combine: out.view(T, k, H).sum(1), the reference's own op (fp32 accumulation, one
-       rounding), so it adds no difference of its own.
+    3. the combine (moe_combine.py): each token's k rows summed in fp32 and rounded once, as
+       the reference's out.view(T, k, H).sum(1), in one short launch.
 Rounding follows the reference (bf16 rounds where torch's bf16 ops round): gate and up are
 rounded to the activation dtype, silu rounded before the product; the down result is rounded,
 then multiplied by the weight rounded to the activation dtype.
@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ketch.kernels._common import dot_precision, interpreting, pdl_launch
 from ketch.kernels.moe_align import moe_align
+from ketch.kernels.moe_combine import moe_sum
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
 
@@ -237,4 +238,4 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
              a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down)
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    return moe_sum(out.view(tokens, top_k, hidden))

@@ -9,6 +9,9 @@ track; the rounding steps mirror torch's bf16 ops one for one, so only the order
 squares differs from the reference.
 
     grid: (rows,)  one program = one row of `hidden` elements (hidden <= 65536).
+
+qk_rms_norm: the per-head norm of Qwen3's q and k heads (two weights) in one launch, grid
+(tokens * heads,), the same math per head.
 """
 from __future__ import annotations
 
@@ -81,6 +84,52 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out, res = _launch(x, residual, weight, eps)
     assert res is not None
     return out, res
+
+
+@triton.jit
+def _qk_rms_norm_kernel(
+    X, WeightQ, WeightK, Out, stride_t, stride_h, stride_ot, eps,
+    HEADS: tl.constexpr, NUM_Q: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program = one head of one token: _rms_norm_kernel's math with the q or the k weight."""
+    pid = tl.program_id(0).to(tl.int64)
+    t, h = pid // HEADS, pid % HEADS
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    wq = tl.load(WeightQ + offs, mask=mask, other=0.0).to(tl.float32)  # parameters: before the wait
+    wk = tl.load(WeightK + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # x is the qkv projection's output
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(X + t * stride_t + h * stride_h + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.where(h < NUM_Q, wq, wk)
+    tl.store(Out + t * stride_ot + h * N + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                num_q: int) -> torch.Tensor:
+    """qk [tokens, heads, dim] (q heads, then k heads; any token stride, heads contiguous
+    rows) -> a new contiguous [tokens, heads, dim]: the first num_q heads normed with q_weight,
+    the rest with k_weight (Qwen3's q_norm / k_norm), in one launch where two norms and a cat ran."""
+    tokens, heads, dim = qk.shape
+    if qk.stride(-1) != 1 or qk.stride(1) != dim:
+        qk = qk.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=qk.dtype, device=qk.device)
+    block = pow2(dim)
+    if tokens:
+        _qk_rms_norm_kernel[(tokens * heads,)](
+            qk, q_weight, k_weight, out, qk.stride(0), qk.stride(1), out.stride(0), eps,
+            HEADS=heads, NUM_Q=num_q, N=dim, BLOCK=block, **pdl_launch(), num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+def qk_rms_norm_ref(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                    num_q: int) -> torch.Tensor:
+    return torch.cat((rms_norm_ref(qk[:, :num_q], q_weight, eps), rms_norm_ref(qk[:, num_q:], k_weight, eps)), 1)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

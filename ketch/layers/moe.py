@@ -4,7 +4,8 @@ the token's output is the routing-weighted sum of its experts' outputs.
     Router(hidden, experts, select)   the gate: logits = x @ W^T ([experts, hidden], replicated),
                                       then `select(logits)` -> (weights, ids) (moe_routing.py);
                                       optional fp32 logits and DeepSeek's
-                                      `e_score_correction_bias` (handed to select)
+                                      `e_score_correction_bias` (handed to select); the
+                                      product is the layer ops' `linear` (MoE passes it)
     FusedExperts(experts, hidden, intermediate)
                                       w13 [E, 2 I_r, H] (gate_r | up_r, as the dense
                                       MergedColumnParallelLinear stacks them) and w2 [E, H, I_r]:
@@ -97,8 +98,12 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, select: Select, *,
-                 correction_bias: bool = False, fp32_logits: bool = False) -> None:
+                 correction_bias: bool = False, fp32_logits: bool = False,
+                 dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear) -> None:
+        """dense: the product (LayerOps.linear: on CUDA the skinny GEMM for decode-sized steps,
+        where cuBLAS ran a 64-row GEMM kernel for the [experts, hidden] matrix)."""
         super().__init__()
+        self.dense = dense
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         # DeepSeek V3 (noaux_tc): added to the scores for the choice of experts only
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
@@ -107,9 +112,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp32_logits:
-            logits = F.linear(x.float(), self.weight.float())
+            logits = self.dense(x.float(), self.weight.float(), None)
         else:
-            logits = F.linear(x, self.weight)
+            logits = self.dense(x, self.weight, None)
         if self.e_score_correction_bias is None:
             return self.select(logits)
         return self.select(logits, correction_bias=self.e_score_correction_bias)
@@ -153,7 +158,7 @@ class MoE(nn.Module):
                  ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.gate = Router(hidden_size, num_experts, select, correction_bias=correction_bias,
-                           fp32_logits=fp32_router_logits)
+                           fp32_logits=fp32_router_logits, dense=ops.linear)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field)
         self.parallel = parallel
         self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs no collective

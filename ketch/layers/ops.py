@@ -7,7 +7,8 @@
              skinny-GEMM kernel (F.linear above that), and a MoE layer's experts as the fused
              MoE grouped GEMM (ketch/kernels/fused_moe.py: no host sync, graph-safe) and its
              softmax top-k routing as one kernel (ketch/kernels/moe_route.py; Mixtral /
-             Qwen-MoE; DeepSeek's grouped top-k stays on torch)
+             Qwen-MoE, and DeepSeek-V2 routing that masks no group; DeepSeek's grouped top-k
+             stays on torch), Qwen3's q / k head norms as one launch
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -25,6 +26,13 @@ from ketch.layers.activation import silu_and_mul as torch_silu_and_mul
 from ketch.layers.rotary import apply_rotary
 
 LAYER_KERNELS = ("torch", "triton")
+
+
+def torch_qk_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                  num_q: int) -> torch.Tensor:
+    """qk [tokens, q heads + k heads, dim] -> the q heads normed with q_weight, the k heads with
+    k_weight (ketch.layers.norm.RMSNorm's formula per head), as a new tensor."""
+    return torch.cat((_torch_rms_norm(qk[:, :num_q], q_weight, eps), _torch_rms_norm(qk[:, num_q:], k_weight, eps)), 1)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class LayerOps:
     # (logits [tokens, experts], top_k, renormalize) -> (weights fp32, ids int64) [tokens, top_k]:
     # softmax top-k routing (moe_routing.softmax_topk's contract); None: that torch function
     softmax_topk: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (qk [tokens, heads, dim], q_weight, k_weight, eps, num_q) -> new tensor: per-head q / k norms
+    qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] = torch_qk_norm
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,7 +78,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
     from ketch.kernels.moe_route import softmax_topk_triton
-    from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
+    from ketch.kernels.rmsnorm import add_rms_norm, qk_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
 
     def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,7 @@ def triton_ops() -> LayerOps:
         return F.linear(x, weight, bias)
 
     return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton,
-                    softmax_topk_triton)
+                    softmax_topk_triton, qk_rms_norm)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -25,6 +25,7 @@ time: HF 5's fused gate_up_proj / down_proj are saved per expert), shared_expert
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -98,11 +99,28 @@ def moe_shapes(c: DeepseekConfig, p: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def routing(c: DeepseekConfig) -> partial:
-    """grouped_topk with this config's numbers (logits[, correction_bias=]) -> (weights, ids)."""
+def routing(c: DeepseekConfig, ops: LayerOps | None = None) -> partial:
+    """grouped_topk with this config's numbers (logits[, correction_bias=]) -> (weights, ids).
+
+    V2 routing that masks no group (greedy, or every group kept) is softmax top-k times the
+    scaling factor: with layer ops that have a softmax top-k kernel (Triton: one launch, where
+    torch's softmax + topk ran four kernels a layer) it runs that instead."""
+    if (ops is not None and ops.softmax_topk is not None and c.topk_method != "noaux_tc"
+            and (c.n_group <= 1 or c.topk_group >= c.n_group)):
+        return partial(_scaled_softmax_topk, ops.softmax_topk, top_k=c.num_experts_per_tok,
+                       renormalize=c.norm_topk_prob, scale=c.routed_scaling_factor)
     return partial(grouped_topk, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                    scoring="sigmoid" if c.topk_method == "noaux_tc" else "softmax",
                    renormalize=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+
+
+def _scaled_softmax_topk(kernel: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]],
+                         logits: torch.Tensor, *, top_k: int, renormalize: bool,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_topk's result when no group is masked (its +1e-20 in the renormalisation cannot
+    move a sum of softmax probabilities, which is at least 1 / experts)."""
+    weights, ids = kernel(logits, top_k, renormalize)
+    return (weights if scale == 1.0 else weights * scale), ids
 
 
 class DeepseekMoE(MoE):
@@ -112,8 +130,9 @@ class DeepseekMoE(MoE):
         """Tensor parallel: routed and shared experts split by intermediate feature, the router
         whole on every rank; the two partial sums are added first and summed over the ranks once
         (one all-reduce a layer, not one each)."""
-        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c), parallel=parallel,
-                         correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True, ops=ops)
+        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c, ops),
+                         parallel=parallel, correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True,
+                         ops=ops)
         shared = c.moe_intermediate_size * c.n_shared_experts
         self.shared_experts = LlamaMLP(c, ops, parallel, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
         if self.shared_experts is not None:

@@ -62,9 +62,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
         if self.q_norm is not None:
-            qn, kn = self.q_norm, self.k_norm
-            qk = torch.cat((self.ops.rms_norm(qk[:, : self.num_heads], qn.weight, qn.eps),
-                            self.ops.rms_norm(qk[:, self.num_heads :], kn.weight, kn.eps)), 1)
+            qk = self.ops.qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads)
         qk = self.ops.rotary(qk, *rope)  # q and k heads rotated in one go (in place with Triton)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer, meta)
