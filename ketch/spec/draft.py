@@ -8,8 +8,11 @@ cached and nothing is recomputed for a partial page). Proposing holds no state b
     catch-up:      one batched extend over every sequence's uncached tokens (the verify's kept
                    tokens, usually; a new prompt in chunks of CATCH_UP_TOKENS) ─▶ d_0 = argmax
     k - 1 decodes: d_j = argmax after d_{j-1}, batched over the sequences still drafting
-    release:       the real tokens' pages are published (the next step finds them), the drafts'
-                   pages freed: a draft is a guess, never cached
+    release:       every token the draft model ran is published, drafts included: a page's
+                   K/V is a function of the tokens before it, whether or not the target keeps
+                   them, so the next step's match finds the accepted drafts already run and the
+                   catch-up is only what the draft never ran (the last draft, the target's own
+                   token); a rejected branch is an unlocked leaf, evicted (LRU) when room is short
 
 A sequence the draft pool cannot admit gets no draft this step (the target decodes it plainly).
 Greedy drafts are point guesses (q = 1 at d), which the verify's accept test assumes.
@@ -34,7 +37,7 @@ class _Holder:
     """One sequence's pages in the draft pool for one propose call (KVCacheManager's PageHolder)."""
 
     ids: list[int]  # the sequence's real tokens, then its drafts as they come
-    real: int  # how many of ids are real: only those are ever published
+    real: int  # how many of ids are real: the catch-up runs up to there, the decodes past it
     page_table: list[int] = field(default_factory=list)
     cache_node: object = None
     num_computed: int = 0
@@ -44,7 +47,7 @@ class _Holder:
 
     @property
     def num_resolved(self) -> int:
-        return self.real
+        return len(self.ids)  # every id is known (drafts too): publish what has run
 
     def tokens(self, lo: int, hi: int) -> list[int]:
         return self.ids[lo:hi]
@@ -69,7 +72,7 @@ class DraftModelProposer:
                 self._decode(more)
         finally:
             for h in live:
-                self.kv.release(h)  # publishes the real tokens' pages only (num_resolved)
+                self.kv.release(h)  # publishes every token that ran (num_computed)
         return [h.draft if h is not None else [] for h in holders]
 
     def check_invariants(self) -> None:
