@@ -1,12 +1,14 @@
 """Where the 4-bit kernel stops paying, measured per weight shape at start-up (issue 18): the
 decision rule, the calibration of real layers (one measurement per shape, every layer of it
-set), and the forward taking the 4-bit kernel exactly up to the measured size."""
+set), the forward taking the 4-bit kernel exactly up to the measured size, and the per-machine
+cache of clean measurements (what it is keyed on, what it refuses)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ketch.layers.int4_crossover import MARGIN, SIZES, calibrate, crossover
+from ketch.layers import int4_crossover_cache as cache
+from ketch.layers.int4_crossover import MARGIN, NOISE, SIZES, calibrate, crossover, noisy
 from ketch.layers.linear import Linear
 from ketch.layers.q4 import Q4Weight
 
@@ -36,7 +38,8 @@ def q4_linear(out_features: int, in_features: int, seed: int) -> Linear:
 
 def test_calibration_measures_each_shape_once_and_the_forward_follows_it(one_torch_thread):
     layers = [q4_linear(64, 128, 0), q4_linear(96, 64, 1), q4_linear(64, 128, 2), Linear(32, 32)]
-    found = calibrate(layers)
+    found, source = calibrate(layers)
+    assert source in ("measured", "measured under load, not kept", "cached")
     assert set(found) == {(64, 128), (96, 64)}  # the dense-only layer is not timed
     assert all(n == 0 or n in SIZES for n in found.values())
     assert layers[0].int4_max_tokens == layers[2].int4_max_tokens == found[64, 128]
@@ -48,3 +51,48 @@ def test_calibration_measures_each_shape_once_and_the_forward_follows_it(one_tor
             x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
             want = lin.int4_product(x) if m <= limit else lin.dense_product(x)
             assert torch.equal(lin(x), want), (limit, m)
+
+
+def test_runs_that_disagree_mark_a_measurement_taken_under_load():
+    assert not noisy([1.0, 1.2, NOISE * 0.99])
+    assert noisy([1.0, 1.1, NOISE * 1.01])
+
+
+def test_a_kept_crossover_is_read_back_only_for_the_same_machine_settings(monkeypatch):
+    shapes = {(64, 128): 4, (96, 64): 32}
+    cache.store(shapes, torch.bfloat16)
+    assert cache.load(list(shapes), torch.bfloat16) == shapes
+    assert cache.load(list(shapes), torch.float16) is None  # another dtype
+    assert cache.load([(64, 128)], torch.bfloat16) is None  # another model's shapes
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an emulated ISA is another machine
+    assert cache.load(list(shapes), torch.bfloat16) is None
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)  # other threads, other timings
+    try:
+        assert cache.load(list(shapes), torch.bfloat16) is None
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "measure")
+    assert cache.load(list(shapes), torch.bfloat16) is None
+    monkeypatch.delenv("KETCH_INT4_CROSSOVER")
+    path = cache.cache_path(list(shapes), torch.bfloat16)
+    for bad in ("{", '{"64x128": 4}', '{"64x128": 4, "96x64": -1}', "[1, 2]"):  # torn, incomplete, negative, not a map
+        path.write_text(bad)
+        assert cache.load(list(shapes), torch.bfloat16) is None, bad
+
+
+def test_calibration_takes_the_kept_crossover_instead_of_timing(one_torch_thread, monkeypatch):
+    """Sizes no measurement here would give (4 and 32 for these tiny shapes) come back from the
+    cache and set the layers; asked to measure, it times again."""
+    layers = [q4_linear(64, 128, 0), q4_linear(96, 64, 1)]
+    cache.store({(64, 128): 4, (96, 64): 32}, torch.bfloat16)
+    found, source = calibrate(layers)
+    assert source == "cached" and found == {(64, 128): 4, (96, 64): 32}
+    assert (layers[0].int4_max_tokens, layers[1].int4_max_tokens) == (4, 32)
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "measure")
+    found, source = calibrate(layers)
+    assert source.startswith("measured")
+    monkeypatch.delenv("KETCH_INT4_CROSSOVER")
+    kept = cache.load(list(found), torch.bfloat16)  # a clean measurement replaced the file, one under load did not
+    assert kept == (found if source == "measured" else {(64, 128): 4, (96, 64): 32})

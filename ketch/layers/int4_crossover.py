@@ -13,20 +13,26 @@ until the dense GEMM wins; the layers then take the 4-bit kernel up to the last 
 
 A size counts as won only when the 4-bit kernel takes under MARGIN of the dense time: near a tie
 either is as fast, and the margin keeps start-ups on a noisy machine from flipping the choice (and
-with it the bf16 rounding) back and forth. fp32 never holds 4-bit blocks, so its numerics (and
-parity with HF) are untouched.
+with it the bf16 rounding) back and forth. Each kernel's time at a size is the fastest of its REPS
+runs (load only ever adds time); when those runs disagree by more than NOISE the measurement was
+taken under load: it is used, but not kept. A clean one is kept per machine
+(int4_crossover_cache.py) and later start-ups read it instead of timing. fp32 never holds 4-bit
+blocks, so its numerics (and parity with HF) are untouched.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ketch.layers import int4_crossover_cache
+
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # token counts timed (a step's rows)
 MARGIN = 0.9  # the 4-bit kernel wins a size only below this share of the dense GEMM's time
-REPS = 3  # alternated timings per kernel and size; the median counts
+REPS = 3  # alternated timings per kernel and size; the fastest counts
+NOISE = 1.5  # a kernel's slowest run over its fastest above this: measured under load, not kept
 # From this many tokens a product is bound by its arithmetic, not by streaming the weight, so
 # where the weight sits matters little: two layers of the shape are timed instead of all of them
 # (without AMX the dense GEMM is slow there, and timing every layer took 26 s of start-up).
@@ -49,16 +55,27 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+@dataclass(frozen=True)
+class Measured:
+    tokens: int  # the crossover
+    noisy: bool  # some kernel's runs at some size disagreed by more than NOISE
+
+
+def noisy(runs: Sequence[float]) -> bool:
+    return max(runs) > NOISE * min(runs)
+
+
 @torch.inference_mode()
 def measure(int4_mms: Sequence[Callable[[torch.Tensor], torch.Tensor]],
             dense_mms: Sequence[Callable[[torch.Tensor], torch.Tensor]], in_features: int, dtype: torch.dtype,
-            sizes: Sequence[int] = SIZES, reps: int = REPS) -> int:
+            sizes: Sequence[int] = SIZES, reps: int = REPS) -> Measured:
     """Time both products of every layer of one shape, one after the other as a step runs them (so
     their weights stream from memory as in a step: one layer's alone would sit in the core's cache
     and favour the dense GEMM), at each size until the dense one wins; the crossover."""
     g = torch.Generator().manual_seed(0)
     int4_s: list[float] = []
     dense_s: list[float] = []
+    under_load = False
 
     def run_all(mms: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> None:
         for mm in mms:
@@ -73,24 +90,37 @@ def measure(int4_mms: Sequence[Callable[[torch.Tensor], torch.Tensor]],
         for _ in range(reps):  # alternated, so a burst of load hits both alike
             a.append(_seconds(lambda: run_all(int4_m, x)))
             b.append(_seconds(lambda: run_all(dense_m, x)))
-        int4_s.append(statistics.median(a))
-        dense_s.append(statistics.median(b))
+        int4_s.append(min(a))
+        dense_s.append(min(b))
+        under_load |= noisy(a) or noisy(b)
         if int4_s[-1] >= MARGIN * dense_s[-1]:
             break  # the dense GEMM won: larger steps only favour it more
-    return crossover(int4_s, dense_s, sizes)
+    return Measured(crossover(int4_s, dense_s, sizes), under_load)
 
 
-def calibrate(layers: Iterable[torch.nn.Module]) -> dict[tuple[int, int], int]:
-    """Set `int4_max_tokens` on every layer holding 4-bit blocks, measured once per (out, in)
-    shape over all the layers of that shape; returns the crossover per shape."""
+def calibrate(layers: Iterable[torch.nn.Module]) -> tuple[dict[tuple[int, int], int], str]:
+    """Set `int4_max_tokens` on every layer holding 4-bit blocks, once per (out, in) shape over all
+    the layers of that shape: read from this machine's cache, else measured (and kept if clean).
+    Returns the crossover per shape and where it came from ("cached", "measured", or "measured
+    under load, not kept")."""
     by_shape: dict[tuple[int, int], list[torch.nn.Module]] = {}
     for layer in layers:
         if getattr(layer, "int4", None) is not None:
             by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
-    found = {}
+    if not by_shape:
+        return {}, "no 4-bit layers"
+    dtype = next(iter(by_shape.values()))[0].weight.dtype
+    found = int4_crossover_cache.load(list(by_shape), dtype)
+    source = "cached"
+    if found is None:
+        found, under_load = {}, False
+        for shape, group in by_shape.items():
+            r = measure([m.int4_product for m in group], [m.dense_product for m in group], shape[1], dtype)
+            found[shape], under_load = r.tokens, under_load or r.noisy
+        source = "measured under load, not kept" if under_load else "measured"
+        if not under_load:
+            int4_crossover_cache.store(found, dtype)
     for shape, group in by_shape.items():
-        found[shape] = measure([m.int4_product for m in group], [m.dense_product for m in group], shape[1],
-                               group[0].weight.dtype)
         for m in group:
             m.int4_max_tokens = found[shape]
-    return found
+    return found, source

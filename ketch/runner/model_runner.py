@@ -146,9 +146,9 @@ class ModelRunner:
             model.load_int4(iter_q4_weights(self.source.path))
             # up to how many tokens the 4-bit kernel beats the dense GEMM on this machine, per shape
             t0 = time.perf_counter()
-            crossings = calibrate_int4(model.modules())
+            crossings, source = calibrate_int4(model.modules())
             print(f"ketch: 4-bit weights for steps of up to {min(crossings.values(), default=0)}-"
-                  f"{max(crossings.values(), default=0)} tokens (measured per shape in "
+                  f"{max(crossings.values(), default=0)} tokens ({source} per shape in "
                   f"{time.perf_counter() - t0:.2f} s: "
                   f"{', '.join(f'{o}x{i}: {n}' for (o, i), n in sorted(crossings.items()))})", file=sys.stderr)
         # one-row logits: mv, GEMM or int8 rows, timed here (on the head compute_logits uses, where
