@@ -62,10 +62,13 @@ def load(shapes: list[Shape], dtype: torch.dtype) -> dict[Shape, int] | None:
 def store(found: dict[Shape, int], dtype: torch.dtype) -> None:
     """Written whole or not at all (a temporary file renamed); a read-only cache is not an error."""
     path = cache_path(list(found), dtype)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            tmp = f.name
             json.dump({f"{o}x{i}": n for (o, i), n in sorted(found.items())}, f)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
