@@ -45,8 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                          help="process each step's tokens before scheduling the next")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch on the CPU")
-    g.add_argument("--layer-kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="RMSNorm/RoPE/SiLU kernels; auto: fused triton on CUDA, torch on the CPU")
+    g.add_argument("--layer-kernels", default="auto", choices=["auto", "torch", "triton", "native"],
+                   help="RMSNorm/RoPE/SiLU kernels; auto: fused triton on CUDA, ketch's C ops on the CPU "
+                        "(bf16 models; torch for fp32)")
     g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
                    help="ranks the model is split over (rank 0 in the engine, the rest spawned; gloo on CPU, nccl on CUDA)")
     g.add_argument("--ep-size", "--ep", dest="ep_size", type=int, default=1,

@@ -298,8 +298,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto|{'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("attention_backend", "layer_kernels"):
-            if getattr(self, name) not in ("auto", "torch", "triton"):
-                raise ValueError(f"{name} must be auto|torch|triton, got {getattr(self, name)!r}")
+            allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -315,6 +316,10 @@ class EngineConfig:
 
     @property
     def resolved_layer_kernels(self) -> str:
+        """auto: Triton on CUDA, ketch's C ops on the CPU (torch's where they do not apply), torch's
+        under `cpu_compile` (its graph fuses them itself; eager steps then round as it does)."""
+        if self.layer_kernels == "auto" and self.torch_device.type == "cpu":
+            return "torch" if self.cpu_compile else "native"
         return _resolve_kernels(self.layer_kernels, self.torch_device)
 
     @property

@@ -191,3 +191,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status[-1])
+
+
+def _native_isas() -> list[str]:
+    """The instruction sets ketch/native can be built for that this CPU runs (the narrower ones too)."""
+    from ketch.native import build
+
+    flags = build._cpu_flags()
+    out = ["generic"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        out.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        out.append("avx512vnni")
+    return out
+
+
+@pytest.fixture(params=_native_isas())
+def native_isa(request, monkeypatch):
+    """Each of ketch/native's builds this CPU runs, in turn (KETCH_NATIVE_ISA, the load cache cleared)."""
+    from ketch.native import build
+
+    monkeypatch.setenv("KETCH_NATIVE_ISA", request.param)
+    build.load.cache_clear()
+    yield request.param
+    build.load.cache_clear()

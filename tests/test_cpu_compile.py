@@ -32,9 +32,11 @@ def test_tiny_model_padded_batches_match_eager(tiny_config_path):
 
 
 def test_bundled_model_bf16_decode_matches_eager(smollm_path):
-    """The default CPU fast path (bf16 activations, 4-bit GGUF matmuls): the same greedy tokens."""
+    """The default CPU fast path (bf16 activations, 4-bit GGUF matmuls): the same greedy tokens.
+    A compiled engine takes torch's layer ops (its graph fuses them; EngineConfig.resolved_layer_kernels),
+    so the eager one it is compared with takes them too."""
     prompts = [[1, 504, 3458, 282, 4372, 314, 253, 3527, 30]]
-    kw = dict(model=smollm_path, dtype="bfloat16", kv_cache_memory=64 << 20, max_num_seqs=4)
+    kw = dict(model=smollm_path, dtype="bfloat16", kv_cache_memory=64 << 20, max_num_seqs=4, layer_kernels="torch")
     eager = _greedy(Engine(EngineConfig(**kw)), prompts, 16)
     assert _greedy(Engine(EngineConfig(cpu_compile=True, **kw)), prompts, 16) == eager
 

@@ -9,7 +9,7 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
     cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package)
          ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache ──────────────────────▶ kernels (page copy)
          │   (parsers)     │ ├──────▶ disagg (PD KV transport)
-         │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels
+         │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels, native (C, CPU)
     bench┘                 │            └──▶ attention ──────────────▶ kernels
                      sampling: below engine, scheduler and runner
     leaves anything may import: config, forward_batch, weights, text, host_copy, user_cache (low
@@ -49,7 +49,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "models": frozenset({"attention", "layers", "parallel"}) | LEAVES,  # a model calls the attention contract
     "attention": frozenset({"cache", "kernels"}) | LOW_LEAVES,  # the backends read the KV pool
     "cache": frozenset({"kernels"}) | LOW_LEAVES,  # the host tier's page-copy kernel (IO backend "kernel")
-    "layers": frozenset({"kernels", "parallel"}) | LOW_LEAVES,  # ops.py picks kernel or torch
+    "layers": frozenset({"kernels", "native", "parallel"}) | LOW_LEAVES,  # ops.py picks kernel or torch
+    "native": frozenset({"user_cache"}),  # the CPU's C kernels, built into the user cache
     "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above
     # the leaves themselves

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ketch.layers.vocab_parallel import VocabParallelEmbedding, choose_one_row_kernel
+from ketch.native.q8 import NativeQ8
 
 
 def bf16_head(vocab: int = 4096, dim: int = 64) -> VocabParallelEmbedding:
@@ -43,8 +44,7 @@ def test_int8_rows_round_to_half_a_step_of_their_own_scale(dtype):
     w[7] = 0  # a zero row (TP pads the last rank's share with them)
     w[9] *= 1e-4  # a row whose fp16 scale would be subnormal: its sign must survive
     head.weight.data = w.to(dtype)
-    head.quantize_int8(chunk_rows=1000)  # chunks that do not divide the rows
-    q, scales = head.int8
+    q, scales = head._int8_rows(chunk_rows=1000)  # torch's rows (chunks that do not divide the rows)
     assert q.dtype == torch.int8 and q.shape == head.weight.shape and scales.shape == (4096,) and scales.dtype == dtype
     w = head.weight.float()
     assert (q[7] == 0).all()  # and row 9's signs: a wrapped q would break the bound below
@@ -72,11 +72,19 @@ def test_the_three_kernels_agree(seed):
         logits[kernel] = head.project(x)
         assert logits[kernel].dtype == torch.float32 and logits[kernel].shape == (1, 4096)
     torch.testing.assert_close(logits["mv"], logits["gemm"], rtol=1e-2, atol=1e-2)
-    # int8: each weight is off by at most half its row's step, so a row's logit is off by at most
-    # that times sum |x|, plus the bf16 output's rounding
-    _, scales = head.int8
     exact = x.float() @ head.weight.float().t()
-    quantized = scales.float() * 0.5 * x.float().abs().sum()
+    if isinstance(head.int8, NativeQ8):
+        # blocks of 32: each weight off by what the blocks hold, each activation by half its
+        # block's int16 step; then the bf16 output's rounding
+        held, xf = head.int8.dequantize(), x.float()
+        step = (xf.view(-1, 32).abs().amax(-1, keepdim=True) / 32767 / 2).expand(-1, 32).reshape(1, -1)
+        quantized = xf.abs() @ (held - head.weight.float()).abs().t() + step @ held.abs().t()
+        assert (held - head.weight.float()).abs().max() > 0  # int8 values, not the bf16 ones
+    else:
+        # int8 rows: each weight is off by at most half its row's step, so a row's logit is off by
+        # at most that times sum |x|, plus the bf16 output's rounding
+        _, scales = head.int8
+        quantized = scales.float() * 0.5 * x.float().abs().sum()
     bound = quantized + (exact.abs() + quantized) * 2**-8  # the int8 result is rounded to bf16
     assert ((logits["int8"] - exact).abs() <= bound).all()
     assert (logits["int8"] != logits["gemm"]).any()  # it is a different kernel, not the GEMM again

@@ -93,7 +93,6 @@ def test_int4_parts_are_sliced_like_the_dense_weights():
                                     for f in ("q", "scale", "zero")))}
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     for layer, w in want.items():
-        assert torch.equal(layer.int4_scale_zero, torch.stack((w.scale.t(), w.zero.t()), -1))
         x_in = x if layer is attn.qkv_proj else x[:, :32].contiguous()
         ref = x_in @ w.dequantize().t()
         assert (layer.project(x_in, None) - ref).abs().max() <= 1e-3 * ref.abs().max()  # the int4 kernel

@@ -109,8 +109,9 @@ def calibrate(layers: Iterable[torch.nn.Module]) -> tuple[dict[tuple[int, int], 
             by_shape.setdefault(tuple(layer.weight.shape), []).append(layer)
     if not by_shape:
         return {}, "no 4-bit layers"
-    dtype = next(iter(by_shape.values()))[0].weight.dtype
-    found = int4_crossover_cache.load(list(by_shape), dtype)
+    first = next(iter(by_shape.values()))[0]
+    dtype, kernel = first.weight.dtype, first.int4.kernel_id
+    found = int4_crossover_cache.load(list(by_shape), dtype, kernel)
     source = "cached"
     if found is None:
         found, under_load = {}, False
@@ -119,7 +120,7 @@ def calibrate(layers: Iterable[torch.nn.Module]) -> tuple[dict[tuple[int, int], 
             found[shape], under_load = r.tokens, under_load or r.noisy
         source = "measured under load, not kept" if under_load else "measured"
         if not under_load:
-            int4_crossover_cache.store(found, dtype)
+            int4_crossover_cache.store(found, dtype, kernel)
     for shape, group in by_shape.items():
         for m in group:
             m.int4_max_tokens = found[shape]

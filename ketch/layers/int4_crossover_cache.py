@@ -4,7 +4,8 @@ on every start of every replica on this machine, instead of one that may move ne
 
     $XDG_CACHE_HOME/ketch/int4_crossover/<key>.json   {"OUTxIN": tokens, ...}
 
-The key is everything the timing depends on: the CPU model, torch's version and the ISA it
+The key is everything the timing depends on: the 4-bit kernel (torch's or ketch's, and the
+instruction set it was built for), the CPU model, torch's version and the ISA it
 dispatches to (with ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY, which emulate other machines),
 the thread count, the dtype and the set of shapes. Only a clean measurement is stored: one whose
 repeated timings agree (int4_crossover.Timing.noisy); a start-up under load measures for itself
@@ -39,29 +40,29 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_path(shapes: list[Shape], dtype: torch.dtype) -> Path:
+def cache_path(shapes: list[Shape], dtype: torch.dtype, kernel: str = "torch") -> Path:
     key = "|".join(map(str, (
-        FORMAT, _cpu_model(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
+        FORMAT, kernel, _cpu_model(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
         os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", ""),
         torch.get_num_threads(), dtype, sorted(shapes))))
     return user_cache_dir("int4_crossover", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 
 
-def load(shapes: list[Shape], dtype: torch.dtype) -> dict[Shape, int] | None:
+def load(shapes: list[Shape], dtype: torch.dtype, kernel: str = "torch") -> dict[Shape, int] | None:
     """The stored crossover of every shape, or None (absent, unreadable, incomplete, or re-measure asked)."""
     if os.environ.get("KETCH_INT4_CROSSOVER") == "measure":
         return None
     try:
-        raw = json.loads(cache_path(shapes, dtype).read_text())
+        raw = json.loads(cache_path(shapes, dtype, kernel).read_text())
         found = {(int(o), int(i)): int(n) for (o, i), n in ((k.split("x"), v) for k, v in raw.items())}
     except (OSError, ValueError, AttributeError, TypeError):
         return None
     return found if set(found) == set(shapes) and all(n >= 0 for n in found.values()) else None
 
 
-def store(found: dict[Shape, int], dtype: torch.dtype) -> None:
+def store(found: dict[Shape, int], dtype: torch.dtype, kernel: str = "torch") -> None:
     """Written whole or not at all (a temporary file renamed); a read-only cache is not an error."""
-    path = cache_path(list(found), dtype)
+    path = cache_path(list(found), dtype, kernel)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

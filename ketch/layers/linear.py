@@ -1,10 +1,12 @@
 """Linear layer that can also hold its weight as 4-bit blocks for small batches on the CPU.
 
 Decoding a few tokens is a matrix-vector product bound by how many weight bytes stream from
-memory: torch's int4 kernel over the GGUF's own 4-bit blocks reads ~4x fewer bytes than bf16
-and wins the small steps; beyond a crossover the dense bf16 GEMM wins (~8 tokens with AMX, far
-more without: int4_crossover.py measures it per shape at start-up). The choice is by the step's
-token count; both forms hold the same quantized values.
+memory: a 4-bit product over the GGUF's own blocks reads ~4x fewer bytes than bf16 and wins the
+small steps; beyond a crossover the dense bf16 GEMM wins (~8 tokens with AMX, far more without:
+int4_crossover.py measures it per shape at start-up). The choice is by the step's token count;
+both forms hold the same quantized weights. The 4-bit product is ketch's C kernel
+(ketch/native/q4_matmul.c: activations rounded to int8 per block of 32, as llama.cpp does) where
+it builds, else torch's int4 kernel (bf16 activations).
 """
 from __future__ import annotations
 
@@ -15,13 +17,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from ketch.layers.q4 import BLOCK, Q4Weight
+from ketch.native import q4 as native_q4
 
 INT4_MAX_TOKENS = 8  # crossover on a 2-core Sapphire Rapids (AMX); each machine measures its own at start-up
 
 
+class TorchInt4:
+    """The 4-bit weight in torch's int4 CPU kernel's form (where ketch's own C kernel cannot run:
+    no compiler, fp16 activations, scales that fp16 does not hold)."""
+    kernel_id = "torch"
+
+    def __init__(self, w: Q4Weight, dtype: torch.dtype) -> None:
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2)
+        self.scale_zero = torch.stack((w.scale.t(), w.zero.t()), dim=-1).to(dtype).contiguous()  # [in / 32, out, 2]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.scale_zero)
+
+
+def pack_int4(w: Q4Weight, dtype: torch.dtype) -> "native_q4.NativeQ4 | TorchInt4":
+    """ketch's C kernel (ketch/native: int8 activations times the 4-bit blocks, 2.5x torch's int4
+    kernel at one token here) where it is built and takes this dtype, else torch's."""
+    if dtype in native_q4.DTYPES and native_q4.available():
+        native = native_q4.NativeQ4.pack(w.q, w.scale, w.zero)
+        if native is not None:
+            return native
+    return TorchInt4(w, dtype)
+
+
 class Linear(nn.Linear):
-    int4: torch.Tensor | None = None  # packed weight for torch's int4 CPU kernel
-    int4_scale_zero: torch.Tensor | None = None  # [in / 32, out, 2]
+    int4: "native_q4.NativeQ4 | TorchInt4 | None" = None  # the 4-bit form, when the checkpoint has one
     # steps of up to this many tokens take the 4-bit kernel: measured per shape at start-up
     # (int4_crossover.py, ModelRunner); INT4_MAX_TOKENS until then
     int4_max_tokens: int = INT4_MAX_TOKENS
@@ -40,9 +65,7 @@ class Linear(nn.Linear):
     def attach_int4(self, w: Q4Weight) -> None:
         if tuple(w.q.shape) != tuple(self.weight.shape):
             raise ValueError(f"model: 4-bit weight shape {tuple(w.q.shape)} != {tuple(self.weight.shape)}")
-        self.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.contiguous(), 2)
-        sz = torch.stack((w.scale.t(), w.zero.t()), dim=-1)
-        self.int4_scale_zero = sz.to(self.weight.dtype).contiguous()
+        self.int4 = pack_int4(w, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -55,7 +78,7 @@ class Linear(nn.Linear):
         return self.dense(x, self.weight, bias)
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4, BLOCK, self.int4_scale_zero)
+        return self.int4.matmul(x)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the dense path, without bias (what calibration times against int4_product)."""

@@ -1,6 +1,8 @@
 """The elementwise/norm operations of a decoder layer, picked once when the model is built.
 
-    torch  : ketch's own torch layers (any device; the CPU path, bit for bit as before)
+    torch  : ketch's own torch layers (any device; bit for bit as before)
+    native : the CPU default: RMSNorm (+ add), RoPE and SiLU·mul as one C call each on bf16 rows
+             (ketch/native/layer_ops.c, torch's roundings); torch's ops for fp32 models
     triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
              pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
              and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from ketch.layers.activation import silu_and_mul as torch_silu_and_mul
 from ketch.layers.rotary import apply_rotary
 
-LAYER_KERNELS = ("torch", "triton")
+LAYER_KERNELS = ("torch", "triton", "native")
 
 
 def torch_qk_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
@@ -100,9 +102,24 @@ def triton_ops() -> LayerOps:
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)
 
 
-def layer_ops(name: str) -> LayerOps:
+def native_ops(dtype: torch.dtype) -> LayerOps:
+    """The CPU's: norms, RoPE and SiLU·mul as ketch's C calls (ketch/native/layer_ops.c) for a bf16
+    model, each falling back to the torch op for tensors the C code does not take; torch's ops
+    where the library does not build or the model is not bf16 (fp32, the parity configuration,
+    stays on torch bit for bit)."""
+    from ketch.native import layer_ops as native
+
+    if dtype != torch.bfloat16 or not native.available():
+        return TORCH_OPS
+    return LayerOps("native", native.make_rms_norm(_torch_rms_norm), native.make_add_rms_norm(_torch_add_rms_norm),
+                    native.make_rotary(apply_rotary), native.make_silu_and_mul(torch_silu_and_mul))
+
+
+def layer_ops(name: str, dtype: torch.dtype = torch.float32) -> LayerOps:
     if name == "torch":
         return TORCH_OPS
     if name == "triton":
         return triton_ops()
+    if name == "native":
+        return native_ops(dtype)
     raise ValueError(f"layer_kernels: unknown {name!r} (expected one of {', '.join(LAYER_KERNELS)})")

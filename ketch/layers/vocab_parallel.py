@@ -7,9 +7,10 @@ of its rows and all-gathers them along the vocab, trimming the padding. With TP=
 exactly the unsharded math: `F.embedding`, and the logits product the model used before
 (LayerOps.linear when the ops have their own, else torch's GEMM). One bf16/fp16 row (CPU decode
 at batch 1) takes whichever of three the CPU runner timed fastest at init (`pick_one_row_kernel`):
-`torch.mv`, the 1-row GEMM, or an int8 copy of the matrix with one scale per vocab row
-(`torch._weight_int8pack_mm`: half the bytes of bf16, and a batch-1 LM head only streams bytes).
-The int8 copy rounds each weight to 1/254 of its row's largest; fp32 never uses it.
+`torch.mv`, the 1-row GEMM, or an int8 copy of the matrix (half the bytes of bf16, and a batch-1
+LM head only streams bytes): where ketch's C kernels build, int8 blocks of 32 with an fp16 scale
+each, as GGUF's Q8_0 (ketch/native/q8.py: a Q8_0 head gets its file's values back), else one
+scale per vocab row (`torch._weight_int8pack_mm`: 1/254 of the row's largest). fp32 never uses it.
 A tied model uses its embedding as the head (`project`).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from ketch.layers.parallel_linear import Dense, ShardId
 from ketch.layers.sharding import load_shard
+from ketch.native import q8 as native_q8
 from ketch.parallel import SINGLE, ParallelContext
 
 
@@ -30,7 +32,8 @@ _PICKED: dict[tuple, str] = {}  # (shape, dtype, device, kernels) -> the kernel 
 class VocabParallelEmbedding(nn.Module):
     shard_ids: tuple[ShardId, ...] = (None,)
     one_row_kernel = "mv"  # one bf16/fp16 row: "mv" | "gemm" | "int8"; `pick_one_row_kernel`
-    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 rows, per-row scales): "int8" only
+    # "int8" only: ketch's Q8_0-style blocks, or torch's (int8 rows, per-row scales)
+    int8: "native_q8.NativeQ8 | tuple[torch.Tensor, torch.Tensor] | None" = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, parallel: ParallelContext = SINGLE,
                  dense: Dense | None = None) -> None:
@@ -78,12 +81,21 @@ class VocabParallelEmbedding(nn.Module):
         if kernel == "mv":
             return torch.mv(self.weight, hidden[0])[None]
         if kernel == "int8":
+            if isinstance(self.int8, native_q8.NativeQ8):
+                return self.int8.matmul(hidden)
             q, scales = self.int8
             return torch._weight_int8pack_mm(hidden, q, scales)
         return hidden @ self.weight.t()
 
     def quantize_int8(self, chunk_rows: int = 8192) -> None:
-        """The int8 copy of the rows: q = round(w / s), s = max |w| of the row / 127 in the weight's
+        """The int8 copy: ketch's blocks where they build for this dtype, else torch's rows."""
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16 and native_q8.available():
+            self.int8 = native_q8.NativeQ8.quantize(self.weight, chunk_rows)
+        else:
+            self.int8 = self._int8_rows(chunk_rows)
+
+    def _int8_rows(self, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One scale per row: q = round(w / s), s = max |w| of the row / 127 in the weight's
         dtype (the kernel's), nudged up before rounding (and kept a normal number) so that no q
         passes 127: |q s - w| <= s / 2. In chunks of rows: no fp32 copy of the whole matrix."""
         dtype = self.weight.dtype
@@ -95,7 +107,7 @@ class VocabParallelEmbedding(nn.Module):
             s = (w.abs().amax(dim=1) / 127 * (1 + 2**-7)).clamp_min(torch.finfo(dtype).tiny).to(dtype)
             q[start : start + chunk_rows] = torch.round(w / s.float()[:, None]).clamp_(-127, 127)
             scales[start : start + chunk_rows] = s
-        self.int8 = (q, scales)
+        return q, scales
 
     def pick_one_row_kernel(self, rounds: int = 3, kernels: tuple[str, ...] = ("mv", "gemm", "int8")) -> str:
         """Time one bf16/fp16 row through each kernel on this machine's own weight (alternated,
@@ -111,8 +123,13 @@ class VocabParallelEmbedding(nn.Module):
                 self.quantize_int8()
             x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
             best = dict.fromkeys(kernels, float("inf"))
+            # A decode step reads the head after every layer's weights: from memory, not from the
+            # cache where the kernel timed just before left its bytes (there the int8 copy ran at
+            # ~0.75 of mv, from memory ~0.5). Reading twice the head's bytes between runs evicts it.
+            flush = torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32)
             for _ in range(rounds):
                 for kernel in kernels:
+                    flush.sum()
                     t0 = time.perf_counter()
                     self._one_row(x, kernel)
                     best[kernel] = min(best[kernel], time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ketch.attention.base import AttentionBackend
@@ -147,7 +148,8 @@ class LlamaForCausalLM(DecoderStack):
         self.ops = ops
         self.parallel = parallel
         # the logits' product: the ops' own when they have one (the skinny GEMM), else torch's
-        logits_dense = None if ops is TORCH_OPS else ops.linear
+        # (whose one-row kernels the CPU runner picks: VocabParallelEmbedding.pick_one_row_kernel)
+        logits_dense = None if ops.linear is F.linear else ops.linear
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel=parallel,
                                                    dense=logits_dense)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, parallel, self.make_mlp(cfg, i, ops, parallel))

@@ -90,7 +90,7 @@ class ModelRunner:
             # ~50x here; flushing them to zero changes nothing a token could notice.
             torch.set_flush_denormal(True)
         self.attention_backend = config.resolved_attention_backend
-        self.ops = layer_ops(config.resolved_layer_kernels)
+        self.ops = layer_ops(config.resolved_layer_kernels, self.dtype)
         # sampled ids stay on the device; the next step reads them from here (overlap)
         self.future = FutureTokens(config.max_num_seqs, self.device)
         # the last step's sampled rows' final hidden states (forward); a graph step's are copied out
