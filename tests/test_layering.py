@@ -47,7 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sampling": LEAVES,
     "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
     "models": frozenset({"attention", "layers", "parallel"}) | LEAVES,  # a model calls the attention contract
-    "attention": frozenset({"cache", "kernels"}) | LOW_LEAVES,  # the backends read the KV pool
+    "attention": frozenset({"cache", "kernels", "native"}) | LOW_LEAVES,  # the backends read the KV pool
     "cache": frozenset({"kernels"}) | LOW_LEAVES,  # the host tier's page-copy kernel (IO backend "kernel")
     "layers": frozenset({"kernels", "native", "parallel"}) | LOW_LEAVES,  # ops.py picks kernel or torch
     "native": frozenset({"user_cache"}),  # the CPU's C kernels, built into the user cache

@@ -56,6 +56,7 @@ class TorchAttentionMetadata:
     # one decoding sequence whose pages are consecutive (a lone request on a fresh pool: the
     # allocator hands out ascending pages): its first page, read as a view, not gathered
     decode_first_page: int | None = None
+    decode_lens: torch.Tensor | None = None  # [B] int64: the native decode kernel's lengths
 
 
 @dataclass
@@ -85,6 +86,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.scale = head_dim**-0.5
         self.device = device
         self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
+        # bf16 K/V on the CPU: decode reads the pages in place (ketch/native/decode_attention.c)
+        # instead of gathering them for SDPA; fp32 (the parity configuration) and fp8 pools keep SDPA
+        self.native_decode = None
+        if (pool.dtype == pool.compute_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
+                and {"k", "v"} <= set(pool.spec.names)):
+            from ketch.native import decode_attention as native
+
+            if native.available():
+                self.native_decode = native.decode_attention
 
     def init_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         ps, nd = self.page_size, batch.num_decode
@@ -96,8 +106,9 @@ class TorchAttentionBackend(AttentionBackend):
                 first = int(batch.page_table[0, 0])
             decode_pages = to_device(batch.page_table[:nd, :width], self.device, torch.long)  # zeros past a row's pages
             lens = to_device(batch.kv_lens[:nd], self.device, torch.long)
-            visible = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
-            decode_mask = self._additive(visible)[:, None, None, :]
+            if self.native_decode is None:
+                visible = torch.arange(width * ps, device=self.device)[None, :] < lens[:, None]
+                decode_mask = self._additive(visible)[:, None, None, :]
         prefills: list[PrefillMeta] = []
         for i in range(nd, batch.num_seqs):
             lo, start = int(batch.q_starts[i]), int(batch.starts[i])
@@ -116,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_pages=decode_pages,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_lens=lens if nd else None,
             decode_first_page=first,
         )
 
@@ -150,7 +162,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
         """One query token per sequence, [B, heads, dim], over its gathered, masked pages (one
-        sequence on consecutive pages: a view of them, the same values without the copy)."""
+        sequence on consecutive pages: a view of them, the same values without the copy), or with
+        bf16 pages on the CPU the native kernel reading them in place."""
+        if self.native_decode is not None and meta.decode_lens is not None:
+            return self.native_decode(q, self.pool.k[layer], self.pool.v[layer], meta.decode_pages,
+                                      meta.decode_lens, self.scale)
         if meta.decode_first_page is None:
             kc, vc = self.pool.gather(layer, meta.decode_pages)
         else:
