@@ -1,7 +1,7 @@
 """ketch's C layer ops (ketch/native/layer_ops.c) against torch's ops of the same contract on bf16
 rows: RoPE bit for bit (products and sums of bf16 values, rounded where torch rounds); the norms
-and SiLU·mul within one bf16 step of torch's (a sum of squares in another order, or another
-`exp`, can move an fp32 value across a rounding boundary, never further)."""
+within one bf16 step of torch's (a sum of squares in another order can move an fp32 value across
+a rounding boundary, never further)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,6 @@ import torch
 
 from ketch.config import EngineConfig
 from ketch.layers import ops
-from ketch.layers.activation import silu_and_mul
 from ketch.layers.rotary import apply_rotary
 from ketch.native import build
 from ketch.native import layer_ops as native
@@ -37,12 +36,6 @@ def test_norms_follow_torch(tokens):
     (y, s), (y_ref, s_ref) = nat.add_rms_norm(x, res, w, 1e-5), ops.TORCH_OPS.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(s, s_ref)  # one rounded add
     assert within_one_step(y, y_ref)
-
-
-@pytest.mark.parametrize("tokens", [1, 40])
-def test_silu_and_mul_follows_torch(tokens):
-    gate_up = (torch.randn(tokens, 2 * 1536, generator=G) * 4).bfloat16()
-    assert within_one_step(ops.native_ops(torch.bfloat16).silu_and_mul(gate_up), silu_and_mul(gate_up))
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])

@@ -5,8 +5,8 @@ memory: a 4-bit product over the GGUF's own blocks reads ~4x fewer bytes than bf
 small steps; beyond a crossover the dense bf16 GEMM wins (~8 tokens with AMX, far more without:
 int4_crossover.py measures it per shape at start-up). The choice is by the step's token count;
 both forms hold the same quantized weights. The 4-bit product is ketch's C kernel
-(ketch/native/q4_matmul.c: activations rounded to int8 per block of 32, as llama.cpp does) where
-it builds, else torch's int4 kernel (bf16 activations).
+(ketch/native/q4_matmul.c: activations rounded to int16 per block of 32, exact integer block
+products) where it builds, else torch's int4 kernel (bf16 activations).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ class TorchInt4:
 
 
 def pack_int4(w: Q4Weight, dtype: torch.dtype) -> "native_q4.NativeQ4 | TorchInt4":
-    """ketch's C kernel (ketch/native: int8 activations times the 4-bit blocks, 2.5x torch's int4
-    kernel at one token here) where it is built and takes this dtype, else torch's."""
+    """ketch's C kernel (ketch/native/q4_matmul.c) where it is built and takes this dtype, else
+    torch's."""
     if dtype in native_q4.DTYPES and native_q4.available():
         native = native_q4.NativeQ4.pack(w.q, w.scale, w.zero)
         if native is not None:

@@ -1,8 +1,8 @@
 """The elementwise/norm operations of a decoder layer, picked once when the model is built.
 
     torch  : ketch's own torch layers (any device; bit for bit as before)
-    native : the CPU default: RMSNorm (+ add), RoPE and SiLU·mul as one C call each on bf16 rows
-             (ketch/native/layer_ops.c, torch's roundings); torch's ops for fp32 models
+    native : the CPU default: RMSNorm (+ add) and RoPE as one C call each on bf16 rows
+             (ketch/native/layer_ops.c, torch's roundings), SiLU·mul torch's; torch's ops for fp32
     triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
              pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
              and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
@@ -103,7 +103,7 @@ GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B
 
 
 def native_ops(dtype: torch.dtype) -> LayerOps:
-    """The CPU's: norms, RoPE and SiLU·mul as ketch's C calls (ketch/native/layer_ops.c) for a bf16
+    """The CPU's: norms and RoPE as ketch's C calls (ketch/native/layer_ops.c) for a bf16
     model, each falling back to the torch op for tensors the C code does not take; torch's ops
     where the library does not build or the model is not bf16 (fp32, the parity configuration,
     stays on torch bit for bit)."""
@@ -112,7 +112,7 @@ def native_ops(dtype: torch.dtype) -> LayerOps:
     if dtype != torch.bfloat16 or not native.available():
         return TORCH_OPS
     return LayerOps("native", native.make_rms_norm(_torch_rms_norm), native.make_add_rms_norm(_torch_add_rms_norm),
-                    native.make_rotary(apply_rotary), native.make_silu_and_mul(torch_silu_and_mul))
+                    native.make_rotary(apply_rotary), torch_silu_and_mul)
 
 
 def layer_ops(name: str, dtype: torch.dtype = torch.float32) -> LayerOps:

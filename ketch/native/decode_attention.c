@@ -19,15 +19,17 @@
 
 int ketch_attention_isa(void) { return KETCH_ISA; }
 
+#if KETCH_ISA == 3
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
 #if KETCH_ISA == 3
     if (dim % 16 == 0) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + d))), 16));
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv, acc);
-        }
+        for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16x16(k + d), acc);
         return _mm512_reduce_add_ps(acc);
     }
 #endif
@@ -36,19 +38,78 @@ static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
     return s;
 }
 
-static inline void add_scaled_row(float *acc, float p, const uint16_t *v, int64_t dim) {
 #if KETCH_ISA == 3
-    if (dim % 16 == 0) {
-        const __m512 pv = _mm512_set1_ps(p);
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + d))), 16));
-            _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, vv, _mm512_loadu_ps(acc + d)));
-        }
-        return;
+/* e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
+ * (error ~r^7 / 7! < 2e-7 relative: within about one fp32 step), scaled by 2^n. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* scores[t] <- exp(scores[t] - top); returns their sum. */
+static float exponentiate(float *scores, int64_t len, float top) {
+    float total = 0.f;
+    int64_t t = 0;
+#if KETCH_ISA == 3
+    __m512 sum = _mm512_setzero_ps();
+    for (; t + 16 <= len; t += 16) {
+        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(scores + t, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; t < len; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    return total;
+}
+
+#if KETCH_ISA == 3
+/* acc (NV x 16 floats) += sum_t p[t] v_t, the rows v_t in place in the pool; NV a constant where
+ * inlined, so the accumulators stay in registers. */
+static inline void weighted_rows(float *out, const float *p, const uint16_t *vpool, const int64_t *table,
+                                 int64_t len, int64_t page_size, int64_t row, int64_t offset, const int nv) {
+    __m512 acc[16];
+    for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const uint16_t *v = vpool + (table[t / page_size] * page_size + t % page_size) * row + offset;
+        const __m512 pv = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(pv, load_bf16x16(v + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+#endif
+
+/* out[d] = sum_t p[t] v_t[d] over the sequence's rows of one kv head. */
+static void weighted_sum(float *out, const float *p, const uint16_t *vpool, const int64_t *table, int64_t len,
+                         int64_t page_size, int64_t row, int64_t offset, int64_t dim) {
+#if KETCH_ISA == 3
+    switch (dim) { /* the common head sizes, unrolled */
+    case 64: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 4); return;
+    case 128: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 8); return;
+    case 256: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 16); return;
+    default: break;
     }
 #endif
-    for (int64_t d = 0; d < dim; d++) acc[d] += p * bf16_to_f32(v[d]);
+    for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const uint16_t *v = vpool + (table[t / page_size] * page_size + t % page_size) * row + offset;
+        for (int64_t d = 0; d < dim; d++) out[d] += p[t] * bf16_to_f32(v[d]);
+    }
 }
 
 /* q, out [B, heads, dim]; pages [B, page_stride] page ids; lens [B] tokens to attend to (>= 1).
@@ -68,10 +129,7 @@ int ketch_decode_attention_bf16(const uint16_t *q, const uint16_t *kpool, const 
             continue;
         }
         float *scores = buf, *qf = buf + len, *acc = qf + dim;
-        for (int64_t d = 0; d < dim; d++) {
-            qf[d] = bf16_to_f32(q[(b * heads + h) * dim + d]) * scale;
-            acc[d] = 0.f;
-        }
+        for (int64_t d = 0; d < dim; d++) qf[d] = bf16_to_f32(q[(b * heads + h) * dim + d]) * scale;
         const int64_t *table = pages + b * page_stride;
         float top = -INFINITY;
         for (int64_t t = 0; t < len; t++) {
@@ -79,13 +137,8 @@ int ketch_decode_attention_bf16(const uint16_t *q, const uint16_t *kpool, const 
             scores[t] = dot_row(qf, kpool + slot * row + kvh * dim, dim);
             top = fmaxf(top, scores[t]);
         }
-        float total = 0.f;
-        for (int64_t t = 0; t < len; t++) {
-            const float p = expf(scores[t] - top);
-            total += p;
-            const int64_t slot = table[t / page_size] * page_size + t % page_size;
-            add_scaled_row(acc, p, vpool + slot * row + kvh * dim, dim);
-        }
+        const float total = exponentiate(scores, len, top);
+        weighted_sum(acc, scores, vpool, table, len, page_size, row, kvh * dim, dim);
         for (int64_t d = 0; d < dim; d++) out[(b * heads + h) * dim + d] = f32_to_bf16(acc[d] / total);
         free(buf);
     }

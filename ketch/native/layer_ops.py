@@ -1,5 +1,5 @@
-"""Python faces of layer_ops.c: RMSNorm (+ residual add), SiLU·mul and RoPE on bf16 CPU rows, each
-one C call. `ketch.layers.ops.native_ops()` builds a LayerOps from them for a bf16 model on the CPU;
+"""Python faces of layer_ops.c: RMSNorm (+ residual add) and RoPE on bf16 CPU rows, each one C
+call. `ketch.layers.ops.native_ops()` builds a LayerOps from them for a bf16 model on the CPU;
 a call whose tensors the C code does not take (another dtype, a strided row) runs `fallback`,
 the torch op of the same contract, and so does a call inside a `torch.compile` graph
 (`--cpu-compile`: inductor fuses those ops itself).
@@ -17,7 +17,6 @@ _i64, _p, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "ketch_rms_norm_bf16": [_p, _p, _p, _i64, _i64, _f],
     "ketch_add_rms_norm_bf16": [_p, _p, _p, _p, _p, _i64, _i64, _f],
-    "ketch_silu_and_mul_bf16": [_p, _p, _i64, _i64],
     "ketch_rotary_bf16": [_p, _p, _p, _i64, _i64, _i64, _i64],
 }
 
@@ -60,17 +59,6 @@ def make_add_rms_norm(fallback: Callable) -> Callable:
                                           s.data_ptr(), x.shape[0], x.shape[1], eps)
         return y, s
     return add_rms_norm
-
-
-def make_silu_and_mul(fallback: Callable) -> Callable:
-    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        if not _rows(gate_up) or gate_up.dim() != 2:
-            return fallback(gate_up)
-        t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        y = gate_up.new_empty((t, inter))
-        library().ketch_silu_and_mul_bf16(gate_up.data_ptr(), y.data_ptr(), t, inter)
-        return y
-    return silu_and_mul
 
 
 def make_rotary(fallback: Callable) -> Callable:
