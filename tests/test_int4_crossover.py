@@ -96,3 +96,11 @@ def test_calibration_takes_the_kept_crossover_instead_of_timing(one_torch_thread
     monkeypatch.delenv("KETCH_INT4_CROSSOVER")
     kept = cache.load(list(found), torch.bfloat16)  # a clean measurement replaced the file, one under load did not
     assert kept == (found if source == "measured" else {(64, 128): 4, (96, 64): 32})
+
+
+def test_a_dense_gemm_that_lost_at_every_size_is_never_taken():
+    """The crossover hit the largest size timed: the 4-bit kernel takes every step (prefill too)."""
+    from ketch.layers.int4_crossover import SIZES, steps_up_to
+
+    assert steps_up_to(SIZES[-1]) > 1 << 40
+    assert steps_up_to(SIZES[-2]) == SIZES[-2] and steps_up_to(0) == 0

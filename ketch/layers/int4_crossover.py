@@ -123,5 +123,16 @@ def calibrate(layers: Iterable[torch.nn.Module]) -> tuple[dict[tuple[int, int], 
             int4_crossover_cache.store(found, dtype, kernel)
     for shape, group in by_shape.items():
         for m in group:
-            m.int4_max_tokens = found[shape]
+            m.int4_max_tokens = steps_up_to(found[shape])
     return found, source
+
+
+def steps_up_to(tokens: int) -> int:
+    """The largest step a layer takes the 4-bit kernel for, from its crossover: a dense GEMM that
+    lost at every size timed (AVX2: ketch's 4-bit kernel won 256 tokens by ~1.5x; prefill chunks
+    of thousands of tokens through a bf16 GEMM without native bf16 made TTFT twice llama.cpp's) is
+    not taken for larger steps either: both costs grow with the tokens from there."""
+    return UNBOUNDED if tokens >= SIZES[-1] else tokens
+
+
+UNBOUNDED = 1 << 62
