@@ -33,8 +33,8 @@ def test_capture_sizes_are_powers_of_two_then_the_cap():
 
 
 def test_kernel_choices_resolve_by_device():
-    cpu = EngineConfig(device="cpu")
-    assert (cpu.resolved_attention_backend, cpu.resolved_layer_kernels, cpu.use_cuda_graph) == ("torch", "torch", False)
+    cpu = EngineConfig(device="cpu")  # the CPU's layer ops: ketch's C ones (torch's for fp32, ketch/layers/ops.py)
+    assert (cpu.resolved_attention_backend, cpu.resolved_layer_kernels, cpu.use_cuda_graph) == ("torch", "native", False)
     forced = EngineConfig(device="cpu", attention_backend="triton", layer_kernels="triton", cuda_graph=False)
     assert (forced.resolved_attention_backend, forced.resolved_layer_kernels, forced.use_cuda_graph) == ("triton", "triton", False)
     if torch.cuda.is_available():
