@@ -169,6 +169,21 @@ def model(client) -> str:
     return client.models.list().data[0].id
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report carries the end of what each server it talked to printed (a 500
+    says only "the server logged the details"); after teardown, ended servers' files go."""
+    import server_util
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for command, tail in server_util.log_tails():
+            report.sections.append((f"output of {command}", tail))
+    if report.when == "teardown":
+        server_util.forget_ended_processes()
+
+
 # NIXL 1.5 (nixl 1.5.1/1.5.2 with nixl-cu12 1.5.1, UCX inside) segfaults while the interpreter
 # finalizes once a process has made an agent (`nixl_agent(...)` then a plain exit: rc 139, even
 # after `del` and a collection; reproduced 2026-12-02). The tests that make agents in this

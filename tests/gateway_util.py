@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from server_util import STARTUP_DEADLINE_S, connect, free_port, health
+from server_util import STARTUP_DEADLINE_S, connect, free_port, health, popen_logged
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -29,9 +29,9 @@ class Replica:
 
 def start_replica(port: int, *extra: str) -> Replica:
     """`ketch serve` on `port` (CPU, fp32, one thread, like server_util.running_server), not waited for."""
-    proc = subprocess.Popen(
+    proc = popen_logged(
         [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-         "--num-threads", "1", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--num-threads", "1", *extra])
     return Replica(proc, port)
 
 
@@ -70,8 +70,7 @@ def replicas(n: int, *extra: str) -> Iterator[list[Replica]]:
 def running_gateway(*args: str, env: dict | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """`ketch gateway` on a free port; on entry it answers HTTP (its /health may be 503: no worker)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "gateway", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = popen_logged([sys.executable, "-m", "ketch.cli", "gateway", "--port", str(port), *args], env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:

@@ -4,14 +4,49 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Iterator
 from urllib.parse import urlsplit
 
 STARTUP_DEADLINE_S = 120
+# The output files of the processes popen_logged started, until they have ended and a test's
+# teardown has passed (conftest prints their tails into a failed test's report).
+PROCESS_LOGS: dict[subprocess.Popen, str] = {}
+
+
+def popen_logged(argv: list[str], **kw) -> subprocess.Popen:
+    """Popen with stdout and stderr going to a file, not a pipe: a pipe nobody reads stops a chatty
+    server once 64 KiB wait in it, and a failed test can show what the server logged (its 500s say
+    only "the server logged the details"). proc.stdout reads the file from its start."""
+    fd, path = tempfile.mkstemp(prefix="ketch-test-proc-", suffix=".log")
+    with os.fdopen(fd, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, **kw)
+    proc.stdout = open(path, errors="replace")
+    PROCESS_LOGS[proc] = path
+    return proc
+
+
+def forget_ended_processes() -> None:
+    for proc, path in list(PROCESS_LOGS.items()):
+        if proc.poll() is not None:
+            del PROCESS_LOGS[proc]
+            proc.stdout.close()
+            os.unlink(path)
+
+
+def log_tails(max_chars: int = 6000) -> list[tuple[str, str]]:
+    """(the process's command, the end of its output) for each logged process."""
+    tails = []
+    for proc, path in PROCESS_LOGS.items():
+        with open(path, errors="replace") as f:
+            text = f.read()
+        tails.append((" ".join(map(str, proc.args[1:6])), text[-max_chars:]))
+    return tails
 
 
 def free_port() -> int:
@@ -42,11 +77,10 @@ def running_server(*extra: str, new_session: bool = False) -> Iterator[tuple[sub
     new_session: in a process group of its own (its pid is the group's id), as a service manager
     starts it."""
     port = free_port()
-    proc = subprocess.Popen(
+    proc = popen_logged(
         # --device cpu: the tests' timing and fp32 assumptions are the CPU's, even on a GPU host
         [sys.executable, "-m", "ketch.cli", "serve", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-         "--num-threads", "1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=new_session,
+         "--num-threads", "1", *extra], start_new_session=new_session,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_DEADLINE_S
