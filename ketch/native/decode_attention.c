@@ -19,18 +19,58 @@
 
 int ketch_attention_isa(void) { return KETCH_ISA; }
 
+/* One vector of W floats: AVX-512 (16) or AVX2 (8); the loops below are written once over it. */
 #if KETCH_ISA == 3
-static inline __m512 load_bf16x16(const uint16_t *p) {
+#define W 16
+typedef __m512 vf;
+static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vset1(float x) { return _mm512_set1_ps(x); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n */
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif KETCH_ISA == 2
+#define W 8
+typedef __m256 vf;
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vset1(float x) { return _mm256_set1_ps(x); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vfnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf vscale2(vf p, vf n) { /* n integral in [-126, 0] here: 2^n built in the exponent field */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
 static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
-#if KETCH_ISA == 3
-    if (dim % 16 == 0) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_bf16x16(k + d), acc);
-        return _mm512_reduce_add_ps(acc);
+#ifdef W
+    if (dim % W == 0) {
+        vf acc = vset1(0.f);
+        for (int64_t d = 0; d < dim; d += W) acc = vfmadd(vload(q + d), vload_bf16(k + d), acc);
+        return vsum(acc);
     }
 #endif
     float s = 0.f;
@@ -38,23 +78,23 @@ static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
     return s;
 }
 
-#if KETCH_ISA == 3
+#ifdef W
 /* e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial
- * (error ~r^7 / 7! < 2e-7 relative: within about one fp32 step), scaled by 2^n. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+ * (error ~r^7 / 7! < 2e-7 relative: within about one fp32 step), scaled by 2^n. x is clamped at
+ * -87 (e^-87 ~ 1.6e-38, fp32's smallest normals), so n >= -126 and 2^n is a normal number. */
+static inline vf exp_nonpositive(vf x) {
+    x = vmax(x, vset1(-87.f));
+    const vf n = vround(vmul(x, vset1(1.44269504f)));
+    vf r = vfnmadd(n, vset1(0.693145752f), x);
+    r = vfnmadd(n, vset1(1.42860677e-6f), r);
+    vf p = vset1(1.f / 720);
+    p = vfmadd(p, r, vset1(1.f / 120));
+    p = vfmadd(p, r, vset1(1.f / 24));
+    p = vfmadd(p, r, vset1(1.f / 6));
+    p = vfmadd(p, r, vset1(0.5f));
+    p = vfmadd(p, r, vset1(1.f));
+    p = vfmadd(p, r, vset1(1.f));
+    return vscale2(p, n);
 }
 #endif
 
@@ -62,14 +102,14 @@ static inline __m512 exp_nonpositive(__m512 x) {
 static float exponentiate(float *scores, int64_t len, float top) {
     float total = 0.f;
     int64_t t = 0;
-#if KETCH_ISA == 3
-    __m512 sum = _mm512_setzero_ps();
-    for (; t + 16 <= len; t += 16) {
-        const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t), _mm512_set1_ps(top)));
-        _mm512_storeu_ps(scores + t, p);
-        sum = _mm512_add_ps(sum, p);
+#ifdef W
+    vf sum = vset1(0.f);
+    for (; t + W <= len; t += W) {
+        const vf p = exp_nonpositive(vsub(vload(scores + t), vset1(top)));
+        vstore(scores + t, p);
+        sum = vadd(sum, p);
     }
-    total = _mm512_reduce_add_ps(sum);
+    total = vsum(sum);
 #endif
     for (; t < len; t++) {
         scores[t] = expf(scores[t] - top);
@@ -78,30 +118,30 @@ static float exponentiate(float *scores, int64_t len, float top) {
     return total;
 }
 
-#if KETCH_ISA == 3
-/* acc (NV x 16 floats) += sum_t p[t] v_t, the rows v_t in place in the pool; NV a constant where
- * inlined, so the accumulators stay in registers. */
+#ifdef W
+/* acc (NV x W floats) += sum_t p[t] v_t, the rows v_t in place in the pool; NV a constant where
+ * inlined, so the accumulators stay in registers (AVX2 at dim 256 spills some: still vector). */
 static inline void weighted_rows(float *out, const float *p, const uint16_t *vpool, const int64_t *table,
                                  int64_t len, int64_t page_size, int64_t row, int64_t offset, const int nv) {
-    __m512 acc[16];
-    for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+    vf acc[32];
+    for (int c = 0; c < nv; c++) acc[c] = vset1(0.f);
     for (int64_t t = 0; t < len; t++) {
         const uint16_t *v = vpool + (table[t / page_size] * page_size + t % page_size) * row + offset;
-        const __m512 pv = _mm512_set1_ps(p[t]);
-        for (int c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(pv, load_bf16x16(v + 16 * c), acc[c]);
+        const vf pv = vset1(p[t]);
+        for (int c = 0; c < nv; c++) acc[c] = vfmadd(pv, vload_bf16(v + W * c), acc[c]);
     }
-    for (int c = 0; c < nv; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+    for (int c = 0; c < nv; c++) vstore(out + W * c, acc[c]);
 }
 #endif
 
 /* out[d] = sum_t p[t] v_t[d] over the sequence's rows of one kv head. */
 static void weighted_sum(float *out, const float *p, const uint16_t *vpool, const int64_t *table, int64_t len,
                          int64_t page_size, int64_t row, int64_t offset, int64_t dim) {
-#if KETCH_ISA == 3
+#ifdef W
     switch (dim) { /* the common head sizes, unrolled */
-    case 64: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 4); return;
-    case 128: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 8); return;
-    case 256: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 16); return;
+    case 64: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 64 / W); return;
+    case 128: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 128 / W); return;
+    case 256: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 256 / W); return;
     default: break;
     }
 #endif
