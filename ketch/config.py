@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -330,6 +331,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """"auto": bf16 on CUDA and on CPUs with native bf16, else fp32; the engine then makes it
+        bf16 for a 4-bit GGUF model on any CPU ketch's C kernels run on (runner/cpu_dtype.py)."""
         if self.dtype == "auto":
             native_bf16 = self.torch_device.type == "cuda" or cpu_has_native_bf16()
             return torch.bfloat16 if native_bf16 else torch.float32
@@ -360,9 +363,19 @@ def _resolve_kernels(choice: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+# oneDNN's instruction-set caps below AVX512_CORE_BF16: a process told to act as such a machine
+_ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run natively, so bf16 is the fast CPU default."""
+    """AVX512-BF16 or AMX: bf16 matmuls run natively, so bf16 is the fast CPU default. Not when
+    the variables that emulate a smaller machine cap the instruction set below them
+    (`ONEDNN_MAX_CPU_ISA=AVX2`, `ATEN_CPU_CAPABILITY=avx2`): an emulated run then chooses as that
+    machine would (ketch/native/build.py reads the same variables)."""
+    if (os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_WITHOUT_BF16
+            or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")):
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

@@ -38,6 +38,7 @@ from ketch.engine.storage_gate import StorageGate
 from ketch.engine.tp_ranks import TensorParallelRanks
 from ketch.models import load_model_config
 from ketch.parallel import SINGLE, ParallelContext
+from ketch.runner.cpu_dtype import with_cpu_auto_dtype
 from ketch.runner.model_runner import ModelRunner
 from ketch.scheduler.scheduler import Scheduler
 from ketch.spec.block import BlockDraftHead, BlockProposer, block_head_for
@@ -78,6 +79,7 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     parallel: a DP-attention rank's context (dp_attention.py: the ranks are already joined, and
     each runs an engine of its own); None: TP > 1 starts the other ranks here."""
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
+    config = with_cpu_auto_dtype(config, source)  # bf16 for 4-bit GGUF weights on any vector CPU
     model_config = load_model_config(source)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     eos_ids = tuple(dict.fromkeys(model_config.eos_token_ids + tuple(eos_token_ids)))

@@ -24,7 +24,7 @@ def model_fingerprint(source: ModelSource, model_config: Any, config: EngineConf
     """32 hex characters; the same for the same weights, config and load options."""
     h = hashlib.sha256()
     h.update(repr(model_config).encode())
-    h.update(f"|{source.format}|{config.dtype}|{config.quantization}|".encode())
+    h.update(f"|{source.format}|{config.torch_dtype}|{config.quantization}|".encode())  # resolved: "auto" differs by machine
     if source.format == "dummy":
         h.update(b"dummy-weights-seed-0")
     else:

@@ -35,10 +35,15 @@ class TorchInt4:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, BLOCK, self.scale_zero)
 
 
+def native_int4_runs(dtype: torch.dtype) -> bool:
+    """ketch's own 4-bit kernel takes activations of `dtype` on this machine (built, not switched off)."""
+    return dtype in native_q4.DTYPES and native_q4.available()
+
+
 def pack_int4(w: Q4Weight, dtype: torch.dtype) -> "native_q4.NativeQ4 | TorchInt4":
     """ketch's C kernel (ketch/native/q4_matmul.c) where it is built and takes this dtype, else
     torch's."""
-    if dtype in native_q4.DTYPES and native_q4.available():
+    if native_int4_runs(dtype):
         native = native_q4.NativeQ4.pack(w.q, w.scale, w.zero)
         if native is not None:
             return native

@@ -1,0 +1,84 @@
+"""dtype "auto" on the CPU: bf16 where bf16 matmuls are native; elsewhere fp32, except for a
+4-bit GGUF model on a CPU where ketch's own 4-bit kernel runs (its products are integer
+arithmetic: no emulated bf16 GEMM), which runs in bf16 too (runner/cpu_dtype.py). The emulation
+variables make this machine choose as the smaller machine would."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ketch.config import EngineConfig, cpu_has_native_bf16
+from ketch.engine.engine import Engine
+from ketch.native import build
+from ketch.runner.cpu_dtype import with_cpu_auto_dtype
+from ketch.weights.source import ModelSource
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the engine test builds with num_threads=1
+
+EMULATED_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+needs_vector_build = pytest.mark.skipif(
+    build.isa() == "generic" or build.library_path("q4_matmul", "avx2") is None,
+    reason="ketch's 4-bit kernel needs AVX2 and a C compiler")
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Set emulation variables, with the cached CPU answers cleared before and after."""
+    def emulate(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cpu_has_native_bf16.cache_clear()
+        build.load.cache_clear()
+
+    yield emulate
+    monkeypatch.undo()
+    cpu_has_native_bf16.cache_clear()
+    build.load.cache_clear()
+
+
+@pytest.mark.parametrize("env", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "avx512_core"},
+                                 {"ATEN_CPU_CAPABILITY": "avx2"}])
+def test_an_emulated_smaller_machine_has_no_native_bf16(machine, env):
+    machine(**env)
+    assert not cpu_has_native_bf16()
+    assert EngineConfig(device="cpu").torch_dtype == torch.float32
+
+
+def test_an_emulation_that_keeps_bf16_keeps_it(machine):
+    before = cpu_has_native_bf16()
+    machine(ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
+    assert cpu_has_native_bf16() == before
+
+
+@needs_vector_build
+def test_a_4bit_gguf_runs_in_bf16_without_native_bf16(machine, smollm_path):
+    machine(**EMULATED_AVX2)
+    config = EngineConfig(device="cpu")
+    assert with_cpu_auto_dtype(config, ModelSource.resolve(None)).torch_dtype == torch.bfloat16
+    for fixed in ("float32", "bfloat16"):  # a dtype asked for is kept
+        asked = dataclasses.replace(config, dtype=fixed)
+        assert with_cpu_auto_dtype(asked, ModelSource.resolve(None)) is asked
+
+
+@needs_vector_build
+def test_not_for_dense_weights_nor_without_the_kernel(machine, tiny_config_path, monkeypatch):
+    machine(**EMULATED_AVX2)
+    config = EngineConfig(device="cpu")
+    dense = ModelSource.resolve(tiny_config_path.removesuffix("/config.json"), "dummy")
+    assert with_cpu_auto_dtype(config, dense) is config  # dense bf16 GEMMs would be emulated
+    assert with_cpu_auto_dtype(dataclasses.replace(config, quantization="none"), ModelSource.resolve(None)) \
+        .torch_dtype == torch.float32
+    machine(KETCH_NATIVE_CPU="0")  # torch's int4 kernel then: bf16 GEMMs again
+    assert with_cpu_auto_dtype(config, ModelSource.resolve(None)) is config
+
+
+@needs_vector_build
+def test_the_engine_takes_it(machine):
+    """Built on the emulated AVX2 machine, the default engine holds its products in ketch's 4-bit kernel."""
+    machine(**EMULATED_AVX2)
+    engine = Engine(EngineConfig(device="cpu", max_num_seqs=1, kv_cache_memory=16 << 20, num_threads=1))
+    assert engine.config.torch_dtype == torch.bfloat16
+    kernels = {type(m.int4).__name__ for m in engine.runner.model.modules() if getattr(m, "int4", None) is not None}
+    assert kernels == {"NativeQ4"}
