@@ -97,3 +97,48 @@ def test_fp32_rows_keep_the_reference_gemm():
         head.one_row_kernel = kernel
         x = torch.randn(1, 16)
         assert torch.equal(head.project(x), x @ head.weight.t())
+
+
+def test_several_rows_take_int8_blocks_row_by_row_when_picked():
+    """int8 for many rows (where the bf16 GEMM is emulated): each row's logits are the one-row
+    int8 kernel's, whatever rows share its step; "gemm" stays the plain product."""
+    head = bf16_head()
+    head.quantize_int8()
+    if not isinstance(head.int8, NativeQ8):
+        pytest.skip("ketch's Q8 kernel is not built here")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    head.one_row_kernel, head.many_rows_kernel = "int8", "int8"
+    rows = torch.cat([head.project(x[i : i + 1]) for i in range(5)])
+    many = head.project(x)
+    assert torch.equal(many, rows)
+    head.many_rows_kernel = "gemm"
+    assert torch.equal(head.project(x), (x @ head.weight.t()).float())
+    assert not torch.equal(head.project(x), many)
+
+
+def test_pick_many_rows_kernel_keeps_int8_only_when_used(monkeypatch):
+    picks = set()
+    for _ in range(3):  # every head of a shape takes the first one's pick
+        head = bf16_head(vocab=4128)
+        head.pick_one_row_kernel(kernels=("mv", "gemm"))
+        picks.add(head.pick_many_rows_kernel(rows=8))
+        assert (head.int8 is not None) == (head.many_rows_kernel == "int8")
+        assert head.int8 is None or isinstance(head.int8, NativeQ8)
+    assert len(picks) == 1 and picks <= {"gemm", "int8"}
+    monkeypatch.setenv("KETCH_NATIVE_CPU", "0")  # no Q8 kernel: torch's int8 rows are one-row only
+    from ketch.native import build
+
+    build.load.cache_clear()
+    try:
+        head = bf16_head(vocab=4160)
+        assert head.pick_many_rows_kernel(rows=8) == "gemm"
+    finally:
+        build.load.cache_clear()
+
+
+def test_fp32_rows_keep_the_reference_gemm_for_many_rows():
+    head = VocabParallelEmbedding(256, 32)
+    head.weight.data = torch.randn(256, 32)
+    head.many_rows_kernel = "int8"  # ignored for fp32
+    x = torch.randn(3, 32)
+    assert torch.equal(head.project(x), x @ head.weight.t())

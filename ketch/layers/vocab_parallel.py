@@ -10,7 +10,9 @@ at batch 1) takes whichever of three the CPU runner timed fastest at init (`pick
 `torch.mv`, the 1-row GEMM, or an int8 copy of the matrix (half the bytes of bf16, and a batch-1
 LM head only streams bytes): where ketch's C kernels build, int8 blocks of 32 with an fp16 scale
 each, as GGUF's Q8_0 (ketch/native/q8.py: a Q8_0 head gets its file's values back), else one
-scale per vocab row (`torch._weight_int8pack_mm`: 1/254 of the row's largest). fp32 never uses it.
+scale per vocab row (`torch._weight_int8pack_mm`: 1/254 of the row's largest). Several rows take
+the GEMM, or ketch's int8 blocks where those timed faster at 32 rows (`pick_many_rows_kernel`:
+on CPUs without native bf16, where a bf16 GEMM is emulated, ~10x slower). fp32 never uses int8.
 A tied model uses its embedding as the head (`project`).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ _PICKED: dict[tuple, str] = {}  # (shape, dtype, device, kernels) -> the kernel 
 class VocabParallelEmbedding(nn.Module):
     shard_ids: tuple[ShardId, ...] = (None,)
     one_row_kernel = "mv"  # one bf16/fp16 row: "mv" | "gemm" | "int8"; `pick_one_row_kernel`
+    many_rows_kernel = "gemm"  # several rows: "gemm" | "int8"; `pick_many_rows_kernel`
     # "int8" only: ketch's Q8_0-style blocks, or torch's (int8 rows, per-row scales)
     int8: "native_q8.NativeQ8 | tuple[torch.Tensor, torch.Tensor] | None" = None
 
@@ -66,19 +69,21 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight
         if self.dense is not None:
             logits = self.dense(hidden, weight, None).float()  # small steps: the skinny GEMM
-        elif hidden.shape[0] == 1 and hidden.dtype != torch.float32 and self.one_row_kernel != "gemm":
+        elif hidden.dtype != torch.float32 and (kernel := self.one_row_kernel if hidden.shape[0] == 1
+                                                else self.many_rows_kernel) != "gemm":
             # one row in bf16/fp16: the matrix-vector kernel streamed the vocab matrix ~1.8x faster
             # than a 1-row GEMM on Sapphire Rapids, ~1.8x slower on a no-AMX Xeon, where int8 rows
-            # beat both (`pick_one_row_kernel`); fp32 keeps the reference GEMM so parity stays exact
-            logits = self._one_row(hidden, self.one_row_kernel).float()
+            # beat both (`pick_one_row_kernel`); several rows: int8 blocks where the bf16 GEMM is
+            # emulated; fp32 keeps the reference GEMM so parity stays exact
+            logits = self._product(hidden, kernel).float()
         else:
             logits = (hidden @ weight.t()).float()
         if self.parallel.world_size == 1:
             return logits
         return self.parallel.all_gather(logits, dim=-1)[:, : self.vocab_size]
 
-    def _one_row(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
-        if kernel == "mv":
+    def _product(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "mv":  # one row only
             return torch.mv(self.weight, hidden[0])[None]
         if kernel == "int8":
             if isinstance(self.int8, native_q8.NativeQ8):
@@ -131,15 +136,43 @@ class VocabParallelEmbedding(nn.Module):
                 for kernel in kernels:
                     flush.sum()
                     t0 = time.perf_counter()
-                    self._one_row(x, kernel)
+                    self._product(x, kernel)
                     best[kernel] = min(best[kernel], time.perf_counter() - t0)
             _PICKED[key] = choose_one_row_kernel(best)
         self.one_row_kernel = _PICKED[key]
-        if self.one_row_kernel != "int8":
-            self.int8 = None  # 1 byte per weight not worth keeping
-        elif self.int8 is None:
-            self.quantize_int8()
+        self._keep_int8_if_used()
         return self.one_row_kernel
+
+    def pick_many_rows_kernel(self, rows: int = 32, rounds: int = 2) -> str:
+        """Time `rows` bf16/fp16 rows through the GEMM and ketch's int8 blocks (only those: torch's
+        int8 rows kernel is a batch-1 kernel) and keep int8 for every step of more than one row if
+        it takes under INT8_MARGIN of the GEMM's time. Once per process and head shape, like
+        `pick_one_row_kernel`; call that first (its int8 copy is reused)."""
+        import time
+
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, "many", rows)
+        if key not in _PICKED:
+            _PICKED[key] = "gemm"
+            if native_q8.available() and self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
+                if not isinstance(self.int8, native_q8.NativeQ8):
+                    self.quantize_int8()
+                x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
+                best = {"gemm": float("inf"), "int8": float("inf")}
+                for _ in range(rounds):
+                    for kernel in best:
+                        t0 = time.perf_counter()
+                        self._product(x, kernel)
+                        best[kernel] = min(best[kernel], time.perf_counter() - t0)
+                _PICKED[key] = choose_one_row_kernel(best)
+        self.many_rows_kernel = _PICKED[key]
+        self._keep_int8_if_used()
+        return self.many_rows_kernel
+
+    def _keep_int8_if_used(self) -> None:
+        if "int8" not in (self.one_row_kernel, self.many_rows_kernel):
+            self.int8 = None  # 1 byte per weight not worth keeping
+        elif self.int8 is None:  # picked in an earlier engine of this process
+            self.quantize_int8()
 
 
 def choose_one_row_kernel(seconds: dict[str, float]) -> str:
