@@ -63,6 +63,14 @@ static inline float vsum(vf v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+/* The sums of eight vectors as one: lane r = the sum of a[r]'s lanes (three rounds of pairwise
+ * adds; one horizontal sum per score would cost about as much as the score's own FMAs). */
+static inline vf vsum8(const vf a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67); /* [a0..a3 | a0..a3] halves */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
 #endif
 
 static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
@@ -76,6 +84,36 @@ static inline float dot_row(const float *q, const uint16_t *k, int64_t dim) {
     float s = 0.f;
     for (int64_t d = 0; d < dim; d++) s += q[d] * bf16_to_f32(k[d]);
     return s;
+}
+
+/* Element offsets of the sequence's first `len` rows (of the kv head at `offset`) in the pool,
+ * page by page: no division per row (with the page size a run-time value, a division per row
+ * and head cost more than the row's arithmetic). */
+static void row_offsets(int64_t *off, const int64_t *table, int64_t len, int64_t page_size, int64_t row,
+                        int64_t offset) {
+    for (int64_t t0 = 0, i = 0; t0 < len; t0 += page_size, i++) {
+        const int64_t base = table[i] * page_size * row + offset, n = len - t0 < page_size ? len - t0 : page_size;
+        for (int64_t j = 0; j < n; j++) off[t0 + j] = base + j * row;
+    }
+}
+
+/* scores[t] = q . k_t for the rows at `off`. */
+static void score_rows(float *scores, const float *qf, const uint16_t *kpool, const int64_t *off, int64_t len,
+                       int64_t dim) {
+    int64_t t = 0;
+#if KETCH_ISA == 2
+    if (dim % W == 0) /* eight rows at a time, reduced together */
+        for (; t + 8 <= len; t += 8) {
+            vf acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = vset1(0.f);
+            for (int64_t d = 0; d < dim; d += W) {
+                const vf qv = vload(qf + d);
+                for (int r = 0; r < 8; r++) acc[r] = vfmadd(qv, vload_bf16(kpool + off[t + r] + d), acc[r]);
+            }
+            vstore(scores + t, vsum8(acc));
+        }
+#endif
+    for (; t < len; t++) scores[t] = dot_row(qf, kpool + off[t], dim);
 }
 
 #ifdef W
@@ -121,12 +159,12 @@ static float exponentiate(float *scores, int64_t len, float top) {
 #ifdef W
 /* acc (NV x W floats) += sum_t p[t] v_t, the rows v_t in place in the pool; NV a constant where
  * inlined, so the accumulators stay in registers (AVX2 at dim 256 spills some: still vector). */
-static inline void weighted_rows(float *out, const float *p, const uint16_t *vpool, const int64_t *table,
-                                 int64_t len, int64_t page_size, int64_t row, int64_t offset, const int nv) {
+static inline void weighted_rows(float *out, const float *p, const uint16_t *vpool, const int64_t *off, int64_t len,
+                                 const int nv) {
     vf acc[32];
     for (int c = 0; c < nv; c++) acc[c] = vset1(0.f);
     for (int64_t t = 0; t < len; t++) {
-        const uint16_t *v = vpool + (table[t / page_size] * page_size + t % page_size) * row + offset;
+        const uint16_t *v = vpool + off[t];
         const vf pv = vset1(p[t]);
         for (int c = 0; c < nv; c++) acc[c] = vfmadd(pv, vload_bf16(v + W * c), acc[c]);
     }
@@ -134,20 +172,20 @@ static inline void weighted_rows(float *out, const float *p, const uint16_t *vpo
 }
 #endif
 
-/* out[d] = sum_t p[t] v_t[d] over the sequence's rows of one kv head. */
-static void weighted_sum(float *out, const float *p, const uint16_t *vpool, const int64_t *table, int64_t len,
-                         int64_t page_size, int64_t row, int64_t offset, int64_t dim) {
+/* out[d] = sum_t p[t] v_t[d] over the rows at `off`. */
+static void weighted_sum(float *out, const float *p, const uint16_t *vpool, const int64_t *off, int64_t len,
+                         int64_t dim) {
 #ifdef W
     switch (dim) { /* the common head sizes, unrolled */
-    case 64: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 64 / W); return;
-    case 128: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 128 / W); return;
-    case 256: weighted_rows(out, p, vpool, table, len, page_size, row, offset, 256 / W); return;
+    case 64: weighted_rows(out, p, vpool, off, len, 64 / W); return;
+    case 128: weighted_rows(out, p, vpool, off, len, 128 / W); return;
+    case 256: weighted_rows(out, p, vpool, off, len, 256 / W); return;
     default: break;
     }
 #endif
     for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
     for (int64_t t = 0; t < len; t++) {
-        const uint16_t *v = vpool + (table[t / page_size] * page_size + t % page_size) * row + offset;
+        const uint16_t *v = vpool + off[t];
         for (int64_t d = 0; d < dim; d++) out[d] += p[t] * bf16_to_f32(v[d]);
     }
 }
@@ -163,24 +201,21 @@ int ketch_decode_attention_bf16(const uint16_t *q, const uint16_t *kpool, const 
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
     for (int64_t task = 0; task < batch * heads; task++) {
         const int64_t b = task / heads, h = task % heads, kvh = h / group, len = lens[b];
-        float *buf = malloc((size_t)(len + 2 * dim) * sizeof(float));
-        if (buf == NULL) {
+        int64_t *off = malloc((size_t)len * sizeof(int64_t) + (size_t)(len + 2 * dim) * sizeof(float));
+        if (off == NULL) {
             failed = 1;
             continue;
         }
-        float *scores = buf, *qf = buf + len, *acc = qf + dim;
+        float *scores = (float *)(off + len), *qf = scores + len, *acc = qf + dim;
         for (int64_t d = 0; d < dim; d++) qf[d] = bf16_to_f32(q[(b * heads + h) * dim + d]) * scale;
-        const int64_t *table = pages + b * page_stride;
+        row_offsets(off, pages + b * page_stride, len, page_size, row, kvh * dim);
+        score_rows(scores, qf, kpool, off, len, dim);
         float top = -INFINITY;
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = table[t / page_size] * page_size + t % page_size;
-            scores[t] = dot_row(qf, kpool + slot * row + kvh * dim, dim);
-            top = fmaxf(top, scores[t]);
-        }
+        for (int64_t t = 0; t < len; t++) top = fmaxf(top, scores[t]);
         const float total = exponentiate(scores, len, top);
-        weighted_sum(acc, scores, vpool, table, len, page_size, row, kvh * dim, dim);
+        weighted_sum(acc, scores, vpool, off, len, dim);
         for (int64_t d = 0; d < dim; d++) out[(b * heads + h) * dim + d] = f32_to_bf16(acc[d] / total);
-        free(buf);
+        free(off);
     }
     return failed ? -1 : 0;
 }
