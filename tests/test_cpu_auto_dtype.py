@@ -82,3 +82,17 @@ def test_the_engine_takes_it(machine):
     assert engine.config.torch_dtype == torch.bfloat16
     kernels = {type(m.int4).__name__ for m in engine.runner.model.modules() if getattr(m, "int4", None) is not None}
     assert kernels == {"NativeQ4"}
+
+
+@needs_vector_build
+def test_the_draft_model_takes_it_too(machine, smollm_path):
+    """An fp32 target drafted by the bundled GGUF: the draft runs in bf16 on ketch's 4-bit kernel
+    on the emulated AVX2 machine as it does with native bf16 (it was fp32 dense there)."""
+    machine(**EMULATED_AVX2)
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", max_num_seqs=1, kv_cache_memory=16 << 20,
+                                 num_threads=1, speculative_algorithm="draft", speculative_num_draft_tokens=2,
+                                 speculative_draft_model_path=smollm_path))
+    assert engine.config.torch_dtype == torch.float32  # asked for: kept
+    draft = engine.spec.proposer.runner
+    assert draft.dtype == torch.bfloat16
+    assert {type(m.int4).__name__ for m in draft.model.modules() if getattr(m, "int4", None) is not None} == {"NativeQ4"}

@@ -136,10 +136,11 @@ def _block_head(config: EngineConfig, runner: ModelRunner) -> BlockDraftHead:
 
 
 def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> DraftModelProposer:
-    """The draft model's own runner and KV manager: its dtype is the device's default (on a bf16
-    CPU its GGUF stays 4-bit), pages of one token. Its pool: a quarter of the target's KV budget
-    where one is given, else a quarter of `kv_cache_fraction` on the CPU and DRAFT_POOL_FRACTION
-    of the device on CUDA; its decode steps replay CUDA graphs when the target's do."""
+    """The draft model's own runner and KV manager: its dtype is the device's default (on the CPU
+    a 4-bit GGUF stays 4-bit in bf16: runner/cpu_dtype.py), pages of one token. Its pool: a
+    quarter of the target's KV budget where one is given, else a quarter of `kv_cache_fraction` on
+    the CPU and DRAFT_POOL_FRACTION of the device on CUDA; its decode steps replay CUDA graphs when
+    the target's do."""
     path = config.speculative_draft_model_path
     assert path is not None  # EngineConfig checked it
     budget = config.kv_cache_memory // 4 if config.kv_cache_memory else None
@@ -152,6 +153,7 @@ def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> D
                       num_threads=config.num_threads, quantization=config.quantization,
                       attention_backend=config.attention_backend, layer_kernels=config.layer_kernels)
     source = ModelSource.resolve(dc.model, dc.load_format)
+    dc = with_cpu_auto_dtype(dc, source)  # as the target's: bf16 for a 4-bit GGUF on any vector CPU
     model_config = load_model_config(source)
     if model_config.vocab_size != vocab_size:
         raise ValueError(f"speculative_draft_model_path: the draft's vocab_size {model_config.vocab_size} differs "

@@ -68,7 +68,8 @@ static inline float vsum(vf v) {
 static inline vf vsum8(const vf a[8]) {
     const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67); /* [a0..a3 | a0..a3] halves */
+    /* lo: a0..a3's sums over their low 128 bits, then over their high 128 bits; hi: the same for a4..a7 */
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #endif
