@@ -71,6 +71,7 @@ class LLM:
         self.tokenizer = None if source is None else Tokenizer.load(source)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.engine = make_engine(self.config, eos)
+        self.config = getattr(self.engine, "config", self.config)  # "auto" resolved (runner/cpu_dtype.py)
         self._ids = itertools.count()
         self._template: ChatTemplate | None = None
 

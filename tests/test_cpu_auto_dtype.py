@@ -11,6 +11,7 @@ import torch
 
 from ketch.config import EngineConfig, cpu_has_native_bf16
 from ketch.engine.engine import Engine
+from ketch.llm import LLM
 from ketch.native import build
 from ketch.runner.cpu_dtype import with_cpu_auto_dtype
 from ketch.weights.source import ModelSource
@@ -76,10 +77,12 @@ def test_not_for_dense_weights_nor_without_the_kernel(machine, tiny_config_path,
 
 @needs_vector_build
 def test_the_engine_takes_it(machine):
-    """Built on the emulated AVX2 machine, the default engine holds its products in ketch's 4-bit kernel."""
+    """Built on the emulated AVX2 machine, the default engine holds its products in ketch's 4-bit
+    kernel, and `LLM.config` says the dtype it runs in."""
     machine(**EMULATED_AVX2)
-    engine = Engine(EngineConfig(device="cpu", max_num_seqs=1, kv_cache_memory=16 << 20, num_threads=1))
-    assert engine.config.torch_dtype == torch.bfloat16
+    llm = LLM(device="cpu", max_num_seqs=1, kv_cache_memory=16 << 20, num_threads=1)
+    engine = llm.engine
+    assert engine.config.torch_dtype == torch.bfloat16 and llm.config.torch_dtype == torch.bfloat16
     kernels = {type(m.int4).__name__ for m in engine.runner.model.modules() if getattr(m, "int4", None) is not None}
     assert kernels == {"NativeQ4"}
 
