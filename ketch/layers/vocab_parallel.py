@@ -17,6 +17,9 @@ A tied model uses its embedding as the head (`project`).
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,25 +123,16 @@ class VocabParallelEmbedding(nn.Module):
         only if it is picked). Called once at init by the CPU runner; returns `one_row_kernel`.
         Once per process and head shape: every later engine of this process takes the same
         kernel, so two engines of one process (an A/B, a test) never differ by a timing."""
-        import time
-
         key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, kernels)
         if key not in _PICKED:
             if "int8" in kernels:
                 self.quantize_int8()
             x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
-            best = dict.fromkeys(kernels, float("inf"))
             # A decode step reads the head after every layer's weights: from memory, not from the
             # cache where the kernel timed just before left its bytes (there the int8 copy ran at
             # ~0.75 of mv, from memory ~0.5). Reading twice the head's bytes between runs evicts it.
             flush = torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32)
-            for _ in range(rounds):
-                for kernel in kernels:
-                    flush.sum()
-                    t0 = time.perf_counter()
-                    self._product(x, kernel)
-                    best[kernel] = min(best[kernel], time.perf_counter() - t0)
-            _PICKED[key] = choose_one_row_kernel(best)
+            _PICKED[key] = choose_one_row_kernel(self._best_times(x, kernels, rounds, flush.sum))
         self.one_row_kernel = _PICKED[key]
         self._keep_int8_if_used()
         return self.one_row_kernel
@@ -148,8 +142,6 @@ class VocabParallelEmbedding(nn.Module):
         int8 rows kernel is a batch-1 kernel) and keep int8 for every step of more than one row if
         it takes under INT8_MARGIN of the GEMM's time. Once per process and head shape, like
         `pick_one_row_kernel`; call that first (its int8 copy is reused)."""
-        import time
-
         key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, "many", rows)
         if key not in _PICKED:
             _PICKED[key] = "gemm"
@@ -157,16 +149,22 @@ class VocabParallelEmbedding(nn.Module):
                 if not isinstance(self.int8, native_q8.NativeQ8):
                     self.quantize_int8()
                 x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-                best = {"gemm": float("inf"), "int8": float("inf")}
-                for _ in range(rounds):
-                    for kernel in best:
-                        t0 = time.perf_counter()
-                        self._product(x, kernel)
-                        best[kernel] = min(best[kernel], time.perf_counter() - t0)
-                _PICKED[key] = choose_one_row_kernel(best)
+                _PICKED[key] = choose_one_row_kernel(self._best_times(x, ("gemm", "int8"), rounds))
         self.many_rows_kernel = _PICKED[key]
         self._keep_int8_if_used()
         return self.many_rows_kernel
+
+    def _best_times(self, x: torch.Tensor, kernels: tuple[str, ...], rounds: int,
+                    before_each: Callable[[], object] = lambda: None) -> dict[str, float]:
+        """Each kernel's best time over `rounds`, the kernels alternated within a round."""
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(rounds):
+            for kernel in kernels:
+                before_each()
+                t0 = time.perf_counter()
+                self._product(x, kernel)
+                best[kernel] = min(best[kernel], time.perf_counter() - t0)
+        return best
 
     def _keep_int8_if_used(self) -> None:
         if "int8" not in (self.one_row_kernel, self.many_rows_kernel):
