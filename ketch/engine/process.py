@@ -139,8 +139,8 @@ def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
         eos_in.close()
     zctx = zmq.Context()
     inbox = zctx.socket(zmq.PULL)
-    for addr in input_addrs:
-        inbox.connect(addr)
+    for addr in input_addrs:  # the receiver binds (EngineClient._link says why)
+        inbox.bind(addr)
     outboxes = Outboxes.connect(zctx, output_addrs)
     progress, stop = _Progress(), threading.Event()
     beat = threading.Thread(target=_beat, args=(zctx, output_addrs, progress, stop), name="ketch-heartbeat",

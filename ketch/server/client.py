@@ -86,7 +86,7 @@ class EngineClient:
     def launch(self, api_servers: int = 1) -> None:
         """Start the engine process (for `api_servers` API processes); it imports its modules until
         `start` hands it the EOS ids: the caller loads the tokenizer in between."""
-        self._bind()
+        self._link()
         addrs = [self.addresses(self.workdir, k) for k in range(api_servers)]
         self._proc, self._eos_out = start_engine_process(self.config, [a[0] for a in addrs], [a[1] for a in addrs])
 
@@ -111,7 +111,7 @@ class EngineClient:
 
     async def attach(self, engine_pid: int, parent_pid: int, timeout: float = 600.0) -> m.EngineReady:
         """Join the engine another API process started (this one's origin is > 0)."""
-        self._bind()
+        self._link()
         self._engine_pid, self._parent_pid = engine_pid, parent_pid
         return self._running(await self._first_message(timeout, asyncio.get_running_loop().create_future()))
 
@@ -119,10 +119,14 @@ class EngineClient:
     def engine_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else self._engine_pid
 
-    def _bind(self) -> None:
+    def _link(self) -> None:
+        """Every PULL binds and every PUSH connects (the engine binds its inbox): a connecting PUSH
+        queues a message at once, before the link is up. A binding one has no pipe until the peer's
+        handshake lands in ZMQ's I/O thread, and a request sent in that window (EngineReady came first,
+        on the other socket; a loaded machine widens it) failed with EAGAIN, a 500 to the client."""
         input_addr, output_addr = self.addresses(self.workdir, self.origin)
-        self._push.bind(input_addr)
         self._pull.bind(output_addr)
+        self._push.connect(input_addr)
 
     async def _first_message(self, timeout: float, exited: asyncio.Future) -> m.EngineReady:
         """EngineReady (heartbeats before it are skipped: an API process that attaches late may get
