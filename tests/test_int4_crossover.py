@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ketch.layers import int4_crossover
 from ketch.layers import int4_crossover_cache as cache
 from ketch.layers.int4_crossover import MARGIN, NOISE, SIZES, calibrate, crossover, noisy
 from ketch.layers.linear import Linear
@@ -14,6 +15,12 @@ from ketch.layers.q4 import Q4Weight
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
                                 reason="torch without the int4 CPU kernel")
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_memory(monkeypatch):
+    """Each test starts as a fresh process would: no measurement taken earlier in it."""
+    monkeypatch.setattr(int4_crossover, "_MEASURED_HERE", {})
 
 
 def test_the_crossover_is_the_last_size_of_an_unbroken_run_of_wins():
@@ -39,7 +46,7 @@ def q4_linear(out_features: int, in_features: int, seed: int) -> Linear:
 def test_calibration_measures_each_shape_once_and_the_forward_follows_it(one_torch_thread):
     layers = [q4_linear(64, 128, 0), q4_linear(96, 64, 1), q4_linear(64, 128, 2), Linear(32, 32)]
     found, source = calibrate(layers)
-    assert source in ("measured", "measured under load, not kept", "cached")
+    assert source in ("measured", "measured under load, kept for this process only", "cached")
     assert set(found) == {(64, 128), (96, 64)}  # the dense-only layer is not timed
     assert all(n == 0 or n in SIZES for n in found.values())
     assert layers[0].int4_max_tokens == layers[2].int4_max_tokens == found[64, 128]
@@ -96,6 +103,26 @@ def test_calibration_takes_the_kept_crossover_instead_of_timing(one_torch_thread
     monkeypatch.delenv("KETCH_INT4_CROSSOVER")
     kept = cache.load(list(found), torch.bfloat16)  # a clean measurement replaced the file, one under load did not
     assert kept == (found if source == "measured" else {(64, 128): 4, (96, 64): 32})
+
+
+def test_a_measurement_under_load_is_reused_by_every_later_engine_of_the_process(one_torch_thread, monkeypatch,
+                                                                                 tmp_path):
+    """Not on disk (another start-up measures for itself), but this process's next engine takes the
+    same kernels, hence the same bf16 rounding, instead of timing again under other load."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a machine with nothing kept yet
+    monkeypatch.setattr(int4_crossover, "NOISE", 0.5)  # every set of runs now reads as taken under load
+    first = [q4_linear(64, 128, 0), q4_linear(96, 64, 1)]
+    found, source = calibrate(first)
+    assert source == "measured under load, kept for this process only"
+    assert cache.load(list(found), torch.bfloat16) is None  # nothing written for other processes
+    second = [q4_linear(64, 128, 3), q4_linear(96, 64, 4)]  # another engine's layers, same shapes
+    for layer in second:
+        layer.int4_max_tokens = -1
+    again, source = calibrate(second)
+    assert source == "measured earlier in this process" and again == found
+    assert [m.int4_max_tokens for m in second] == [m.int4_max_tokens for m in first]
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "measure")  # asked to measure: it times again
+    assert calibrate(second)[1].startswith("measured under load")
 
 
 def test_a_dense_gemm_that_lost_at_every_size_is_never_taken():
