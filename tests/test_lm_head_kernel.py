@@ -99,21 +99,32 @@ def test_fp32_rows_keep_the_reference_gemm():
         assert torch.equal(head.project(x), x @ head.weight.t())
 
 
-def test_several_rows_take_int8_blocks_row_by_row_when_picked():
-    """int8 for many rows (where the bf16 GEMM is emulated): each row's logits are the one-row
-    int8 kernel's, whatever rows share its step; "gemm" stays the plain product."""
+def test_several_rows_take_int8_blocks_row_by_row_up_to_the_picked_count():
+    """int8 for steps of up to int8_max_rows rows: each row's logits are the one-row int8
+    kernel's, whatever rows share its step; a larger step takes the plain product."""
     head = bf16_head()
     head.quantize_int8()
     if not isinstance(head.int8, NativeQ8):
         pytest.skip("ketch's Q8 kernel is not built here")
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
-    head.one_row_kernel, head.many_rows_kernel = "int8", "int8"
+    head.one_row_kernel, head.int8_max_rows = "int8", 5
     rows = torch.cat([head.project(x[i : i + 1]) for i in range(5)])
     many = head.project(x)
     assert torch.equal(many, rows)
-    head.many_rows_kernel = "gemm"
+    head.int8_max_rows = 4  # one row more than int8 takes: the GEMM
     assert torch.equal(head.project(x), (x @ head.weight.t()).float())
     assert not torch.equal(head.project(x), many)
+    assert torch.equal(head.project(x[:4]), rows[:4])
+
+
+def test_the_int8_row_count_is_the_last_of_an_unbroken_run_of_wins():
+    from ketch.layers.vocab_parallel import UNBOUNDED, int8_rows_crossover
+
+    sizes = (2, 4, 8, 16)
+    assert int8_rows_crossover(sizes, [True, True, False]) == 4  # timing stops at the first loss
+    assert int8_rows_crossover(sizes, [False]) == 1  # lost at 2 rows: one row only (its own pick)
+    assert int8_rows_crossover(sizes, [True, False, True, True]) == 2  # a later win does not count
+    assert int8_rows_crossover(sizes, [True] * 4) == UNBOUNDED  # won every size: every step
 
 
 def test_pick_many_rows_kernel_keeps_int8_only_when_used(monkeypatch):
@@ -121,17 +132,17 @@ def test_pick_many_rows_kernel_keeps_int8_only_when_used(monkeypatch):
     for _ in range(3):  # every head of a shape takes the first one's pick
         head = bf16_head(vocab=4128)
         head.pick_one_row_kernel(kernels=("mv", "gemm"))
-        picks.add(head.pick_many_rows_kernel(rows=8))
-        assert (head.int8 is not None) == (head.many_rows_kernel == "int8")
+        picks.add(head.pick_many_rows_kernel(sizes=(2, 4, 8)))
+        assert (head.int8 is not None) == (head.int8_max_rows > 1)
         assert head.int8 is None or isinstance(head.int8, NativeQ8)
-    assert len(picks) == 1 and picks <= {"gemm", "int8"}
+    assert len(picks) == 1 and picks <= {1, 2, 4, 1 << 62}
     monkeypatch.setenv("KETCH_NATIVE_CPU", "0")  # no Q8 kernel: torch's int8 rows are one-row only
     from ketch.native import build
 
     build.load.cache_clear()
     try:
         head = bf16_head(vocab=4160)
-        assert head.pick_many_rows_kernel(rows=8) == "gemm"
+        assert head.pick_many_rows_kernel(sizes=(2, 4, 8)) == 1
     finally:
         build.load.cache_clear()
 
@@ -139,6 +150,6 @@ def test_pick_many_rows_kernel_keeps_int8_only_when_used(monkeypatch):
 def test_fp32_rows_keep_the_reference_gemm_for_many_rows():
     head = VocabParallelEmbedding(256, 32)
     head.weight.data = torch.randn(256, 32)
-    head.many_rows_kernel = "int8"  # ignored for fp32
+    head.int8_max_rows = 1 << 62  # ignored for fp32
     x = torch.randn(3, 32)
     assert torch.equal(head.project(x), x @ head.weight.t())

@@ -10,9 +10,12 @@ at batch 1) takes whichever of three the CPU runner timed fastest at init (`pick
 `torch.mv`, the 1-row GEMM, or an int8 copy of the matrix (half the bytes of bf16, and a batch-1
 LM head only streams bytes): where ketch's C kernels build, int8 blocks of 32 with an fp16 scale
 each, as GGUF's Q8_0 (ketch/native/q8.py: a Q8_0 head gets its file's values back), else one
-scale per vocab row (`torch._weight_int8pack_mm`: 1/254 of the row's largest). Several rows take
-the GEMM, or ketch's int8 blocks where those timed faster at 32 rows (`pick_many_rows_kernel`:
-on CPUs without native bf16, where a bf16 GEMM is emulated, ~10x slower). fp32 never uses int8.
+scale per vocab row (`torch._weight_int8pack_mm`: 1/254 of the row's largest). A step of several
+rows takes ketch's int8 blocks up to as many rows as they timed faster than the GEMM at init,
+the GEMM beyond (`pick_many_rows_kernel`): with AMX the GEMM wins from some rows on, but a step
+of 2 rows (a draft's catch-up, a verify, two streams) took 4.5 ms in the GEMM against 1.2 for
+one int8 row; without native bf16 the GEMM is emulated and int8 wins at every size timed.
+fp32 never uses int8.
 A tied model uses its embedding as the head (`project`).
 """
 from __future__ import annotations
@@ -31,13 +34,15 @@ from ketch.parallel import SINGLE, ParallelContext
 
 
 INT8_MARGIN = 0.8  # int8 rows must take < 80 % of the faster bf16 kernel's time to be picked
-_PICKED: dict[tuple, str] = {}  # (shape, dtype, device, kernels) -> the kernel this process picked
+INT8_ROW_SIZES = (2, 4, 8, 16, 32)  # the step sizes `pick_many_rows_kernel` times
+UNBOUNDED = 1 << 62  # int8 won at every size timed: it takes every step
+_PICKED: dict[tuple, str | int] = {}  # (shape, dtype, device, kernels) -> what this process picked
 
 
 class VocabParallelEmbedding(nn.Module):
     shard_ids: tuple[ShardId, ...] = (None,)
     one_row_kernel = "mv"  # one bf16/fp16 row: "mv" | "gemm" | "int8"; `pick_one_row_kernel`
-    many_rows_kernel = "gemm"  # several rows: "gemm" | "int8"; `pick_many_rows_kernel`
+    int8_max_rows = 1  # steps of 2..int8_max_rows rows take int8 blocks, larger ones the GEMM
     # "int8" only: ketch's Q8_0-style blocks, or torch's (int8 rows, per-row scales)
     int8: "native_q8.NativeQ8 | tuple[torch.Tensor, torch.Tensor] | None" = None
 
@@ -72,18 +77,22 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight
         if self.dense is not None:
             logits = self.dense(hidden, weight, None).float()  # small steps: the skinny GEMM
-        elif hidden.dtype != torch.float32 and (kernel := self.one_row_kernel if hidden.shape[0] == 1
-                                                else self.many_rows_kernel) != "gemm":
+        elif hidden.dtype != torch.float32 and (kernel := self._kernel_for(hidden.shape[0])) != "gemm":
             # one row in bf16/fp16: the matrix-vector kernel streamed the vocab matrix ~1.8x faster
             # than a 1-row GEMM on Sapphire Rapids, ~1.8x slower on a no-AMX Xeon, where int8 rows
-            # beat both (`pick_one_row_kernel`); several rows: int8 blocks where the bf16 GEMM is
-            # emulated; fp32 keeps the reference GEMM so parity stays exact
+            # beat both (`pick_one_row_kernel`); several rows: int8 blocks up to the measured row
+            # count; fp32 keeps the reference GEMM so parity stays exact
             logits = self._product(hidden, kernel).float()
         else:
             logits = (hidden @ weight.t()).float()
         if self.parallel.world_size == 1:
             return logits
         return self.parallel.all_gather(logits, dim=-1)[:, : self.vocab_size]
+
+    def _kernel_for(self, rows: int) -> str:
+        if rows == 1:
+            return self.one_row_kernel
+        return "int8" if rows <= self.int8_max_rows else "gemm"
 
     def _product(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "mv":  # one row only
@@ -137,22 +146,31 @@ class VocabParallelEmbedding(nn.Module):
         self._keep_int8_if_used()
         return self.one_row_kernel
 
-    def pick_many_rows_kernel(self, rows: int = 32, rounds: int = 2) -> str:
-        """Time `rows` bf16/fp16 rows through the GEMM and ketch's int8 blocks (only those: torch's
-        int8 rows kernel is a batch-1 kernel) and keep int8 for every step of more than one row if
-        it takes under INT8_MARGIN of the GEMM's time. Once per process and head shape, like
-        `pick_one_row_kernel`; call that first (its int8 copy is reused)."""
-        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, "many", rows)
+    def pick_many_rows_kernel(self, sizes: tuple[int, ...] = INT8_ROW_SIZES, rounds: int = 2) -> int:
+        """Time steps of each of `sizes` bf16/fp16 rows through the GEMM and ketch's int8 blocks (only
+        those: torch's int8 rows kernel is a batch-1 kernel), the head evicted from the cache before
+        each run as in `pick_one_row_kernel`, and keep int8 for steps up to the last size of an
+        unbroken run of int8 wins (`int8_rows_crossover`). Once per process and head shape, like
+        `pick_one_row_kernel`; call that first (its int8 copy is reused). Returns `int8_max_rows`."""
+        key = (tuple(self.weight.shape), self.weight.dtype, self.weight.device.type, "many", sizes)
         if key not in _PICKED:
-            _PICKED[key] = "gemm"
+            _PICKED[key] = 1
             if native_q8.available() and self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
                 if not isinstance(self.int8, native_q8.NativeQ8):
                     self.quantize_int8()
-                x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-                _PICKED[key] = choose_one_row_kernel(self._best_times(x, ("gemm", "int8"), rounds))
-        self.many_rows_kernel = _PICKED[key]
+                x = torch.randn(max(sizes), self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+                x = x.to(self.weight.dtype)
+                flush = torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32)
+                won = []
+                for rows in sizes:  # from the smallest: a loss ends the timing (larger steps favour the GEMM)
+                    won.append(choose_one_row_kernel(self._best_times(x[:rows], ("gemm", "int8"), rounds,
+                                                                      flush.sum)) == "int8")
+                    if not won[-1]:
+                        break
+                _PICKED[key] = int8_rows_crossover(sizes, won)
+        self.int8_max_rows = int(_PICKED[key])
         self._keep_int8_if_used()
-        return self.many_rows_kernel
+        return self.int8_max_rows
 
     def _best_times(self, x: torch.Tensor, kernels: tuple[str, ...], rounds: int,
                     before_each: Callable[[], object] = lambda: None) -> dict[str, float]:
@@ -167,10 +185,21 @@ class VocabParallelEmbedding(nn.Module):
         return best
 
     def _keep_int8_if_used(self) -> None:
-        if "int8" not in (self.one_row_kernel, self.many_rows_kernel):
+        if self.one_row_kernel != "int8" and self.int8_max_rows < 2:
             self.int8 = None  # 1 byte per weight not worth keeping
         elif self.int8 is None:  # picked in an earlier engine of this process
             self.quantize_int8()
+
+
+def int8_rows_crossover(sizes: tuple[int, ...], won: list[bool]) -> int:
+    """The most rows a step takes int8 blocks for: the last size of the unbroken run of wins from
+    the smallest (1: none; a win after a loss does not count), unbounded when int8 won every size."""
+    best = 1
+    for rows, w in zip(sizes, won):
+        if not w:
+            return best
+        best = rows
+    return UNBOUNDED if len(won) == len(sizes) else best
 
 
 def choose_one_row_kernel(seconds: dict[str, float]) -> str:

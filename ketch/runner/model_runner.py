@@ -157,7 +157,7 @@ class ModelRunner:
         if isinstance(head, VocabParallelEmbedding) and head.dense is None and self.device.type == "cpu" \
                 and self.dtype != torch.float32:
             head.pick_one_row_kernel()
-            head.pick_many_rows_kernel()  # int8 blocks where the bf16 GEMM is emulated (no native bf16)
+            head.pick_many_rows_kernel()  # int8 blocks for steps of up to as many rows as they win
         return model.eval()
 
     def _keeps_4bit(self) -> bool:
