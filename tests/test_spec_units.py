@@ -156,11 +156,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_config_path, tmp_
 def test_the_draft_model_runs_again_only_what_it_never_ran(tiny_config_path):
     """The draft model's prefix cache keeps the drafts it ran: when the target keeps all of them,
     the next propose runs only the last draft (never run) and the target's own token; when it
-    keeps one, only the target's correction. The drafts equal a fresh draft model's (the cached
-    K/V of drafts is the K/V of those tokens), and every page is back after each call."""
+    keeps one, only the target's correction, as decode rows (a decode step, not an extend that
+    gathers the context). The drafts equal a fresh draft model's (the cached K/V of drafts is the
+    K/V of those tokens), and every page is back after each call."""
     import numpy as np
 
     from conftest import make_tiny_engine
+    from ketch.forward_batch import StepKind
 
     def draft_engine():
         return make_tiny_engine(tiny_config_path, speculative_algorithm="draft", speculative_num_draft_tokens=4,
@@ -168,21 +170,25 @@ def test_the_draft_model_runs_again_only_what_it_never_ran(tiny_config_path):
 
     proposer = draft_engine().spec.proposer
     ran: list[int] = []
+    kinds: list[StepKind] = []
     forward = proposer.runner.forward
 
     def counting_forward(batch):  # a spy on the real forward: how many tokens each draft forward ran
         ran.append(batch.num_tokens)
+        kinds.append(batch.kind)
         return forward(batch)
 
     proposer.runner.forward = counting_forward
     prompt = np.arange(3, 40, dtype=np.int64)
     first = proposer.propose([DraftInput(prompt, 4)])[0]
     assert len(first) == 4 and ran == [len(prompt), 1, 1, 1]
+    assert kinds[0] is StepKind.EXTEND  # a new prompt
     proposer.check_invariants()
     for kept, runs_first in ((first + [7], 2), (first[:1] + [(first[1] + 1) % 64], 1)):
         ran.clear()
+        kinds.clear()
         seq = np.concatenate([prompt, np.array(kept, dtype=np.int64)])
         drafts = proposer.propose([DraftInput(seq, 4)])[0]
-        assert ran[0] == runs_first, ran
+        assert ran[0] == runs_first and kinds == [StepKind.DECODE] * 4, (ran, kinds)
         assert drafts == draft_engine().spec.proposer.propose([DraftInput(seq, 4)])[0]
         proposer.check_invariants()
