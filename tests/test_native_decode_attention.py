@@ -12,7 +12,7 @@ from ketch.cache.kv_pool import KVPool
 from ketch.config import KVSpec
 from ketch.forward_batch import ForwardBatch, SeqChunk
 from ketch.native import build
-from ketch.native.decode_attention import available, decode_attention
+from ketch.native.decode_attention import available, decode_attention, store_decode_attention
 
 pytestmark = pytest.mark.skipif(build.library_path("decode_attention", "generic") is None, reason="no C compiler")
 PAGE, KVH, H, D = 4, 3, 9, 64
@@ -86,8 +86,32 @@ def test_backend_decode_reads_the_pool_in_place():
     for b, (table, n) in enumerate(zip(tables, lens)):  # the new token went to its slot
         slot = table[(n - 1) // PAGE] * PAGE + (n - 1) % PAGE
         assert torch.equal(pool.k[0].view(-1, KVH, D)[slot], k[b])
+        assert torch.equal(pool.v[0].view(-1, KVH, D)[slot], v[b])
     want = reference(q, pool, tables, lens, D ** -0.5)
     assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6 * want.abs().max()).all()
+
+
+def test_store_and_attend_in_one_call_equals_the_store_then_the_attention(native_isa):
+    """q, k, v as the model hands them: views whose rows are further apart than their heads (v of
+    the fused qkv rows, q and k of the rotated q|k rows: two different row strides). The pools end
+    as KVPool.store leaves them and the output is the two-call path's, bit for bit."""
+    tables = [[9, 2, 30, 4], [1, 8], [17, 3, 12]]
+    lens = torch.tensor([PAGE * len(p) - 2 for p in tables])
+    slots = torch.tensor([t[(n - 1) // PAGE] * PAGE + (n - 1) % PAGE for t, n in zip(tables, lens.tolist())])
+    pages = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, (H + 2 * KVH) * D, generator=g).bfloat16()
+    qk = torch.randn(3, H + KVH, D, generator=g).bfloat16()
+    q, k = qk[:, :H], qk[:, H:]
+    v = qkv[:, (H + KVH) * D :].view(3, KVH, D)
+    one, two = pool_with_random_pages(11), pool_with_random_pages(11)
+    got = store_decode_attention(q, k, v, slots, one.k[0], one.v[0], pages, lens, D ** -0.5)
+    two.store(0, slots, k, v)
+    want = decode_attention(q.contiguous(), two.k[0], two.v[0], pages, lens, D ** -0.5)
+    assert torch.equal(one.k[0], two.k[0]) and torch.equal(one.v[0], two.v[0])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="store_decode_attention"):
+        store_decode_attention(q, k, v, slots[:2], one.k[0], one.v[0], pages, lens, D ** -0.5)
 
 
 def test_fp32_pools_keep_sdpa():

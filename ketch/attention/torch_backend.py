@@ -88,13 +88,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
         # bf16 K/V on the CPU: decode reads the pages in place (ketch/native/decode_attention.c)
         # instead of gathering them for SDPA; fp32 (the parity configuration) and fp8 pools keep SDPA
-        self.native_decode = None
+        self.native_decode = self.native_store_decode = None
         if (pool.dtype == pool.compute_dtype == torch.bfloat16 and torch.device(device).type == "cpu"
                 and {"k", "v"} <= set(pool.spec.names)):
             from ketch.native import decode_attention as native
 
             if native.available():
                 self.native_decode = native.decode_attention
+                # a decode-only step stores its K/V and attends in one call a layer
+                self.native_store_decode = native.store_decode_attention
 
     def init_metadata(self, batch: ForwardBatch) -> TorchAttentionMetadata:
         ps, nd = self.page_size, batch.num_decode
@@ -137,6 +139,9 @@ class TorchAttentionBackend(AttentionBackend):
         return zeros.masked_fill_(~visible, float("-inf"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
+        if self.native_store_decode is not None and not meta.prefills and meta.decode_lens is not None:
+            return self.native_store_decode(q, k, v, meta.slots, self.pool.k[layer], self.pool.v[layer],
+                                            meta.decode_pages, meta.decode_lens, self.scale)
         self.pool.store(layer, meta.slots, k, v)
         nd = meta.num_decode
         if not meta.prefills:  # the common decode-only step: no output assembly
