@@ -137,11 +137,7 @@ class VocabParallelEmbedding(nn.Module):
             if "int8" in kernels:
                 self.quantize_int8()
             x = torch.zeros(1, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
-            # A decode step reads the head after every layer's weights: from memory, not from the
-            # cache where the kernel timed just before left its bytes (there the int8 copy ran at
-            # ~0.75 of mv, from memory ~0.5). Reading twice the head's bytes between runs evicts it.
-            flush = torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32)
-            _PICKED[key] = choose_one_row_kernel(self._best_times(x, kernels, rounds, flush.sum))
+            _PICKED[key] = choose_one_row_kernel(self._best_times(x, kernels, rounds, self._evictor()))
         self.one_row_kernel = _PICKED[key]
         self._keep_int8_if_used()
         return self.one_row_kernel
@@ -160,17 +156,22 @@ class VocabParallelEmbedding(nn.Module):
                     self.quantize_int8()
                 x = torch.randn(max(sizes), self.weight.shape[1], generator=torch.Generator().manual_seed(0))
                 x = x.to(self.weight.dtype)
-                flush = torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32)
-                won = []
+                evict, won = self._evictor(), []
                 for rows in sizes:  # from the smallest: a loss ends the timing (larger steps favour the GEMM)
                     won.append(choose_one_row_kernel(self._best_times(x[:rows], ("gemm", "int8"), rounds,
-                                                                      flush.sum)) == "int8")
+                                                                      evict)) == "int8")
                     if not won[-1]:
                         break
                 _PICKED[key] = int8_rows_crossover(sizes, won)
         self.int8_max_rows = int(_PICKED[key])
         self._keep_int8_if_used()
         return self.int8_max_rows
+
+    def _evictor(self) -> Callable[[], object]:
+        """A decode step reads the head after every layer's weights: from memory, not from the cache
+        where the kernel timed just before left its bytes (there the int8 copy ran at ~0.75 of mv,
+        from memory ~0.5). Reading twice the head's bytes between runs evicts it."""
+        return torch.ones(2 * self.weight.numel() * self.weight.element_size() // 4, dtype=torch.float32).sum
 
     def _best_times(self, x: torch.Tensor, kernels: tuple[str, ...], rounds: int,
                     before_each: Callable[[], object] = lambda: None) -> dict[str, float]:

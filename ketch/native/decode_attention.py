@@ -5,6 +5,7 @@ in place, optionally after writing the step's own K/V rows into their slots (one
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -45,18 +46,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, heads, dim] bf16; k_pool / v_pool [pages, page_size, kv_heads, dim] bf16 (one layer's);
     pages [B, >= ceil(len / page_size)] int64 page ids; lens [B] int64, each >= 1 -> [B, heads, dim]."""
-    b, heads, dim = q.shape
-    _, page_size, kv_heads, _ = k_pool.shape
-    if heads % kv_heads:
-        raise ValueError(f"decode_attention: {heads} query heads do not group over {kv_heads} kv heads")
-    q, pages, lens = _rows(q), pages.contiguous(), lens.contiguous()
-    out = q.new_empty((b, heads, dim))
-    rc = library().ketch_decode_attention_bf16(
-        q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), pages.shape[1],
-        lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, page_size, scale, torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("decode_attention: could not allocate its scratch")
-    return out
+    q = _rows(q)
+    return _attend(library().ketch_decode_attention_bf16, (q.data_ptr(), q.stride(0)), q, k_pool, v_pool, pages,
+                   lens, scale)
 
 
 def store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -65,18 +57,28 @@ def store_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     """`decode_attention` after writing row b of k / v ([B, kv_heads, dim] bf16) into slot
     slots[b] (int64, [B]) of the pools: what `KVPool.store` and then `decode_attention` do, in one
     call. The caller guarantees the dtypes and that slots are in the pools (the backend's own)."""
-    b, heads, dim = q.shape
-    _, page_size, kv_heads, _ = k_pool.shape
-    if heads % kv_heads or k.shape != (b, kv_heads, dim) or v.shape != k.shape or slots.shape != (b,):
+    b, _, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    if k.shape != (b, kv_heads, dim) or v.shape != k.shape or slots.shape != (b,):
         raise ValueError(f"store_decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"slots {tuple(slots.shape)} do not fit pools of {kv_heads} kv heads")
     q, k, v, slots = _rows(q), _rows(k), _rows(v), slots.contiguous()
+    head = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr())
+    return _attend(library().ketch_store_decode_attention_bf16, head, q, k_pool, v_pool, pages, lens, scale)
+
+
+def _attend(fn: Callable[..., int], head: tuple, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            pages: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Call `fn` with its own leading arguments `head`, then the pools, pages and shapes both
+    entry points share."""
+    b, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_pool.shape
+    if heads % kv_heads:
+        raise ValueError(f"decode_attention: {heads} query heads do not group over {kv_heads} kv heads")
     pages, lens = pages.contiguous(), lens.contiguous()
     out = q.new_empty((b, heads, dim))
-    rc = library().ketch_store_decode_attention_bf16(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-        k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), pages.shape[1], lens.data_ptr(), out.data_ptr(),
-        b, heads, kv_heads, dim, page_size, scale, torch.get_num_threads())
+    rc = fn(*head, k_pool.data_ptr(), v_pool.data_ptr(), pages.data_ptr(), pages.shape[1], lens.data_ptr(),
+            out.data_ptr(), b, heads, kv_heads, dim, page_size, scale, torch.get_num_threads())
     if rc != 0:
         raise MemoryError("decode_attention: could not allocate its scratch")
     return out

@@ -116,31 +116,28 @@ class DraftModelProposer:
         and the target's own token) runs as that many decode rows, row j at position start + j
         over the holder's pages, as a verify's rows do: the step stays a decode step (the CPU's
         in-place decode attention, the GPU's decode graphs) instead of an extend that gathers the
-        context (CPU: 15 ms for a 2-token extend against 10 ms for one decode row). Every row of
-        a decode step is sampled; only the chunk's last one is read."""
+        context (on the CPU it timed the same as the extend; the 2-token forward's extra cost was
+        the LM head's GEMM, since replaced). Every row of a decode step is sampled; only each
+        chunk's last one is read."""
         rowwise = [(h, n) for h, n in chunks if n <= DECODE_ROWS]
+        longer = [(h, n) for h, n in chunks if n > DECODE_ROWS]  # after the decode rows, as ForwardBatch wants
         seqs, ids, rows, picks, sampled = [], [], [], [], []
-        for h, n in rowwise:
-            for j in range(n):
-                seqs.append(SeqChunk(h.num_computed + j, 1, h.page_table))
-                rows.append(len(ids))
-                ids.append(h.ids[h.num_computed + j])
-            if h.num_computed + n == len(h.ids):
-                picks.append(len(rows) - 1)
-                sampled.append(h)
-        for h, n in chunks:
+        for h, n in rowwise + longer:
+            start, ends = h.num_computed, h.num_computed + n == len(h.ids)
             if n <= DECODE_ROWS:
-                continue
-            seqs.append(SeqChunk(h.num_computed, n, h.page_table))
-            ids.extend(h.ids[h.num_computed:h.num_computed + n])
-            if h.num_computed + n == len(h.ids):
-                rows.append(len(ids) - 1)
+                seqs.extend(SeqChunk(start + j, 1, h.page_table) for j in range(n))
+                rows.extend(range(len(ids), len(ids) + n))
+            else:
+                seqs.append(SeqChunk(start, n, h.page_table))
+                if ends:
+                    rows.append(len(ids) + n - 1)
+            ids.extend(h.ids[start:start + n])
+            if ends:
                 picks.append(len(rows) - 1)
                 sampled.append(h)
         logits = self.runner.forward(ForwardBatch.build(seqs, self.kv.page_size, ids, rows))
         for h, n in chunks:
             h.num_computed += n
-        picked = logits[picks] if len(picks) < logits.shape[0] else logits
-        for h, token in zip(sampled, picked.argmax(dim=-1).tolist()):
+        for h, token in zip(sampled, logits[picks].argmax(dim=-1).tolist()):
             h.draft.append(token)
             h.ids.append(token)
