@@ -65,11 +65,15 @@ def test_what_the_c_code_does_not_take_runs_the_fallback():
     assert calls == ["norm", "norm"]
 
 
-def test_the_cpu_default_is_native_for_bf16_only():
+def test_the_cpu_default_is_native_with_torchs_norms_in_fp32():
     assert EngineConfig(device="cpu").resolved_layer_kernels == "native"
     assert EngineConfig(device="cpu", cpu_compile=True).resolved_layer_kernels == "torch"
     assert ops.layer_ops("native", torch.bfloat16).name == "native"
-    assert ops.layer_ops("native", torch.float32) is ops.TORCH_OPS  # parity with HF: torch bit for bit
+    fp32 = ops.layer_ops("native", torch.float32)
+    # parity with HF: torch's norms and RoPE bit for bit; only few-row products are ketch's own
+    assert (fp32.rms_norm, fp32.add_rms_norm, fp32.rotary) == (ops.TORCH_OPS.rms_norm, ops.TORCH_OPS.add_rms_norm,
+                                                              ops.TORCH_OPS.rotary)
+    assert fp32.linear is not ops.TORCH_OPS.linear
     with pytest.raises(ValueError, match="layer_kernels"):
         EngineConfig(layer_kernels="fast")
 
@@ -79,5 +83,6 @@ def test_off_switch_gives_torch_ops(monkeypatch):
     build.load.cache_clear()
     try:
         assert ops.native_ops(torch.bfloat16) is ops.TORCH_OPS
+        assert ops.native_ops(torch.float32) is ops.TORCH_OPS
     finally:
         build.load.cache_clear()

@@ -2,7 +2,8 @@
 
     torch  : ketch's own torch layers (any device; bit for bit as before)
     native : the CPU default: RMSNorm (+ add) and RoPE as one C call each on bf16 rows
-             (ketch/native/layer_ops.c, torch's roundings), SiLU·mul torch's; torch's ops for fp32
+             (ketch/native/layer_ops.c, torch's roundings), SiLU·mul torch's; for fp32 torch's
+             ops and the few-row fp32 product (ketch/native/f32_rows.c) for steps of <= 8 rows
     triton : the fused Triton kernels of ketch.kernels (CUDA): residual add + RMSNorm in one
              pass, RoPE rotated in place inside the fused qkv output, SiLU·mul in one pass,
              and the dense projections of decode steps of <= GEMV_MAX_M tokens as one
@@ -104,11 +105,18 @@ GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B
 
 def native_ops(dtype: torch.dtype) -> LayerOps:
     """The CPU's: norms and RoPE as ketch's C calls (ketch/native/layer_ops.c) for a bf16
-    model, each falling back to the torch op for tensors the C code does not take; torch's ops
-    where the library does not build or the model is not bf16 (fp32, the parity configuration,
-    stays on torch bit for bit)."""
+    model, each falling back to the torch op for tensors the C code does not take. An fp32 model
+    (the parity configuration) keeps torch's norms and RoPE bit for bit, and takes ketch's
+    few-row fp32 product (ketch/native/f32_rows.c) for the dense projections and the logits of
+    steps of up to 8 rows: W read once at full speed whatever the row count (MKL's sgemm halves
+    from 4 rows on: a 5-row speculative verify paid twice a decode step's weight time), each
+    row's result independent of its batch. torch's ops where the libraries do not build."""
+    from ketch.native import f32_rows
     from ketch.native import layer_ops as native
 
+    if dtype == torch.float32 and f32_rows.available():
+        return LayerOps("native", _torch_rms_norm, _torch_add_rms_norm, apply_rotary, torch_silu_and_mul,
+                        f32_rows.make_linear(F.linear))
     if dtype != torch.bfloat16 or not native.available():
         return TORCH_OPS
     return LayerOps("native", native.make_rms_norm(_torch_rms_norm), native.make_add_rms_norm(_torch_add_rms_norm),
