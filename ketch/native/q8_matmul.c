@@ -25,7 +25,7 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
     for (int i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * REC;
-        if (b + AHEAD < nb) prefetch_record(wb + AHEAD * REC, REC);
+        prefetch_streams(wb, b, nb, REC);
         __m512i q[16]; /* q[2r]: pairs (4r, 4r+1), q[2r+1]: (4r+2, 4r+3), sign-extended int16 */
         for (int r = 0; r < 8; r++) {
             const __m512i v = _mm512_loadu_si512((const void *)(wb + r * RUN));
@@ -50,7 +50,7 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
         for (int i = 0; i < m; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *wb = w + b * REC;
-            if (h == 0 && b + AHEAD < nb) prefetch_record(wb + AHEAD * REC, REC);
+            if (h == 0) prefetch_streams(wb, b, nb, REC);
             __m256i q[16];
             for (int r = 0; r < 8; r++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + r * RUN + h * 32));
@@ -93,5 +93,5 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
 /* x [M, K] (bf16 when `bf16`, else fp32) times the packed [N, K] weight into y [M, N]. */
 int ketch_q8_matmul(const uint8_t *w, const void *x, void *y, int bf16, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
-    return block_matmul(tile_product, REC, w, x, y, bf16, M, N, K, nthreads);
+    return block_matmul(tile_product, NULL, REC, w, x, y, bf16, M, N, K, nthreads);
 }
