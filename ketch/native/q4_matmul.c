@@ -5,7 +5,7 @@
  * rounded to int16 per block of 32 (scale = max |x| / 32767: finer than x's own bf16 for every
  * value within 2^7 of its block's largest; the block's exact fp32 sum kept beside it) and each
  * block's product is an exact integer dot product of the 4-bit weights with those int16 values
- * (AVX512-VNNI `vpdpwssd`, or AVX2 `vpmaddwd`), scaled once per block in fp32:
+ * (AVX512-VNNI `vpdpbusd` on the activations' two bytes, or AVX2 `vpmaddwd`), scaled once per block in fp32:
  *
  *     y[n] = sum_b  s[n,b] * d[b] * sum_i q[n,i] * qx[i]   +   z[n,b] * sum_i x[i]
  *
@@ -19,7 +19,7 @@
  * follow each other, each a record of 320 bytes, so a tile is one sequential stream:
  *   4 runs of 64 bytes: in run r, lane l's 32 bits hold row 16t+l's weights 8r..8r+7 of the
  *     block, weight 8r+2k in bits 4k..4k+3 and 8r+2k+1 in bits 16+4k..16+4k+3; so a shift by 4k
- *     and a mask leave, per lane, the pair of 16-bit weights that one `vpdpwssd` multiplies with
+ *     and a mask leave, per lane, the pair of 16-bit weights that one `vpmaddwd` multiplies with
  *     a broadcast pair of activations: no shuffles;
  *   16 fp16 scales, 16 fp16 zeros (GGUF's own fp16 values: q4.py packs only what fp16 holds).
  */
