@@ -9,25 +9,13 @@ the last-level cache. Best of 5 rounds, GB/s of packed records read.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from best_time import best_seconds
 from ketch.native import build
 from ketch.native.q4 import NativeQ4
 from ketch.native.q8 import NativeQ8
-
-
-def best_s(fn, calls: int = 5, rounds: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
 
 
 def q4_set(n: int, k: int, count: int, g: torch.Generator) -> list[NativeQ4]:
@@ -53,7 +41,7 @@ def main() -> None:
             nbytes = sum(w.records.numel() for w in ws)
             for rows in (1, 4):
                 x = torch.randn(rows, ws[0].in_features, generator=g).bfloat16()
-                s = best_s(lambda: [w.matmul(x) for w in ws])
+                s = best_seconds(lambda: [w.matmul(x) for w in ws], calls=5, rounds=5, warmup=2)
                 print(f"{name:30s} rows {rows} threads {threads}: {nbytes / s / 1e9:5.1f} GB/s, "
                       f"{s / len(ws) * 1e6:7.1f} us a call", flush=True)
 

@@ -11,26 +11,14 @@ promises; MKL's is shown for contrast)."""
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from best_time import best_seconds
 from ketch.native import build, f32_rows
 
 SHAPES = [(3072, 576, 30), (576, 1536, 30), (960, 576, 30), (49152, 576, 1)]  # gate_up, down, qkv, head
-
-
-def best_ms(fn, calls: int = 20, rounds: int = 3) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
-    return best
 
 
 def main() -> None:
@@ -47,8 +35,8 @@ def main() -> None:
         ws = [torch.randn(n, k, generator=g) for _ in range(layers)]
         for m in map(int, a.rows.split(",")):
             x = torch.randn(m, k, generator=g)
-            mkl = best_ms(lambda: [F.linear(x, w) for w in ws])
-            ours = best_ms(lambda: [f32_rows.linear(x, w) for w in ws])
+            mkl = best_seconds(lambda: [F.linear(x, w) for w in ws]) * 1e3
+            ours = best_seconds(lambda: [f32_rows.linear(x, w) for w in ws]) * 1e3
             exact = F.linear(x.double(), ws[0].double())
             err_mkl = (F.linear(x, ws[0]).double() - exact).abs().max().item()
             err_ours = (f32_rows.linear(x, ws[0]).double() - exact).abs().max().item()
