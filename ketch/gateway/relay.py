@@ -2,7 +2,8 @@
 
 - Bytes go out as they come (no buffering of the answer); a stream goes out in whole SSE events:
   a read that ends inside an event keeps that tail until the event's blank line arrives, so a cut
-  never leaves the client half an event (failover.py builds on that).
+  never leaves the client half an event (failover.py builds on that). A stream's events are
+  written from the worker connection's callback (client_stream.py): no task wake-up per event.
 - The client leaving cancels the task that relays (generate.py watches for it); the `finally`
   closes the worker's connection, so the worker sees the disconnect and aborts the generation. It
   is not the worker's fault.
@@ -21,6 +22,7 @@ from typing import Awaitable, Callable, Sequence
 from starlette.responses import Response
 
 from ketch.gateway.attempt import Attempt
+from ketch.gateway.client_stream import ClientStream, client_stream
 from ketch.gateway.failover import Failover, StreamTranscript
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.sse import event_boundary, lost_event, strip_token_ids
@@ -75,37 +77,56 @@ async def _whole(send: Send, attempt: Attempt, answer: Answer) -> bool:
     return whole
 
 
+class _Events:
+    """The upstream body's taker for a stream: whole events go out to the client as they complete
+    (the tail of a read that ends inside one waits for the rest) and into the transcript."""
+
+    __slots__ = ("client", "transcript", "strip", "pending")
+
+    def __init__(self, client: ClientStream, transcript: StreamTranscript, strip: bool) -> None:
+        self.client, self.transcript, self.strip, self.pending = client, transcript, strip, b""
+
+    def feed(self, data: bytes) -> None:
+        if self.pending:
+            data = self.pending + data
+        cut = event_boundary(data)
+        if cut:
+            block = data[:cut]
+            self.client.write(strip_token_ids(block) if self.strip else block)
+            self.transcript.feed(block)
+            data = data[cut:]
+        self.pending = data
+
+
 async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedRequest | None,
                   failover: Failover) -> bool:
     # only a stream a failover could resume keeps its events (they are what it resumes from)
     transcript = StreamTranscript(keep_events=failover.keep_events and request is not None
                                   and request.fields is not None)
-    strip = request is not None and request.strip_ids
-    pending = b""
+    client = client_stream(send)
+    events = _Events(client, transcript, strip=request is not None and request.strip_ids)
     try:
-        async for chunk in answer.chunks():
-            data = pending + chunk if pending else chunk
-            cut = event_boundary(data)
-            if cut:
-                block = data[:cut]
-                await send({"type": "http.response.body", "body": strip_token_ids(block) if strip else block,
-                            "more_body": True})
-                transcript.feed(block)
-            pending = data[cut:]
+        # the events go out from the worker connection's callback (client_stream.py); this task
+        # wakes only when the client must catch up, and at the end
+        answer.pipe(events.feed, client.backed_up)
+        while not await answer.piped():
+            await client.flush()
+            answer.resume()
         reason = None if transcript.done else "it closed the stream before [DONE]"
     except UpstreamError as e:  # the worker, not the client: its reads failed
         reason = None if transcript.done else str(e)
         kind = "timeout" if isinstance(e, UpstreamTimeout) else "stream_cut"
     else:
         kind = "stream_cut"
+    await client.flush()  # what the queued client still holds goes before anything else
     if reason is not None:
         attempt.failed(kind)
         # the lost worker's socket and in-flight count go now, not when the continuation ends
         answer.close()
         attempt.close()
         await _after_cut(send, attempt, request, failover, transcript, reason)
-    elif pending:  # bytes after [DONE] that never became an event: passed on as they came
-        await send({"type": "http.response.body", "body": pending, "more_body": True})
+    elif events.pending:  # bytes after [DONE] that never became an event: passed on as they came
+        await send({"type": "http.response.body", "body": events.pending, "more_body": True})
     await send(_END)
     return transcript.done
 

@@ -22,6 +22,7 @@ def run(config: GatewayConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = uvicorn.Server(uvicorn.Config(
         build_app(gateway), host=config.host, port=config.port, log_level="warning", lifespan="on",
+        http="httptools",  # relay.py writes stream events on its transport directly (client_stream.py)
         timeout_graceful_shutdown=config.shutdown_timeout))
     workers = (f"PD: {len(config.prefill_workers)} prefill, {len(config.decode_urls)} decode workers"
                if config.pd_disaggregation else f"{len(config.worker_urls)} workers")

@@ -9,7 +9,7 @@ byte instead of a timeout scope around each read.
 
     pool (per scheme, host, port): idle connections, newest first, dropped after KEEPALIVE_S idle
     request ─ take an idle connection or connect (connect timeout) ─ write head + body ─ await
-      the status line and headers (read timeout) ─▶ Answer: chunks() / read() / close()
+      the status line and headers (read timeout) ─▶ Answer: chunks() / read() / pipe() / close()
     Answer.close: a finished answer on a keep-alive connection returns it to the pool; anything
       else (unread rest, a cut, the client gone) closes the socket, so the worker sees the
       disconnect and aborts the generation.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +36,10 @@ MAX_IDLE_PER_ORIGIN = 256
 # reading pauses while this much of an answer waits for the relay (a slow client): the worker's
 # socket then backs up instead of the gateway's memory
 _HIGH_WATER = 1 << 20
+
+
+def _never() -> bool:
+    return False
 
 
 class UpstreamError(Exception):
@@ -123,6 +127,8 @@ class Answer:
         self._complete = False
         self._error: UpstreamError | None = None
         self._paused = False
+        self._sink: Callable[[bytes], None] | None = None  # pipe(): the body's taker, called as it arrives
+        self._backed_up: Callable[[], bool] = _never
         self._timer: asyncio.TimerHandle | None = conn.loop.call_at(self.last_data + conn.read_timeout, self._check_silence)
 
     # ------------------------------------------------------------ httptools callbacks
@@ -138,11 +144,13 @@ class Answer:
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._deliver(body)
+            return
         self._body.append(body)
         self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.conn.transport is not None:
-            self._paused = True
-            self.conn.transport.pause_reading()
+        if self._buffered > _HIGH_WATER:
+            self._pause()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -179,6 +187,25 @@ class Answer:
             self._timer.cancel()
             self._timer = None
 
+    def _deliver(self, data: bytes) -> None:
+        assert self._sink is not None
+        self._sink(data)
+        if self._backed_up():  # the client's socket is full: the worker's backs up until it drains
+            self._pause()
+            self._wake()
+
+    def _pause(self) -> None:
+        if not self._paused and self.conn.transport is not None:
+            self._paused = True
+            self.conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Reading goes on (after a pause for the reader); the silence timer counts from now."""
+        if self._paused and self.conn.transport is not None:
+            self._paused = False
+            self.last_data = self.conn.loop.time()
+            self.conn.transport.resume_reading()
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -199,16 +226,38 @@ class Answer:
                 data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
                 self._body.clear()
                 self._buffered = 0
-                if self._paused and self.conn.transport is not None:
-                    self._paused = False
-                    self.last_data = self.conn.loop.time()
-                    self.conn.transport.resume_reading()
+                self.resume()
                 yield data
                 continue
             if self._complete:
                 return
             if self._error is not None:
                 raise self._error
+            self._waiter = self.conn.loop.create_future()
+            await self._waiter
+            self._waiter = None
+
+    def pipe(self, sink: Callable[[bytes], None], backed_up: Callable[[], bool]) -> None:
+        """From now on the body goes to `sink` from the connection's callback as it arrives (what
+        arrived before goes at once), with no task woken per piece; after each piece, `backed_up()`
+        True pauses reading until `resume()`. Wait with `piped()`."""
+        self._sink, self._backed_up = sink, backed_up
+        if self._body:
+            data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+            self._body.clear()
+            self._buffered = 0
+            self._deliver(data)
+
+    async def piped(self) -> bool:
+        """For a piped answer: True once it is complete, False when reading paused for the sink's
+        reader (resume() after it caught up); raises an UpstreamError if the answer does not complete."""
+        while True:
+            if self._complete:
+                return True
+            if self._error is not None:
+                raise self._error
+            if self._paused:
+                return False
             self._waiter = self.conn.loop.create_future()
             await self._waiter
             self._waiter = None
