@@ -65,6 +65,27 @@ def test_every_head_size(native_isa, dim):
     check_against_float64(2, dim)
 
 
+@pytest.mark.parametrize("dim", [64, 72, 100])
+def test_a_group_of_heads_per_task_gives_each_head_the_same_bits(native_isa, dim):
+    """A batch keeps each sequence's GQA group on one task (its K rows widened once for the
+    group); one sequence on many threads runs a head per task. Every head's output is the same
+    bits either way (case 2: 8-row blocks and tails)."""
+    tables, lens = TABLES[2], LENS[2]
+    pool = pool_with_random_pages(2, dim)
+    q = torch.randn(len(tables), H, dim, generator=torch.Generator().manual_seed(9)).bfloat16()
+    pages = torch.tensor(tables)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # 3 sequences x 3 kv heads >= 2 x 2 threads: a group per task
+        grouped = decode_attention(q, pool.k[0], pool.v[0], pages, torch.tensor(lens), dim ** -0.5)
+        torch.set_num_threads(8)  # 1 x 3 < 2 x 8: a head per task
+        alone = [decode_attention(q[b:b + 1], pool.k[0], pool.v[0], pages[b:b + 1], torch.tensor(lens[b:b + 1]),
+                                  dim ** -0.5) for b in range(len(tables))]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grouped, torch.cat(alone))
+
+
 def test_backend_decode_reads_the_pool_in_place():
     """Through the backend: the new tokens stored, the step's page tables and lengths, float64's
     attention to one output rounding (SDPA over gathered pages is looser on bf16: measured on

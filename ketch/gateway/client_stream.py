@@ -43,7 +43,9 @@ class DirectClient:
         self.cycle, self.transport, self.flow = cycle, cycle.transport, cycle.flow
 
     def write(self, block: bytes) -> None:
-        if not self.cycle.disconnected:  # gone: the relay task is being cancelled (generate.py)
+        # gone or going: the relay task is being cancelled (generate.py); a write on a closed
+        # transport would raise inside the worker connection's parser and look like its fault
+        if not self.cycle.disconnected and not self.transport.is_closing():
             self.transport.write(b"%x\r\n%s\r\n" % (len(block), block))
 
     def backed_up(self) -> bool:

@@ -11,7 +11,8 @@
              MoE grouped GEMM (ketch/kernels/fused_moe.py: no host sync, graph-safe) and its
              softmax top-k routing as one kernel (ketch/kernels/moe_route.py; Mixtral /
              Qwen-MoE, and DeepSeek-V2 routing that masks no group; DeepSeek's grouped top-k
-             stays on torch), Qwen3's q / k head norms as one launch
+             stays on torch), Qwen3's q / k head norms as one launch, an MLA layer's RoPE and
+             latent norm as one launch
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -59,6 +60,10 @@ class LayerOps:
     softmax_topk: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] | None = None
     # (qk [tokens, heads, dim], q_weight, k_weight, eps, num_q) -> new tensor: per-head q / k norms
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] = torch_qk_norm
+    # (q [tokens, heads, nope + rope], ckv [tokens, rank + rope], cos, sin, norm weight, eps, nope,
+    # interleave) -> (q with its rope part rotated, latent): an MLA layer's glue (DeepSeek); None:
+    # the model's torch ops
+    mla_prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,6 +85,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.activation import silu_and_mul
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
+    from ketch.kernels.mla_prepare import mla_prepare
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.kernels.rmsnorm import add_rms_norm, qk_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
@@ -97,7 +103,7 @@ def triton_ops() -> LayerOps:
         return F.linear(x, weight, bias)
 
     return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton,
-                    softmax_topk_triton, qk_rms_norm)
+                    softmax_topk_triton, qk_rms_norm, mla_prepare)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

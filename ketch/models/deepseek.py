@@ -69,6 +69,7 @@ class DeepseekAttention(nn.Module):
                                               parallel=parallel)
         self.o_proj = RowParallelLinear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias,
                                         parallel=parallel, dense=lin)
+        self._prepare = ops.mla_prepare or self._prepare_torch  # the Triton ops' one launch (CUDA)
 
     def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [tokens, heads, rope_dim] -> rotated (interleaved pairs gathered to [even | odd] first)."""
@@ -82,15 +83,20 @@ class DeepseekAttention(nn.Module):
         n = self.q_a_layernorm
         return self.q_b_proj(self.ops.rms_norm(self.q_a_proj(x), n.weight, n.eps))
 
+    def _prepare_torch(self, q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       weight: torch.Tensor, eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """q's rope part rotated, the latent = normed c | rotated k_pe (LayerOps.mla_prepare's contract)."""
+        q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], (cos, sin))), -1)
+        c = self.ops.rms_norm(ckv[:, : self.rank], weight, eps)
+        return q, torch.cat((c, self._rotate(ckv[:, None, self.rank :], (cos, sin))[:, 0]), -1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
         t = x.shape[0]
         q = self._query(x)
         q = q.view(t, self.heads, q.shape[1] // self.heads)  # (not -1: an idle forward has t == 0)
-        q = torch.cat((q[..., : self.nope], self._rotate(q[..., self.nope :], rope)), -1)
         ckv = self.kv_a_proj_with_mqa(x)
         n = self.kv_a_layernorm
-        c = self.ops.rms_norm(ckv[:, : self.rank], n.weight, n.eps)
-        latent = torch.cat((c, self._rotate(ckv[:, None, self.rank :], rope)[:, 0]), -1)
+        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
         o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :])
         return self.o_proj(o.flatten(1))

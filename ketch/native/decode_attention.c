@@ -1,6 +1,6 @@
 /* Decode attention on the CPU: one query token per sequence over its K/V pages, read in place
  * from the paged pool (no gather of the context into a contiguous copy), threaded over
- * (sequence, query head).
+ * (sequence, GQA group of query heads), or (sequence, query head) when that is too few tasks.
  *
  * Why: torch's path gathered every sequence's pages per layer (two index_select copies) or, for
  * one sequence, took a view, then ran SDPA with an additive mask: ~30 us a layer at batch 1 for a
@@ -191,33 +191,85 @@ static void weighted_sum(float *out, const float *p, const uint16_t *vpool, cons
     }
 }
 
+#ifdef W
+/* dot_row's vector branch over a row already in fp32: the same operations, so the same bits. */
+static inline float dot_f32(const float *q, const float *k, int64_t dim) {
+    vf acc = vset1(0.f);
+    for (int64_t d = 0; d < dim; d += W) acc = vfmadd(vload(q + d), vload(k + d), acc);
+    return vsum(acc);
+}
+#endif
+
+/* scores[g * len + t] = q_g . k_t for `per` query heads of one kv head: each K row is read and
+ * widened to fp32 once (into `kf`, 8 rows of `dim`) for all of them, and each head's score is
+ * computed with score_rows' own operations in its order, so the same bits as one head at a time. */
+static void score_rows_group(float *scores, const float *qf, int64_t per, const uint16_t *kpool, const int64_t *off,
+                             int64_t len, int64_t dim, float *kf) {
+#ifdef W
+    if (per > 1 && dim % W == 0) {
+        int64_t t = 0;
+#if KETCH_ISA == 2
+        for (; t + 8 <= len; t += 8) {
+            for (int r = 0; r < 8; r++)
+                for (int64_t d = 0; d < dim; d += W) vstore(kf + r * dim + d, vload_bf16(kpool + off[t + r] + d));
+            for (int64_t g = 0; g < per; g++) {
+                vf acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = vset1(0.f);
+                for (int64_t d = 0; d < dim; d += W) {
+                    const vf qv = vload(qf + g * dim + d);
+                    for (int r = 0; r < 8; r++) acc[r] = vfmadd(qv, vload(kf + r * dim + d), acc[r]);
+                }
+                vstore(scores + g * len + t, vsum8(acc));
+            }
+        }
+#endif
+        for (; t < len; t++) {
+            for (int64_t d = 0; d < dim; d += W) vstore(kf + d, vload_bf16(kpool + off[t] + d));
+            for (int64_t g = 0; g < per; g++) scores[g * len + t] = dot_f32(qf + g * dim, kf, dim);
+        }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < per; g++) score_rows(scores + g * len, qf + g * dim, kpool, off, len, dim);
+}
+
 /* q [B, heads, dim] with `q_stride` values from one sequence's row to the next (a view of the
  * fused qkv projection: no copy), out [B, heads, dim]; pages [B, page_stride] page ids; lens [B]
  * tokens to attend to (>= 1). Returns 0, or -1 when a scratch buffer cannot be allocated (out
- * then undefined). */
+ * then undefined).
+ *
+ * A task is one sequence's whole GQA group of query heads over their kv head: its K/V rows are
+ * found, read and widened once per group instead of once per head (on another thread, often),
+ * and stay in this core's cache while the group's heads use them. With too few tasks to keep
+ * every thread busy (batch 1: kv_heads tasks), a task is one query head, as before. Each head's
+ * arithmetic is the same either way: its result does not depend on the grouping. */
 int ketch_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kpool, const uint16_t *vpool,
                                 const int64_t *pages, int64_t page_stride, const int64_t *lens,
                                 uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                 int64_t page_size, float scale, int nthreads) {
     const int64_t group = heads / kv_heads, row = kv_heads * dim;
+    const int64_t per = batch * kv_heads >= 2 * (int64_t)nthreads ? group : 1, tasks_per_seq = heads / per;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t task = 0; task < batch * heads; task++) {
-        const int64_t b = task / heads, h = task % heads, kvh = h / group, len = lens[b];
-        int64_t *off = malloc((size_t)len * sizeof(int64_t) + (size_t)(len + 2 * dim) * sizeof(float));
+    for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
+        const int64_t b = task / tasks_per_seq, h0 = task % tasks_per_seq * per, kvh = h0 / group, len = lens[b];
+        int64_t *off = malloc((size_t)len * sizeof(int64_t) + (size_t)(per * (len + 2 * dim) + 8 * dim) * sizeof(float));
         if (off == NULL) {
             failed = 1;
             continue;
         }
-        float *scores = (float *)(off + len), *qf = scores + len, *acc = qf + dim;
-        for (int64_t d = 0; d < dim; d++) qf[d] = bf16_to_f32(q[b * q_stride + h * dim + d]) * scale;
+        float *scores = (float *)(off + len), *qf = scores + per * len, *acc = qf + per * dim, *kf = acc + per * dim;
+        for (int64_t g = 0; g < per; g++)
+            for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = bf16_to_f32(q[b * q_stride + (h0 + g) * dim + d]) * scale;
         row_offsets(off, pages + b * page_stride, len, page_size, row, kvh * dim);
-        score_rows(scores, qf, kpool, off, len, dim);
-        float top = -INFINITY;
-        for (int64_t t = 0; t < len; t++) top = fmaxf(top, scores[t]);
-        const float total = exponentiate(scores, len, top);
-        weighted_sum(acc, scores, vpool, off, len, dim);
-        for (int64_t d = 0; d < dim; d++) out[(b * heads + h) * dim + d] = f32_to_bf16(acc[d] / total);
+        score_rows_group(scores, qf, per, kpool, off, len, dim, kf);
+        for (int64_t g = 0; g < per; g++) {
+            float *p = scores + g * len, top = -INFINITY;
+            for (int64_t t = 0; t < len; t++) top = fmaxf(top, p[t]);
+            const float total = exponentiate(p, len, top);
+            weighted_sum(acc, p, vpool, off, len, dim);  /* the group's V rows: from this core's cache after the first head */
+            for (int64_t d = 0; d < dim; d++) out[(b * heads + h0 + g) * dim + d] = f32_to_bf16(acc[d] / total);
+        }
         free(off);
     }
     return failed ? -1 : 0;

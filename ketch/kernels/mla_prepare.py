@@ -1,0 +1,116 @@
+"""An MLA layer's glue between its projections and the attention, in one launch (DeepSeek-V2/V3,
+ketch/models/deepseek.py):
+
+    q       [tokens, heads, nope | rope]   the rope part rotated, in place
+    latent  = rms_norm(ckv[:, :rank]) * w  |  rotated ckv[:, rank:]      a new [tokens, rank + rope]
+
+where `rotated` first gathers DeepSeek's interleaved rope pairs to [even | odd] (when
+`interleave`), then rotates in ketch's rotate-half layout (kernels/rotary.py: full-width cos and
+signed sin rows). Torch took ~13 launches a layer for this (the two even/odd cats, two rotaries of
+four ops, the q cat, the norm, the latent cat): ~15 µs of a DeepSeek-V2-Lite bs1 layer on the H200
+(docs/performance.md, issue 19). The roundings are torch's: each rotary product rounded to the
+activation dtype before the sum (as kernels/rotary.py), the norm as kernels/rmsnorm.py; so the
+result equals `mla_prepare_ref` up to fused multiply-add and summation-order differences.
+
+    grid: (tokens,)   one program = one token: every q head's rope part, then the token's latent
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import pdl_launch, pow2
+
+
+@triton.jit
+def _gathered(offs, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Where element `offs` of the [even | odd] layout sits in the interleaved one."""
+    if INTERLEAVE:
+        return tl.where(offs < HALF, 2 * offs, 2 * (offs - HALF) + 1)
+    return offs
+
+
+@triton.jit
+def _mla_prepare_kernel(
+    Q, Ckv, Cos, Sin, Weight, Latent,
+    stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, eps,
+    HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = ROPE // 2
+    offs_r = tl.arange(0, ROPE)
+    src = _gathered(offs_r, HALF, INTERLEAVE)
+    src_partner = _gathered((offs_r + HALF) % ROPE, HALF, INTERLEAVE)
+    offs_h = tl.arange(0, BLOCK_H)
+    q_mask = (offs_h < HEADS)[:, None]
+    offs_k = tl.arange(0, BLOCK_RANK)
+    k_mask = offs_k < RANK
+    w = tl.load(Weight + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # a parameter: safe before the wait
+    if USE_PDL:  # q and ckv come from the projections just before
+        tl.extra.cuda.gdc_wait()
+    q_rope = Q + t * stride_qt + offs_h[:, None] * stride_qh + NOPE
+    x = tl.load(q_rope + src[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    xs = tl.load(q_rope + src_partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    k_pe = Ckv + t * stride_ct + RANK
+    k = tl.load(k_pe + src).to(tl.float32)
+    ks = tl.load(k_pe + src_partner).to(tl.float32)
+    c = tl.load(Ckv + t * stride_ct + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + t * stride_cos + offs_r).to(tl.float32)
+    sin = tl.load(Sin + t * stride_sin + offs_r).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    dt = Q.dtype.element_ty
+    # q's rope part in place: every element of it was loaded above (one program per token)
+    a = (x * cos[None, :]).to(dt).to(tl.float32)
+    b = (xs * sin[None, :]).to(dt).to(tl.float32)
+    tl.store(q_rope + offs_r[None, :], (a + b).to(dt), mask=q_mask)
+    rstd = tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
+    normed = (c * rstd).to(dt).to(tl.float32)
+    tl.store(Latent + t * stride_lt + offs_k, (normed * w).to(dt), mask=k_mask)
+    ka = (k * cos).to(dt).to(tl.float32)
+    kb = (ks * sin).to(dt).to(tl.float32)
+    tl.store(Latent + t * stride_lt + RANK + offs_r, (ka + kb).to(dt))
+
+
+def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, nope + rope] (its rope part is overwritten), ckv [tokens, rank + rope],
+    cos / sin [tokens, 1, rope] or [tokens, rope], weight [rank] -> (q, latent [tokens, rank + rope])."""
+    tokens, heads, head_dim = q.shape
+    rope = head_dim - nope
+    rank = ckv.shape[1] - rope
+    if rope <= 0 or rope & (rope - 1) or weight.shape != (rank,):
+        raise ValueError(f"mla_prepare: rope part {rope} must be a power of two and weight {tuple(weight.shape)} "
+                         f"of the latent's rank {rank}")
+    if q.stride(2) != 1 or ckv.stride(1) != 1:
+        raise ValueError("mla_prepare: q and ckv need a contiguous last dimension")
+    cos, sin = cos.reshape(tokens, rope), sin.reshape(tokens, rope)
+    latent = torch.empty((tokens, rank + rope), dtype=ckv.dtype, device=ckv.device)
+    if tokens:
+        _mla_prepare_kernel[(tokens,)](
+            q, ckv, cos, sin, weight, latent,
+            q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), eps,
+            HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
+            BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(),
+        )
+    return q, latent
+
+
+def mla_prepare_ref(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                    eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in torch ops (new tensors; q untouched): the model's torch glue, op for op."""
+    from ketch.kernels.rmsnorm import rms_norm_ref
+
+    rope = q.shape[2] - nope
+    rank = ckv.shape[1] - rope
+    cos, sin = cos.reshape(-1, 1, rope), sin.reshape(-1, 1, rope)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        if interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+        return x * cos + x.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin
+
+    latent = torch.cat((rms_norm_ref(ckv[:, :rank], weight, eps), rotate(ckv[:, None, rank:])[:, 0]), -1)
+    return torch.cat((q[..., :nope], rotate(q[..., nope:])), -1), latent

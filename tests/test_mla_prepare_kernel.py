@@ -1,0 +1,84 @@
+"""An MLA layer's glue in one launch (ketch/kernels/mla_prepare.py) against `mla_prepare_ref`, and
+that reference against the model's own torch glue (DeepseekAttention._prepare_torch) op for op:
+q's rope part rotated in place (its nope part and other tokens untouched), the latent = normed c |
+rotated k_pe, with and without DeepSeek's interleaved rope pairs, heads and rank that are not
+powers of two, no tokens. Without CUDA the kernel runs in Triton's CPU interpreter (fp32, fp16)."""
+import json
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_ref  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+HEADS, NOPE, ROPE, RANK = 3, 24, 16, 48
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def inputs(tokens: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, HEADS, NOPE + ROPE, generator=g).to(DEVICE, dtype)
+    ckv = (torch.randn(tokens, RANK + ROPE, generator=g) * 3).to(DEVICE, dtype)
+    angles = torch.rand(tokens, ROPE // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(DEVICE, dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(DEVICE, dtype)  # ketch's signed rows
+    weight = (torch.rand(RANK, generator=g) + 0.5).to(DEVICE, dtype)
+    return q, ckv, cos, sin, weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_equals_the_torch_glue(dtype, interleave, tokens):
+    q, ckv, cos, sin, weight = inputs(tokens, dtype)
+    want_q, want_latent = mla_prepare_ref(q, ckv, cos, sin, weight, 1e-6, NOPE, interleave)
+    before = q.clone()
+    got_q, latent = mla_prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, interleave)
+    assert got_q.data_ptr() == q.data_ptr() and latent.shape == (tokens, RANK + ROPE)
+    assert torch.equal(q[..., :NOPE], before[..., :NOPE])
+    for got, want in ((q, want_q), (latent, want_latent)):
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    # the rope part really moved (a kernel that wrote nothing would fail the line above only by luck)
+    assert not torch.allclose(q[..., NOPE:].float(), before[..., NOPE:].float())
+
+
+def test_no_tokens_and_bad_shapes():
+    q, ckv, cos, sin, weight = inputs(0, torch.float32)
+    got_q, latent = mla_prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, True)
+    assert got_q.shape == (0, HEADS, NOPE + ROPE) and latent.shape == (0, RANK + ROPE)
+    q, ckv, cos, sin, weight = inputs(2, torch.float32)
+    with pytest.raises(ValueError, match="weight"):
+        mla_prepare(q, ckv, cos, sin, weight[:-1], 1e-6, NOPE, True)
+    with pytest.raises(ValueError, match="power of two"):
+        mla_prepare(q[..., 2:], ckv, cos, sin, weight, 1e-6, NOPE, True)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_the_reference_is_the_models_torch_glue(name, tmp_path):
+    """The kernel's reference is the same function as the model's torch path, bit for bit: what
+    the kernel is checked against is what the CPU model (HF parity) computes."""
+    from ketch.models.registry import load_model_config
+    from ketch.layers.ops import TORCH_OPS
+    from ketch.models.deepseek import DeepseekAttention
+
+    d = json.loads((CONFIGS / name / "config.json").read_text())
+    d.update(num_hidden_layers=1, hidden_size=64, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+             kv_lora_rank=RANK, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=32, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    attention = DeepseekAttention(load_model_config(str(tmp_path / "config.json"), "dummy"), 0, TORCH_OPS)
+    assert attention._prepare == attention._prepare_torch
+    q, ckv, cos, sin, weight = inputs(4, torch.float32)
+    q, ckv, cos, sin, weight = q.cpu(), ckv.cpu(), cos.cpu(), sin.cpu(), weight.cpu()
+    got = attention._prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, attention.interleave)
+    want = mla_prepare_ref(q, ckv, cos, sin, weight, 1e-6, NOPE, attention.interleave)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
