@@ -265,7 +265,7 @@ int ketch_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
         score_rows_group(scores, qf, per, kpool, off, len, dim, kf);
         for (int64_t g = 0; g < per; g++) {
             float *p = scores + g * len, top = -INFINITY;
-            for (int64_t t = 0; t < len; t++) top = fmaxf(top, p[t]);
+            for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top; /* not fmaxf: a libm call per score */
             const float total = exponentiate(p, len, top);
             weighted_sum(acc, p, vpool, off, len, dim);  /* the group's V rows: from this core's cache after the first head */
             for (int64_t d = 0; d < dim; d++) out[(b * heads + h0 + g) * dim + d] = f32_to_bf16(acc[d] / total);
