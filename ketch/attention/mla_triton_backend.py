@@ -4,9 +4,10 @@ interpreter in tests). The math is mla_backend.py's, which stays the reference (
 Per layer (forward), with the step's metadata from the MHA Triton backend (triton_backend.py:
 one int32 host→device copy of lens, slots and page table; decode rows first):
     store     the new latents into their slots (`store_rows`; slot < 0 = a padded graph row)
-    decode    absorbed form: q_lat = q_nope W_UK_h (one bmm over heads), `mla_decode` over the
-              latent pages (split-K, a block of heads per program sharing each latent row),
-              then W_UV_h on the [heads, rank] result (one bmm)
+    decode    absorbed form: q_lat = q_nope W_UK_h, `mla_decode` over the latent pages (split-K,
+              a block of heads per program sharing each latent row), then W_UV_h on the
+              [heads, rank] result; the two per-head products as `head_gemv` launches for steps
+              of a few rows (written in place, no copy), one bmm each above that
     extend    expanded form, the existing `extend_attention` kernel (qk dim nope + rope, v dim
               v_head_dim, MHA: kv heads = heads): the new tokens' K/V are up-projected from the
               latents as handed in (full precision); a cached prefix is gathered by whole pages
@@ -38,6 +39,8 @@ from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.kernels._common import interpreting
 from ketch.kernels.extend_attention import extend_attention
+from ketch.kernels.head_gemv import MAX_ROWS as HEAD_GEMV_MAX_ROWS
+from ketch.kernels.head_gemv import head_gemv
 from ketch.kernels.kv_store import store_rows
 from ketch.kernels.mla_decode import mla_decode, mla_num_splits
 
@@ -114,11 +117,16 @@ class MLATritonBackend(TritonAttentionBackend):
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1])
         if meta.decode is not None:
             d, nd = meta.decode, meta.num_decode
-            q_lat = torch.bmm(q[:nd, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
+            few = nd <= HEAD_GEMV_MAX_ROWS  # a few rows: one launch per product, no copy (kernels/head_gemv.py)
+            q_lat = head_gemv(q[:nd, :, :nope], w_uk) if few else \
+                torch.bmm(q[:nd, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
             o_lat = mla_decode(q_lat, q[:nd, :, nope:], cache, d.page_table, d.seq_lens, self.scale,
                                scratch=d.scratch, num_splits=d.num_splits, block_h=self.decode_block_h,
                                block_n=self.decode_block_n)
-            out[:nd] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            if few:
+                head_gemv(o_lat, w_uv.transpose(1, 2), out=out[:nd])
+            else:
+                out[:nd] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         if meta.extend is not None:
             e = meta.extend
             k, v = expand(latent, w_uk, w_uv)  # decode rows' too (never read): one GEMM, no row offsets

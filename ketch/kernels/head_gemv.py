@@ -1,0 +1,79 @@
+"""MLA decode's two per-head products for a few rows, one launch each, written where they go:
+
+    q_lat[t, h] = q_nope[t, h] @ W_UK[h]        W_UK [heads, nope, rank]   (W_UK folded into q)
+    out[t, h]   = o_lat[t, h] @ W_UV[h]^T       W_UV [heads, v, rank]      (W_UV after attention)
+
+Why: as `torch.bmm` over transposed views (ketch/attention/mla_triton_backend.py) each was a
+cuBLAS batched GEMM of 3.2-3.5 µs on the H200 for 2 MB of weights at one decode row, and the
+second's transposed result cost a copy kernel into the output (2.4 µs): ~9 µs of a DeepSeek-V2-Lite
+bs1 layer. Here one program computes BLOCK_N outputs of one head for all rows (padded to one
+tensor-core tile of 16, masked), walking K; the weight is read once, in whichever layout its
+strides say (W_UK is read along its rank, W_UV along its rank too: both are [.., rank]-contiguous).
+
+    head_gemv(x [T, H, K], w [H, K, N] as any strided view, out [T, H, N] as any strided view)
+    grid: (H, cdiv(N, BLOCK_N))
+
+fp32 accumulation, one rounding to the output dtype: equal to the bmm up to summation order.
+Callers use it for decode steps of at most MAX_ROWS rows (cuBLAS is better for more).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ketch.kernels._common import dot_precision, pdl_launch
+
+MAX_ROWS = 8
+_ROWS_TILE = 16  # tl.dot's smallest tile
+
+
+@triton.jit
+def _head_gemv_kernel(
+    X, W, Out, rows,
+    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
+    K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    h = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    n_mask = offs_n < N
+    t_mask = offs_t < rows
+    w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
+    x_base = X + offs_t[:, None] * stride_xt + h * stride_xh
+    if USE_PDL:  # the weights are parameters; x comes from the kernel just before
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        x = tl.load(x_base + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    out = Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+
+
+def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
+    out [T, H, N] (any row / head strides, a contiguous last dim; new when None)."""
+    rows, heads, k = x.shape
+    if w.shape[:2] != (heads, k) or rows > MAX_ROWS:
+        raise ValueError(f"head_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (at most {MAX_ROWS} rows)")
+    n = w.shape[2]
+    if out is None:
+        out = torch.empty((rows, heads, n), dtype=x.dtype, device=x.device)
+    if x.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError("head_gemv: x and out need a contiguous last dimension")
+    if rows:
+        block_n = 64 if n >= 512 else 16  # >= ~128 programs for MLA's shapes (16 heads)
+        _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
+            x, w, out, rows,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=64, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+            num_warps=4, **pdl_launch(),
+        )
+    return out

@@ -1,0 +1,47 @@
+"""MLA decode's per-head products (ketch/kernels/head_gemv.py) against torch's bmm: W_UK as
+stored ([heads, nope, rank]) and W_UV transposed ([heads, rank, v] as a view), views of one
+kv_b_proj weight as the model passes them, 1 to 8 rows, sizes off the block sizes, written into
+a strided output. Without CUDA the kernel runs in Triton's CPU interpreter (fp32, fp16)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytest.importorskip("triton")
+
+from ketch.kernels.head_gemv import MAX_ROWS, head_gemv  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+HEADS, NOPE, V, RANK = 3, 40, 24, 72  # not multiples of the blocks: every mask is used
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_both_products_equal_the_bmm(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(HEADS, NOPE + V, RANK, generator=g) / 8).to(DEVICE, dtype)  # kv_b_proj, per head
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    q = torch.randn(rows, HEADS, NOPE + 16, generator=g).to(DEVICE, dtype)  # nope | rope rows
+    q_lat = head_gemv(q[:, :, :NOPE], w_uk)
+    want = torch.bmm(q[:, :, :NOPE].transpose(0, 1).float(), w_uk.float()).transpose(0, 1)
+    torch.testing.assert_close(q_lat.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    out = torch.full((rows + 2, HEADS, V), 7.0, dtype=dtype, device=DEVICE)
+    head_gemv(q_lat, w_uv.transpose(1, 2), out=out[:rows])
+    want = torch.bmm(q_lat.transpose(0, 1).float(), w_uv.transpose(1, 2).float()).transpose(0, 1)
+    torch.testing.assert_close(out[:rows].float(), want, atol=TOL[dtype] * 8, rtol=TOL[dtype])
+    assert (out[rows:] == 7).all()  # rows past the step untouched
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    x = torch.zeros(MAX_ROWS + 1, HEADS, NOPE, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        head_gemv(x, torch.zeros(HEADS, NOPE, RANK, device=DEVICE))
+    with pytest.raises(ValueError, match="do not fit"):
+        head_gemv(x[:1], torch.zeros(HEADS, NOPE + 1, RANK, device=DEVICE))
+    assert head_gemv(x[:0], torch.zeros(HEADS, NOPE, RANK, device=DEVICE)).shape == (0, HEADS, RANK)
