@@ -23,9 +23,10 @@ HEADS, NOPE, V, RANK = 3, 40, 24, 72  # not multiples of the blocks: every mask 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
-def test_both_products_equal_the_bmm(dtype, rows):
+@pytest.mark.parametrize("rank", [RANK, 520])  # 520: W_UV's long-K blocks (256), masked
+def test_both_products_equal_the_bmm(dtype, rows, rank):
     g = torch.Generator().manual_seed(rows)
-    w = (torch.randn(HEADS, NOPE + V, RANK, generator=g) / 8).to(DEVICE, dtype)  # kv_b_proj, per head
+    w = (torch.randn(HEADS, NOPE + V, rank, generator=g) / 8).to(DEVICE, dtype)  # kv_b_proj, per head
     w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
     q = torch.randn(rows, HEADS, NOPE + 16, generator=g).to(DEVICE, dtype)  # nope | rope rows
     q_lat = head_gemv(q[:, :, :NOPE], w_uk)

@@ -57,9 +57,11 @@ def _head_gemv_kernel(
     tl.store(out, acc.to(Out.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, block_k: int | None = None,
+              block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
-    out [T, H, N] (any row / head strides, a contiguous last dim; new when None)."""
+    out [T, H, N] (any row / head strides, a contiguous last dim; new when None). The block sizes
+    are benchmarks/head_gemv.py's knobs."""
     rows, heads, k = x.shape
     if w.shape[:2] != (heads, k) or rows > MAX_ROWS:
         raise ValueError(f"head_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (at most {MAX_ROWS} rows)")
@@ -69,11 +71,17 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     if x.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("head_gemv: x and out need a contiguous last dimension")
     if rows:
-        block_n = 64 if n >= 512 else 16  # >= ~128 programs for MLA's shapes (16 heads)
+        # benchmarks/head_gemv.py on the H200 (V2-Lite's shapes, 1 row): W_UK (K 128, N 512) best at
+        # 64 x 64, 4 warps (2.58 us; bmm 3.13); W_UV^T (K 512, N 128) at 256 x 16, 2 warps (2.87 us;
+        # 64 x 16: 3.94; bmm + its copy 5.10)
+        long_k = k >= 512
+        block_k = block_k or (256 if long_k else 64)
+        block_n = block_n or (64 if n >= 512 else 16)  # >= ~128 programs for MLA's shapes (16 heads)
+        num_warps = num_warps or (2 if long_k else 4)
         _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
             x, w, out, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=64, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
-            num_warps=4, **pdl_launch(),
+            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+            num_warps=num_warps, **pdl_launch(),
         )
     return out
