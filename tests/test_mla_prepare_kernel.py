@@ -25,11 +25,11 @@ HEADS, NOPE, ROPE, RANK = 3, 24, 16, 48
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def inputs(tokens: int, dtype: torch.dtype, seed: int = 0):
+def inputs(tokens: int, dtype: torch.dtype, seed: int = 0, rope: int = ROPE):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(tokens, HEADS, NOPE + ROPE, generator=g).to(DEVICE, dtype)
-    ckv = (torch.randn(tokens, RANK + ROPE, generator=g) * 3).to(DEVICE, dtype)
-    angles = torch.rand(tokens, ROPE // 2, generator=g) * 6
+    q = torch.randn(tokens, HEADS, NOPE + rope, generator=g).to(DEVICE, dtype)
+    ckv = (torch.randn(tokens, RANK + rope, generator=g) * 3).to(DEVICE, dtype)
+    angles = torch.rand(tokens, rope // 2, generator=g) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None].to(DEVICE, dtype)
     sin = torch.cat((-angles.sin(), angles.sin()), -1)[:, None].to(DEVICE, dtype)  # ketch's signed rows
     weight = (torch.rand(RANK, generator=g) + 0.5).to(DEVICE, dtype)
@@ -39,12 +39,13 @@ def inputs(tokens: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_equals_the_torch_glue(dtype, interleave, tokens):
-    q, ckv, cos, sin, weight = inputs(tokens, dtype)
+@pytest.mark.parametrize("rope", [ROPE, 12])  # 12: not a power of two (masked)
+def test_equals_the_torch_glue(dtype, interleave, tokens, rope):
+    q, ckv, cos, sin, weight = inputs(tokens, dtype, rope=rope)
     want_q, want_latent = mla_prepare_ref(q, ckv, cos, sin, weight, 1e-6, NOPE, interleave)
     before = q.clone()
     got_q, latent = mla_prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, interleave)
-    assert got_q.data_ptr() == q.data_ptr() and latent.shape == (tokens, RANK + ROPE)
+    assert got_q.data_ptr() == q.data_ptr() and latent.shape == (tokens, RANK + rope)
     assert torch.equal(q[..., :NOPE], before[..., :NOPE])
     for got, want in ((q, want_q), (latent, want_latent)):
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype] * 4, rtol=TOL[dtype])
@@ -59,8 +60,8 @@ def test_no_tokens_and_bad_shapes():
     q, ckv, cos, sin, weight = inputs(2, torch.float32)
     with pytest.raises(ValueError, match="weight"):
         mla_prepare(q, ckv, cos, sin, weight[:-1], 1e-6, NOPE, True)
-    with pytest.raises(ValueError, match="power of two"):
-        mla_prepare(q[..., 2:], ckv, cos, sin, weight, 1e-6, NOPE, True)
+    with pytest.raises(ValueError, match="even"):
+        mla_prepare(q[..., 1:], ckv, cos, sin, weight, 1e-6, NOPE, True)
 
 
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])

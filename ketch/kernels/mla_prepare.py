@@ -36,15 +36,17 @@ def _mla_prepare_kernel(
     Q, Ckv, Cos, Sin, Weight, Latent,
     stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, eps,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = ROPE // 2
-    offs_r = tl.arange(0, ROPE)
+    offs_r = tl.arange(0, BLOCK_ROPE)
+    r_mask = offs_r < ROPE
     src = _gathered(offs_r, HALF, INTERLEAVE)
     src_partner = _gathered((offs_r + HALF) % ROPE, HALF, INTERLEAVE)
     offs_h = tl.arange(0, BLOCK_H)
-    q_mask = (offs_h < HEADS)[:, None]
+    q_mask = (offs_h < HEADS)[:, None] & r_mask[None, :]
     offs_k = tl.arange(0, BLOCK_RANK)
     k_mask = offs_k < RANK
     w = tl.load(Weight + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # a parameter: safe before the wait
@@ -54,11 +56,11 @@ def _mla_prepare_kernel(
     x = tl.load(q_rope + src[None, :], mask=q_mask, other=0.0).to(tl.float32)
     xs = tl.load(q_rope + src_partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
     k_pe = Ckv + t * stride_ct + RANK
-    k = tl.load(k_pe + src).to(tl.float32)
-    ks = tl.load(k_pe + src_partner).to(tl.float32)
+    k = tl.load(k_pe + src, mask=r_mask, other=0.0).to(tl.float32)
+    ks = tl.load(k_pe + src_partner, mask=r_mask, other=0.0).to(tl.float32)
     c = tl.load(Ckv + t * stride_ct + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    cos = tl.load(Cos + t * stride_cos + offs_r).to(tl.float32)
-    sin = tl.load(Sin + t * stride_sin + offs_r).to(tl.float32)
+    cos = tl.load(Cos + t * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + t * stride_sin + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
@@ -71,7 +73,7 @@ def _mla_prepare_kernel(
     tl.store(Latent + t * stride_lt + offs_k, (normed * w).to(dt), mask=k_mask)
     ka = (k * cos).to(dt).to(tl.float32)
     kb = (ks * sin).to(dt).to(tl.float32)
-    tl.store(Latent + t * stride_lt + RANK + offs_r, (ka + kb).to(dt))
+    tl.store(Latent + t * stride_lt + RANK + offs_r, (ka + kb).to(dt), mask=r_mask)
 
 
 def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
@@ -81,8 +83,8 @@ def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torc
     tokens, heads, head_dim = q.shape
     rope = head_dim - nope
     rank = ckv.shape[1] - rope
-    if rope <= 0 or rope & (rope - 1) or weight.shape != (rank,):
-        raise ValueError(f"mla_prepare: rope part {rope} must be a power of two and weight {tuple(weight.shape)} "
+    if rope <= 0 or rope % 2 or weight.shape != (rank,):
+        raise ValueError(f"mla_prepare: rope part {rope} must be even and positive, and weight {tuple(weight.shape)} "
                          f"of the latent's rank {rank}")
     if q.stride(2) != 1 or ckv.stride(1) != 1:
         raise ValueError("mla_prepare: q and ckv need a contiguous last dimension")
@@ -93,7 +95,7 @@ def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torc
             q, ckv, cos, sin, weight, latent,
             q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), eps,
             HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
-            BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(),
+            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(),
         )
     return q, latent
 
