@@ -54,7 +54,7 @@ def test_events_go_out_whole_whatever_the_reads_and_ids_only_to_the_transcript()
     assert client.blocks == [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
                              done]
     assert b"".join(transcript.blocks) == stream and transcript.events == 3 and transcript.done
-    assert events.pending == b""
+    assert events.cutter.pending == b""
 
 
 @pytest.mark.parametrize("cut", [False, True])

@@ -25,7 +25,7 @@ from ketch.gateway.attempt import Attempt
 from ketch.gateway.client_stream import ClientStream, client_stream
 from ketch.gateway.failover import Failover, StreamTranscript
 from ketch.gateway.routed import RoutedRequest
-from ketch.gateway.sse import event_boundary, lost_event, strip_token_ids
+from ketch.gateway.sse import EventCutter, lost_event, strip_token_ids
 from ketch.gateway.upstream import Answer, UpstreamError, UpstreamTimeout
 
 Send = Callable[[dict], Awaitable[None]]
@@ -81,21 +81,16 @@ class _Events:
     """The upstream body's taker for a stream: whole events go out to the client as they complete
     (the tail of a read that ends inside one waits for the rest) and into the transcript."""
 
-    __slots__ = ("client", "transcript", "strip", "pending")
+    __slots__ = ("client", "transcript", "strip", "cutter")
 
     def __init__(self, client: ClientStream, transcript: StreamTranscript, strip: bool) -> None:
-        self.client, self.transcript, self.strip, self.pending = client, transcript, strip, b""
+        self.client, self.transcript, self.strip, self.cutter = client, transcript, strip, EventCutter()
 
     def feed(self, data: bytes) -> None:
-        if self.pending:
-            data = self.pending + data
-        cut = event_boundary(data)
-        if cut:
-            block = data[:cut]
+        block = self.cutter.feed(data)
+        if block:
             self.client.write(strip_token_ids(block) if self.strip else block)
             self.transcript.feed(block)
-            data = data[cut:]
-        self.pending = data
 
 
 async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedRequest | None,
@@ -125,8 +120,8 @@ async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedR
         answer.close()
         attempt.close()
         await _after_cut(send, attempt, request, failover, transcript, reason)
-    elif events.pending:  # bytes after [DONE] that never became an event: passed on as they came
-        await send({"type": "http.response.body", "body": events.pending, "more_body": True})
+    elif events.cutter.pending:  # bytes after [DONE] that never became an event: passed on as they came
+        await send({"type": "http.response.body", "body": events.cutter.pending, "more_body": True})
     await send(_END)
     return transcript.done
 

@@ -18,16 +18,31 @@ def event_boundary(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+class EventCutter:
+    """Whole events out of a body read in arbitrary pieces: `feed` returns the events completed
+    by this piece (b"" if none) and keeps the tail of one not complete yet in `pending`."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if self.pending:
+            data = self.pending + data
+        cut = event_boundary(data)
+        self.pending = data[cut:]
+        return data[:cut]
+
+
 async def whole_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The body in blocks of whole events, each as soon as its blank line arrived; a tail that
     never completes is dropped (a stream that ends there was cut)."""
-    pending = b""
+    cutter = EventCutter()
     async for chunk in chunks:
-        data = pending + chunk if pending else chunk
-        cut = event_boundary(data)
-        if cut:
-            yield data[:cut]
-        pending = data[cut:]
+        block = cutter.feed(chunk)
+        if block:
+            yield block
 
 
 def payloads(block: bytes) -> list[bytes]:

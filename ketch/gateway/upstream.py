@@ -206,6 +206,12 @@ class Answer:
             self.last_data = self.conn.loop.time()
             self.conn.transport.resume_reading()
 
+    def _take_buffered(self) -> bytes:
+        data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body.clear()
+        self._buffered = 0
+        return data
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -223,9 +229,7 @@ class Answer:
         UpstreamError if the answer does not complete."""
         while True:
             if self._body:
-                data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-                self._body.clear()
-                self._buffered = 0
+                data = self._take_buffered()
                 self.resume()
                 yield data
                 continue
@@ -243,10 +247,7 @@ class Answer:
         True pauses reading until `resume()`. Wait with `piped()`."""
         self._sink, self._backed_up = sink, backed_up
         if self._body:
-            data = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-            self._body.clear()
-            self._buffered = 0
-            self._deliver(data)
+            self._deliver(self._take_buffered())
 
     async def piped(self) -> bool:
         """For a piped answer: True once it is complete, False when reading paused for the sink's
