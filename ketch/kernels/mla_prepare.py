@@ -9,7 +9,7 @@ where `rotated` first gathers DeepSeek's interleaved rope pairs to [even | odd] 
 signed sin rows). Torch took ~13 launches a layer for this (the two even/odd cats, two rotaries of
 four ops, the q cat, the norm, the latent cat): ~15 µs of a DeepSeek-V2-Lite bs1 layer on the H200
 (docs/performance.md, issue 19). The roundings are torch's: each rotary product rounded to the
-activation dtype before the sum (as kernels/rotary.py), the norm as kernels/rmsnorm.py; so the
+activation dtype before the sum (kernels/rotary.py's `rotated`), the norm as kernels/rmsnorm.py; so the
 result equals `mla_prepare_ref` up to fused multiply-add and summation-order differences.
 
     grid: (tokens,)   one program = one token: every q head's rope part, then the token's latent
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
+from ketch.kernels.rotary import rotated
 
 
 @triton.jit
@@ -65,15 +66,11 @@ def _mla_prepare_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
     # q's rope part in place: every element of it was loaded above (one program per token)
-    a = (x * cos[None, :]).to(dt).to(tl.float32)
-    b = (xs * sin[None, :]).to(dt).to(tl.float32)
-    tl.store(q_rope + offs_r[None, :], (a + b).to(dt), mask=q_mask)
+    tl.store(q_rope + offs_r[None, :], rotated(x, xs, cos[None, :], sin[None, :], dt), mask=q_mask)
     rstd = tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
     normed = (c * rstd).to(dt).to(tl.float32)
     tl.store(Latent + t * stride_lt + offs_k, (normed * w).to(dt), mask=k_mask)
-    ka = (k * cos).to(dt).to(tl.float32)
-    kb = (ks * sin).to(dt).to(tl.float32)
-    tl.store(Latent + t * stride_lt + RANK + offs_r, (ka + kb).to(dt), mask=r_mask)
+    tl.store(Latent + t * stride_lt + RANK + offs_r, rotated(k, ks, cos, sin, dt), mask=r_mask)
 
 
 def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,

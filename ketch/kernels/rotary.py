@@ -20,6 +20,15 @@ from ketch.kernels._common import last_dim_contiguous, pdl_launch, pow2
 
 
 @triton.jit
+def rotated(x, x_partner, cos, sin, dt: tl.constexpr):
+    """x * cos + x_partner * sin (fp32 operands) with each product rounded to `dt` before the sum,
+    as torch's bf16 ops round; the sum rounded to `dt`. Shared with kernels/mla_prepare.py."""
+    a = (x * cos).to(dt).to(tl.float32)
+    b = (x_partner * sin).to(dt).to(tl.float32)
+    return (a + b).to(dt)
+
+
+@triton.jit
 def _rotary_kernel(
     X, Cos, Sin, Out,
     stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh,
@@ -41,10 +50,8 @@ def _rotary_kernel(
     s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    dt = Out.dtype.element_ty
-    a = (x * c[None, :]).to(dt).to(tl.float32)
-    b = (xs * s[None, :]).to(dt).to(tl.float32)
-    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], (a + b).to(dt), mask=mask)
+    out = rotated(x, xs, c[None, :], s[None, :], Out.dtype.element_ty)
+    tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out, mask=mask)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -71,12 +71,6 @@ class DeepseekAttention(nn.Module):
                                         parallel=parallel, dense=lin)
         self._prepare = ops.mla_prepare or self._prepare_torch  # the Triton ops' one launch (CUDA)
 
-    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [tokens, heads, rope_dim] -> rotated (interleaved pairs gathered to [even | odd] first)."""
-        if self.interleave:
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
-        return apply_rotary(x, *rope)
-
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
             return self.q_proj(x)
@@ -86,9 +80,10 @@ class DeepseekAttention(nn.Module):
     def _prepare_torch(self, q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        weight: torch.Tensor, eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """q's rope part rotated, the latent = normed c | rotated k_pe (LayerOps.mla_prepare's contract)."""
-        q = torch.cat((q[..., :nope], self._rotate(q[..., nope:], (cos, sin))), -1)
-        c = self.ops.rms_norm(ckv[:, : self.rank], weight, eps)
-        return q, torch.cat((c, self._rotate(ckv[:, None, self.rank :], (cos, sin))[:, 0]), -1)
+        rank = ckv.shape[1] - (q.shape[2] - nope)
+        q = torch.cat((q[..., :nope], _rotate(q[..., nope:], cos, sin, interleave)), -1)
+        c = self.ops.rms_norm(ckv[:, :rank], weight, eps)
+        return q, torch.cat((c, _rotate(ckv[:, None, rank:], cos, sin, interleave)[:, 0]), -1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
         t = x.shape[0]
@@ -164,6 +159,13 @@ class DeepseekForCausalLM(DecoderStack):
 
     def load_int4(self, weights: Iterable[tuple[str, Any]]) -> int:
         return 0  # no GGUF of this family yet
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [tokens, heads, rope_dim] -> rotated (interleaved pairs gathered to [even | odd] first)."""
+    if interleave:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+    return apply_rotary(x, cos, sin)
 
 
 def _layer_index(name: str) -> int:
