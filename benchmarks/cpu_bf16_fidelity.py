@@ -2,6 +2,7 @@
 32 greedy tokens each, one request at a time (the batch-1 path), the agreed prefix per prompt.
 
     PYTHONPATH=. python benchmarks/cpu_bf16_fidelity.py        # KETCH_NATIVE_CPU=0: torch's kernels
+    PYTHONPATH=. python benchmarks/cpu_bf16_fidelity.py int8   # the 4-bit product's activations in int8
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32)
     ref = [o.token_ids for o in exact.generate(ids, params)]
     del exact
-    fast = LLM(path)
+    activations = sys.argv[1] if len(sys.argv) > 1 else "int16"
+    fast = LLM(path, cpu_activations=activations)
     got = [fast.generate([p], params)[0].token_ids for p in ids]
     agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(got, ref)]
     head = fast.engine.runner.model.logits_head
-    print(f"KETCH_NATIVE_CPU={os.environ.get('KETCH_NATIVE_CPU', '1')} layer ops {fast.engine.runner.ops.name}, "
+    print(f"cpu_activations={activations} KETCH_NATIVE_CPU={os.environ.get('KETCH_NATIVE_CPU', '1')} layer ops {fast.engine.runner.ops.name}, "
           f"head {head.one_row_kernel} ({type(head.int8).__name__}): first token agrees {sum(a > 0 for a in agreed)}/20, "
           f"mean agreed prefix {sum(agreed) / len(agreed):.2f} of 32: {agreed}")
 

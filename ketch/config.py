@@ -21,6 +21,7 @@ __all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKE
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]
+CPU_ACTIVATIONS = ("int16", "int8")  # EngineConfig.cpu_activations (ketch/native/q4.py's ACTIVATIONS)
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 SchedulePolicy = Literal["fcfs", "lpm"]
 HiCacheWritePolicy = Literal["write_through", "write_back"]
@@ -200,6 +201,11 @@ class EngineConfig:
     # "auto": on the CPU in bf16, a GGUF's 4-bit (Q4_0/Q4_1) matrices also stay 4-bit for
     # small-batch decode (~4x fewer bytes per token); "none": dense weights only.
     quantization: Quantization = "auto"
+    # How ketch's 4-bit CPU product rounds the activations, per block of 32 (ketch/native/q4_matmul.c):
+    # "int16" (the default: finer than bf16 for every value within 2^7 of its block's largest) or
+    # "int8" (opt-in: llama.cpp's rounding, ~1.9x less arithmetic where the product is compute
+    # bound, e.g. 32 streams without AMX; greedy tokens agree with fp32 less often).
+    cpu_activations: str = "int16"
     # CUDA: replay decode-only steps of up to cuda_graph_max_bs requests as CUDA graphs
     # (runner/). None: on when the device is CUDA; True: required (a ValueError off CUDA); False: off.
     cuda_graph: bool | None = None
@@ -298,6 +304,11 @@ class EngineConfig:
             raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto|{'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations must be {'|'.join(CPU_ACTIVATIONS)}, got {self.cpu_activations!r}")
+        if self.cpu_activations != "int16" and (self.torch_device.type != "cpu" or self.quantization == "none"):
+            raise ValueError(f"cpu_activations={self.cpu_activations!r} is a setting of the CPU's 4-bit product: "
+                             f"it needs device cpu and quantization auto (got {self.device!r}, {self.quantization!r})")
         for name in ("attention_backend", "layer_kernels"):
             allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
             if getattr(self, name) not in allowed:

@@ -42,6 +42,14 @@ def test_generate_with_an_fp8_kv_cache():
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
 
 
+def test_generate_with_int8_activations():
+    r = ketch("generate", "The capital of France is", "--max-tokens", "8", "--cpu-activations", "int8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
+    bad = ketch("generate", "Hello", "--cpu-activations", "int4")
+    assert bad.returncode == 2 and "--cpu-activations" in bad.stderr
+
+
 def test_chat_answers_each_line_until_eof():
     r = ketch("chat", "--max-tokens", "12", stdin="Hi\nWhat is 2+2?\n")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -76,3 +76,42 @@ def test_default_engine_is_faithful_to_fp32(smollm_path):
     agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(got, ref, strict=True)]
     assert sum(a > 0 for a in agreed) >= 18, agreed
     assert sum(agreed) / len(agreed) >= 10, agreed
+
+
+def test_cpu_activations_is_validated_naming_the_field():
+    from ketch.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_activations"):
+        EngineConfig(device="cpu", cpu_activations="int4")
+    with pytest.raises(ValueError, match="cpu_activations"):
+        EngineConfig(device="cuda", cpu_activations="int8")
+    with pytest.raises(ValueError, match="cpu_activations"):
+        EngineConfig(device="cpu", quantization="none", cpu_activations="int8")
+    assert EngineConfig(device="cpu").cpu_activations == "int16"
+
+
+def test_int8_activations_engine_takes_the_rounding_everywhere(smollm_path):
+    """`cpu_activations="int8"` (opt-in, llama.cpp's rounding): every 4-bit product of the model
+    rounds to int8, and the greedy tokens move off the int16 default's on these prompts (the
+    rounding is coarser: 2^8 fewer levels), while the first tokens, which have wide margins on
+    most prompts, mostly stay those of fp32."""
+    from test_parity import PROMPTS
+
+    from ketch.native import q4
+
+    if not q4.available():
+        pytest.skip("ketch's 4-bit kernel is not built here: torch's int4 kernel has no int8 mode")
+    coarse = LLM(smollm_path, cpu_activations="int8")
+    if coarse.engine.runner.dtype != torch.bfloat16:
+        pytest.skip("the 4-bit path runs in bf16 only")
+    products = [m.int4 for m in coarse.engine.runner.model.modules() if getattr(m, "int4", None) is not None]
+    assert len(products) == 120 and all(p.activations == "int8" for p in products)
+    fine = LLM(smollm_path)
+    exact = LLM(smollm_path, dtype="float32")
+    ids = [exact.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    ref = [o.token_ids for o in exact.generate(ids, params)]
+    got8 = [coarse.generate([p], params)[0].token_ids for p in ids]
+    got16 = [fine.generate([p], params)[0].token_ids for p in ids]
+    assert got8 != got16
+    assert sum(a[0] == b[0] for a, b in zip(got8, ref)) >= 15

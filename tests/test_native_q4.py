@@ -1,10 +1,10 @@
 """ketch's C 4-bit product (ketch/native/q4_matmul.c), built for each instruction set this CPU runs.
 
-The kernel rounds each row of x to int16 per block of 32 and multiplies with the 4-bit blocks in
-integers; its result is checked against that arithmetic done in float64 from the same rounding
-(tight: only fp32 summation order separates them), and against the exact product with the
-weights as stored, within the bound the int16 rounding allows (half a step of each block's scale
-on every activation). Rows are independent of the batch beside them, bit for bit.
+The kernel rounds each row of x to int16 per block of 32 (or, opt-in, to int8) and multiplies
+with the 4-bit blocks in integers; its result is checked against that arithmetic done in float64
+from the same rounding (tight: only fp32 summation order separates them), and against the exact
+product with the weights as stored, within the bound the rounding allows (half a step of each
+block's scale on every activation). Rows are independent of the batch beside them, bit for bit.
 """
 from __future__ import annotations
 
@@ -32,12 +32,16 @@ def gguf_like(n: int, k: int, seed: int) -> Q4Weight:
     return Q4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32), d, m + 8 * d)
 
 
-def int16_model(x: torch.Tensor, w: Q4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+QMAX = {"int16": 32767, "int8": 127}  # the activations' largest rounded value, per mode
+
+
+def rounded_model(x: torch.Tensor, w: Q4Weight, activations: str = "int16") -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's arithmetic in float64, and the bound of its distance from x @ W^T."""
+    qmax = QMAX[activations]
     xf = x.float().view(x.shape[0], -1, 32)  # the rounding in fp32, as the kernel does it
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767 / amax.clamp_min(1e-30), 0.0)
-    qx, d, xb = torch.round(xf * inv).double(), (amax / 32767).double(), xf.double()
+    inv = torch.where(amax > 0, qmax / amax.clamp_min(1e-30), 0.0)
+    qx, d, xb = torch.round(xf * inv).double(), (amax / qmax).double(), xf.double()
     scale = w.scale.double().repeat_interleave(32, 1)
     qs = w.q.double() * scale
     want = (qx * d).reshape(x.shape) @ qs.t() + xb.sum(-1) @ (w.zero.double() - 8 * w.scale.double()).t()
@@ -50,15 +54,17 @@ SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (50, 64)]  # 50: a p
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_product_is_the_int16_arithmetic(native_isa, n, k, dtype):
+@pytest.mark.parametrize("activations", list(QMAX))
+def test_product_is_the_rounded_arithmetic(native_isa, n, k, dtype, activations):
     w = gguf_like(n, k, seed=n + k)
-    packed = q4.NativeQ4.pack(w.q, w.scale, w.zero)
+    packed = q4.NativeQ4.pack(w.q, w.scale, w.zero).with_activations(activations)
     assert q4.library().ketch_q4_isa() == build.ISA_CODE[native_isa]
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     x[2] = 0  # an all-zero row: scale 0, no division by it
+    x[4, 5] = 40.0  # an outlier: its block's other activations keep only a few levels in int8
     y = packed.matmul(x)
     assert y.dtype == dtype and y.shape == (7, n)
-    want, bound = int16_model(x, w)
+    want, bound = rounded_model(x, w, activations)
     out_round = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-6  # the output's own rounding
     tol = out_round * want.abs() + 1e-5 * want.abs().max()
     assert ((y.double() - want).abs() <= tol).all()
@@ -67,9 +73,10 @@ def test_product_is_the_int16_arithmetic(native_isa, n, k, dtype):
     assert torch.equal(y[2], torch.zeros(n, dtype=dtype))
 
 
-def test_rows_do_not_depend_on_the_batch(native_isa):
+@pytest.mark.parametrize("activations", list(QMAX))
+def test_rows_do_not_depend_on_the_batch(native_isa, activations):
     w = gguf_like(960, 576, seed=1)
-    packed = q4.NativeQ4.pack(w.q, w.scale, w.zero)
+    packed = q4.NativeQ4.pack(w.q, w.scale, w.zero).with_activations(activations)
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
     whole = packed.matmul(x)
     for i in range(9):
@@ -162,6 +169,23 @@ def test_threads_agree_bit_for_bit():
         torch.set_num_threads(before)
 
 
+def test_int8_activations_are_a_coarser_rounding_not_another_product():
+    """The int8 mode is the int16 product with fewer activation levels: its distance from the
+    exact product is within its own (larger) bound and larger than the int16 mode's on the
+    same rows; the kernel id keeps the crossover cache of the two apart; a bad name is refused."""
+    w = gguf_like(576, 576, seed=10)
+    packed = q4.NativeQ4.pack(w.q, w.scale, w.zero)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(11))
+    exact = x.double() @ w.dequantize().double().t()
+    err16 = (packed.matmul(x).double() - exact).abs().mean()
+    err8 = (packed.with_activations("int8").matmul(x).double() - exact).abs().mean()
+    assert err8 > 20 * err16
+    assert packed.with_activations("int8").kernel_id.endswith("-int8") and packed.kernel_id == f"native-{build.isa()}"
+    with pytest.raises(ValueError, match="cpu_activations"):
+        packed.with_activations("int4")
+
+
 def test_argument_types_are_declared():
     lib = q4.library()
     assert lib.ketch_q4_matmul.argtypes[4] is ctypes.c_int64  # M as 64 bits, not a C int
+    assert lib.ketch_q4_matmul_i8.argtypes[4] is ctypes.c_int64

@@ -10,7 +10,7 @@ products) where it builds, else torch's int4 kernel (bf16 activations).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,18 @@ class Linear(nn.Linear):
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the dense path, without bias (what calibration times against int4_product)."""
         return self.dense(x, self.weight, None)
+
+
+def use_activations(modules: Iterable[nn.Module], activations: str) -> int:
+    """Every attached native 4-bit product rounds its activations as `activations` says
+    (EngineConfig.cpu_activations: ketch/native/q4_matmul.c's int16 or int8); torch's int4 kernel
+    (bf16 activations) has no such choice and stays. Returns how many products took it."""
+    taken = 0
+    for m in modules:
+        if isinstance(m, Linear) and isinstance(m.int4, native_q4.NativeQ4):
+            m.int4 = m.int4.with_activations(activations)
+            taken += 1
+    return taken
 
 
 def concat_q4(parts: list[Q4Weight]) -> Q4Weight:

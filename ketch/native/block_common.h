@@ -132,6 +132,11 @@ static inline __m256 block_dot(const __m256i q[16], const int32_t *xp) {
 typedef void (*tile_fn)(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
                         int64_t nb, int64_t K, int m, float *out);
 
+/* Rounds one row of x (bf16 when `bf16`, else fp32) into the activations the tile kernel reads:
+ * quantize_row's int16 values, or an opt-in narrower form (q4_matmul.c's int8), in the row's
+ * K * 2 bytes of scratch, and per block its scale d and exact fp32 sum. */
+typedef void (*row_quant_fn)(const void *x, int bf16, int64_t K, int16_t *qx, float *dx, float *sx);
+
 /* Rewrites a row's K quantized activations in place into the form its product's tile kernel
  * reads (the same K * 2 bytes); NULL: the tile reads the int16 values as they are. */
 typedef void (*row_prep_fn)(int16_t *qx, int64_t K);
@@ -139,8 +144,8 @@ typedef void (*row_prep_fn)(int16_t *qx, int64_t K);
 /* x [M, K] (bf16 when `bf16`, else fp32) times a packed [N, K] weight (records of `rec` bytes per
  * tile and block) into y [M, N] (same dtype). Returns 0, or -1 when the scratch cannot be
  * allocated (y untouched). */
-static int block_matmul(tile_fn tile, row_prep_fn prep, int64_t rec, const uint8_t *w, const void *x, void *y,
-                        int bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
+static int block_matmul(tile_fn tile, row_quant_fn quant, row_prep_fn prep, int64_t rec, const uint8_t *w,
+                        const void *x, void *y, int bf16, int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t nb = K / BLK, tiles = (N + TILE - 1) / TILE;
     int16_t *qx = malloc((size_t)(M * K * (int64_t)sizeof(int16_t) + 2 * M * nb * (int64_t)sizeof(float)));
     if (qx == NULL) return -1;
@@ -150,7 +155,7 @@ static int block_matmul(tile_fn tile, row_prep_fn prep, int64_t rec, const uint8
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) {
-            quantize_row((const char *)x + i * K * elt, bf16, K, qx + i * K, dx + i * nb, sx + i * nb);
+            quant((const char *)x + i * K * elt, bf16, K, qx + i * K, dx + i * nb, sx + i * nb);
             if (prep != NULL) prep(qx + i * K, K);
         }
 #pragma omp for schedule(static)

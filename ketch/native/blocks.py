@@ -19,23 +19,28 @@ DTYPES = (torch.bfloat16, torch.float32)  # what the C code reads and writes
 _ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 
 
+VARIANTS = {"q4": ("", "_i8"), "q8": ("",)}  # each library's entry points: ketch_<name>_matmul<variant>
+
+
 def library(name: str) -> ctypes.CDLL | None:
     lib = build.load(f"{name}_matmul")
     if lib is not None and getattr(lib, f"ketch_{name}_matmul").argtypes is None:  # declared once per library
-        fn = getattr(lib, f"ketch_{name}_matmul")
-        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        for variant in VARIANTS[name]:
+            fn = getattr(lib, f"ketch_{name}_matmul{variant}")
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
         getattr(lib, f"ketch_{name}_isa").restype = ctypes.c_int
     return lib
 
 
-def matmul(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, n] in x's dtype, W packed in `records` for product `name`."""
+def matmul(name: str, x: torch.Tensor, records: torch.Tensor, n: int, variant: str = "") -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, n] in x's dtype, W packed in `records` for product `name`; `variant`
+    one of VARIANTS[name] (q4's "_i8": activations rounded to int8, q4_matmul.c)."""
     if torch.compiler.is_compiling():
-        return torch.ops.ketch.block_matmul(name, x, records, n)
-    return _run(name, x, records, n)
+        return torch.ops.ketch.block_matmul(name, x, records, n, variant)
+    return _run(name, x, records, n, variant)
 
 
-def _run(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Tensor:
+def _run(name: str, x: torch.Tensor, records: torch.Tensor, n: int, variant: str = "") -> torch.Tensor:
     if x.dtype not in DTYPES:
         raise ValueError(f"{name}_matmul: x dtype {x.dtype} is not one of {DTYPES}")
     if not x.is_contiguous():
@@ -44,7 +49,7 @@ def _run(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Ten
     lib = library(name)  # cached by build.load; tests switch the instruction set by clearing that cache
     if lib is None:  # a packed weight exists only where the library was loaded
         raise RuntimeError(f"{name}_matmul: the native library is not available")
-    rc = getattr(lib, f"ketch_{name}_matmul")(records.data_ptr(), x.data_ptr(), y.data_ptr(),
+    rc = getattr(lib, f"ketch_{name}_matmul{variant}")(records.data_ptr(), x.data_ptr(), y.data_ptr(),
                                                x.dtype == torch.bfloat16, x.shape[0], n, x.shape[1],
                                                torch.get_num_threads())
     if rc != 0:
@@ -53,12 +58,12 @@ def _run(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Ten
 
 
 @torch.library.custom_op("ketch::block_matmul", mutates_args=())
-def block_matmul_op(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Tensor:
-    return _run(name, x, records, n)
+def block_matmul_op(name: str, x: torch.Tensor, records: torch.Tensor, n: int, variant: str) -> torch.Tensor:
+    return _run(name, x, records, n, variant)
 
 
 @block_matmul_op.register_fake
-def _(name: str, x: torch.Tensor, records: torch.Tensor, n: int) -> torch.Tensor:
+def _(name: str, x: torch.Tensor, records: torch.Tensor, n: int, variant: str) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 

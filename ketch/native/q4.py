@@ -2,19 +2,22 @@
 
 `NativeQ4.pack(q, scale, zero)` turns 4-bit blocks (w = (q - 8) * scale + zero, the form of
 ketch.layers.q4.Q4Weight) into the tiled layout, and `matmul(x)` is x @ W^T for bf16 or fp32
-rows. `available()` says whether the library is built here (ketch/native/build.py); without it
+rows, the activations rounded to int16 per block (the default) or, opt-in
+(`with_activations("int8")`, `--cpu-activations int8`), to int8 as llama.cpp rounds them. `available()` says whether the library is built here (ketch/native/build.py); without it
 the callers keep torch's int4 kernel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ketch.native import blocks, build
 from ketch.native.blocks import BLOCK, DTYPES, TILE, fp16_exact, per_lane
 
-__all__ = ["DTYPES", "NativeQ4", "available", "library"]
+__all__ = ["ACTIVATIONS", "DTYPES", "NativeQ4", "available", "library"]
+
+ACTIVATIONS = {"int16": "", "int8": "_i8"}  # how activations are rounded -> q4_matmul.c's entry point
 
 
 def library():
@@ -30,6 +33,7 @@ class NativeQ4:
     records: torch.Tensor  # uint8 [tiles, in / 32, 320]: q4_matmul.c's layout
     out_features: int
     in_features: int
+    activations: str = "int16"  # a key of ACTIVATIONS
 
     @staticmethod
     def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> "NativeQ4 | None":
@@ -51,9 +55,15 @@ class NativeQ4:
         runs = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, nb, 4 * 64)
         return NativeQ4(torch.cat((runs, per_lane(scale, tiles), per_lane(zero, tiles)), dim=2).contiguous(), n, k)
 
+    def with_activations(self, activations: str) -> "NativeQ4":
+        """The same records, the activations rounded as `activations` says."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"cpu_activations: {activations!r} is not one of {', '.join(ACTIVATIONS)}")
+        return replace(self, activations=activations)
+
     @property
     def kernel_id(self) -> str:  # part of the crossover cache's key (int4_crossover_cache.py)
-        return f"native-{build.isa()}"
+        return f"native-{build.isa()}" + ("" if self.activations == "int16" else f"-{self.activations}")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return blocks.matmul("q4", x, self.records, self.out_features)
+        return blocks.matmul("q4", x, self.records, self.out_features, ACTIVATIONS[self.activations])

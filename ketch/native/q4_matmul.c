@@ -29,6 +29,13 @@
 
 int ketch_q4_isa(void) { return KETCH_ISA; }
 
+/* A run's 32-bit word masked with 0x0F0F0F0F holds, as bytes, its row's weights (8r, 8r+4, 8r+1,
+ * 8r+5) of the layout above, and shifted right by 4 first (8r+2, 8r+6, 8r+3, 8r+7): the order in
+ * which the byte products (`vpdpbusd`, `vpmaddubsw`) pair a row's weights with the activations. */
+#if KETCH_ISA >= 2
+static const int PLANE_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+#endif
+
 #if KETCH_ISA == 3
 /* AVX512-VNNI: the block's integer dot product with `vpdpbusd` (u8 x s8, 64 multiply-adds an
  * instruction) on the activations' two bytes, x = 256 xh + xl (xh = x >> 8 signed, xl = x & 255
@@ -39,11 +46,7 @@ int ketch_q4_isa(void) { return KETCH_ISA; }
  * one row (a weight hot in L2: 25 -> 32 GB/s a core; from memory it pays once prefetch_streams
  * brings the records fast enough).
  *
- * Masking a run's 32-bit word with 0x0F0F0F0F leaves, as bytes, the weights (8r, 8r+4, 8r+1, 8r+5)
- * of the layout above, and the word shifted right by 4 (8r+2, 8r+6, 8r+3, 8r+7): `byte_planes`
- * orders each row's activation bytes the same way, once per call. */
-static const int PLANE_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
+ * `byte_planes` orders each row's activation bytes as PLANE_ORDER pairs them, once per call. */
 /* In place (block_matmul's row_prep_fn): per block of 32, the 32 high bytes then the 32 low bytes,
  * dword 2r + h holding activations PLANE_ORDER[4h .. 4h + 3] + 8r of the block. */
 static void byte_planes(int16_t *qx, int64_t K) {
@@ -197,5 +200,169 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
 /* x [M, K] (bf16 when `bf16`, else fp32) times the packed [N, K] weight into y [M, N]. */
 int ketch_q4_matmul(const uint8_t *w, const void *x, void *y, int bf16, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
-    return block_matmul(tile_product, ROW_PREP, REC, w, x, y, bf16, M, N, K, nthreads);
+    return block_matmul(tile_product, quantize_row, ROW_PREP, REC, w, x, y, bf16, M, N, K, nthreads);
+}
+
+/* ---- int8 activations (`ketch_q4_matmul_i8`; opt-in, `--cpu-activations int8`) ----
+ *
+ * llama.cpp's rounding of the activations: d = max |x| / 127 per block of 32, so each block's
+ * product is bytes times bytes, u8 weights (0..15) x s8 activations: one `vpdpbusd` (AVX512-VNNI)
+ * or `vpmaddubsw` (AVX2) per 4 weights a row, where int16 activations need two (the activation's
+ * two bytes) or a `vpmaddwd` + `vpaddd` per 2. About 1.9x fewer instructions; the price is
+ * fidelity: on SmolLM2, whose activations have outliers, greedy tokens agreed with fp32 for 13.8 of
+ * 32 on average against 21.5 with int16 (docs/performance.md). The block's sum stays the exact
+ * fp32 sum of x (llama.cpp keeps d * sum(q)), the weights and their layout are the same records.
+ * Rows are rounded and reduced on their own as in the int16 path: batch-invariant. */
+
+/* One row: per block, the 32 int8 values in the order the tile kernel pairs them with the weight
+ * bytes (ISA 2 and 3: byte 8r + j of the block is x[8r + PLANE_ORDER[j]]; generic: natural
+ * order), in the first K bytes of the row's int16 scratch. */
+static void quantize_row_i8(const void *x, int bf16, int64_t K, int16_t *scratch, float *dx, float *sx) {
+    int8_t *qx = (int8_t *)scratch;
+    for (int64_t b = 0; b < K / BLK; b++) {
+        float v[BLK], amax = 0.f, sum = 0.f;
+        for (int i = 0; i < BLK; i++) {
+            v[i] = bf16 ? bf16_to_f32(((const uint16_t *)x)[b * BLK + i]) : ((const float *)x)[b * BLK + i];
+            sum += v[i];
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t *q = qx + b * BLK;
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 8; j++) {
+#if KETCH_ISA >= 2
+                const int from = 8 * r + PLANE_ORDER[j];
+#else
+                const int from = 8 * r + j;
+#endif
+                q[8 * r + j] = (int8_t)nearbyintf(v[from] * inv);
+            }
+        dx[b] = amax / 127.f;
+        sx[b] = sum;
+    }
+}
+
+#if KETCH_ISA == 3
+static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
+                            int64_t nb, int64_t K, int m, float *out) {
+    __m512 acc[MAXM], accz[MAXM];
+    for (int i = 0; i < m; i++) acc[i] = accz[i] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * REC;
+        prefetch_streams(wb, b, nb, REC);
+        __m512i q[8];
+        for (int r = 0; r < 4; r++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(wb + r * RUN));
+            q[2 * r] = _mm512_and_si512(v, nibble);
+            q[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
+        }
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN)));
+        const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN + 32)));
+        for (int i = 0; i < m; i++) {
+            const int32_t *xp = (const int32_t *)((const int8_t *)(qx + i * K) + b * BLK);
+            __m512i s = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, q[j], _mm512_set1_epi32(xp[j]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(dx[i * nb + b])), acc[i]);
+            accz[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(sx[i * nb + b]), accz[i]);
+        }
+    }
+    for (int i = 0; i < m; i++) _mm512_storeu_ps(out + i * TILE, _mm512_add_ps(acc[i], accz[i]));
+}
+#elif KETCH_ISA == 2
+/* A block's 8 byte-quad products for 8 rows, summed in int16 (each `vpmaddubsw` pair is at most
+ * 2 * 15 * 127 = 3810, so 8 of them stay below 32767) and widened once. */
+static inline __m256 block_dot_i8(const __m256i q[8], const int32_t *xp) {
+    __m256i s = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(xp[0]));
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[j], _mm256_set1_epi32(xp[j])));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+}
+
+/* The weights of lanes 8h..8h+7 of a block's record as bytes, PLANE_ORDER quads per run. */
+static inline void decode_half_i8(const uint8_t *wb, int h, __m256i q[8]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < 4; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + r * RUN + h * 32));
+        q[2 * r] = _mm256_and_si256(v, nibble);
+        q[2 * r + 1] = _mm256_and_si256(_mm256_srli_epi32(v, 4), nibble);
+    }
+}
+
+static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
+                            int64_t nb, int64_t K, int m, float *out) {
+    if (m == 1) { /* both halves in one pass over the records: each record read once */
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, accz0 = acc0, accz1 = acc0;
+        const int8_t *x8 = (const int8_t *)qx;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + b * REC;
+            prefetch_streams(wb, b, nb, REC);
+            const int32_t *xp = (const int32_t *)(x8 + b * BLK);
+            __m256i q0[8], q1[8];
+            decode_half_i8(wb, 0, q0);
+            decode_half_i8(wb, 1, q1);
+            const __m256 d = _mm256_set1_ps(dx[b]), z = _mm256_set1_ps(sx[b]);
+            const __m256 sv0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN)));
+            const __m256 sv1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN + 16)));
+            const __m256 zv0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN + 32)));
+            const __m256 zv1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN + 48)));
+            acc0 = _mm256_fmadd_ps(block_dot_i8(q0, xp), _mm256_mul_ps(sv0, d), acc0);
+            acc1 = _mm256_fmadd_ps(block_dot_i8(q1, xp), _mm256_mul_ps(sv1, d), acc1);
+            accz0 = _mm256_fmadd_ps(zv0, z, accz0);
+            accz1 = _mm256_fmadd_ps(zv1, z, accz1);
+        }
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0, accz0));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(acc1, accz1));
+        return;
+    }
+    for (int h = 0; h < 2; h++) { /* lanes 0-7, then 8-15 */
+        __m256 acc[MAXM], accz[MAXM];
+        for (int i = 0; i < m; i++) acc[i] = accz[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + b * REC;
+            if (h == 0) prefetch_streams(wb, b, nb, REC);
+            __m256i q[8];
+            decode_half_i8(wb, h, q);
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN + h * 16)));
+            const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + 4 * RUN + 32 + h * 16)));
+            for (int i = 0; i < m; i++) {
+                const int32_t *xp = (const int32_t *)((const int8_t *)(qx + i * K) + b * BLK);
+                acc[i] = _mm256_fmadd_ps(block_dot_i8(q, xp), _mm256_mul_ps(sv, _mm256_set1_ps(dx[i * nb + b])), acc[i]);
+                accz[i] = _mm256_fmadd_ps(zv, _mm256_set1_ps(sx[i * nb + b]), accz[i]);
+            }
+        }
+        for (int i = 0; i < m; i++) _mm256_storeu_ps(out + i * TILE + h * 8, _mm256_add_ps(acc[i], accz[i]));
+    }
+}
+#else
+static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
+                            int64_t nb, int64_t K, int m, float *out) {
+    for (int i = 0; i < m; i++) {
+        const int8_t *x8 = (const int8_t *)(qx + i * K);
+        for (int l = 0; l < TILE; l++) {
+            float acc = 0.f, accz = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *wb = w + b * REC;
+                const uint16_t *sz = (const uint16_t *)(wb + 4 * RUN);
+                const int8_t *xb = x8 + b * BLK;
+                int32_t dot = 0;
+                for (int r = 0; r < 4; r++) {
+                    uint32_t word;
+                    memcpy(&word, wb + r * RUN + l * 4, 4);
+                    for (int k = 0; k < 4; k++)
+                        dot += (int32_t)((word >> (4 * k)) & 15) * xb[8 * r + 2 * k]
+                             + (int32_t)((word >> (16 + 4 * k)) & 15) * xb[8 * r + 2 * k + 1];
+                }
+                acc = fmaf((float)dot, f16_to_f32(sz[l]) * dx[i * nb + b], acc);
+                accz = fmaf(f16_to_f32(sz[TILE + l]), sx[i * nb + b], accz);
+            }
+            out[i * TILE + l] = acc + accz;
+        }
+    }
+}
+#endif
+
+/* As ketch_q4_matmul, the activations rounded to int8 (above). */
+int ketch_q4_matmul_i8(const uint8_t *w, const void *x, void *y, int bf16, int64_t M, int64_t N, int64_t K,
+                       int nthreads) {
+    return block_matmul(tile_product_i8, quantize_row_i8, NULL, REC, w, x, y, bf16, M, N, K, nthreads);
 }

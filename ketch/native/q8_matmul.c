@@ -93,5 +93,5 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
 /* x [M, K] (bf16 when `bf16`, else fp32) times the packed [N, K] weight into y [M, N]. */
 int ketch_q8_matmul(const uint8_t *w, const void *x, void *y, int bf16, int64_t M, int64_t N, int64_t K,
                     int nthreads) {
-    return block_matmul(tile_product, NULL, REC, w, x, y, bf16, M, N, K, nthreads);
+    return block_matmul(tile_product, quantize_row, NULL, REC, w, x, y, bf16, M, N, K, nthreads);
 }

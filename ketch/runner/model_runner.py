@@ -33,6 +33,7 @@ from ketch.config import EngineConfig
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.int4_crossover import calibrate as calibrate_int4
+from ketch.layers.linear import use_activations
 from ketch.layers.ops import layer_ops
 from ketch.layers.vocab_parallel import VocabParallelEmbedding
 from ketch.models.family import FamilyConfig
@@ -144,6 +145,10 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
+            if self.config.cpu_activations != "int16" \
+                    and not use_activations(model.modules(), self.config.cpu_activations):
+                print(f"ketch: cpu_activations {self.config.cpu_activations}: ketch's 4-bit kernel is not built "
+                      "here; torch's int4 kernel keeps bf16 activations", file=sys.stderr)
             # up to how many tokens the 4-bit kernel beats the dense GEMM on this machine, per shape
             t0 = time.perf_counter()
             crossings, source = calibrate_int4(model.modules())
