@@ -7,8 +7,9 @@
 #       "1:6 8:16 32:64" "ketch llama ketch-torch" > log
 #
 # arg 1: concurrency:num_prompts pairs; arg 2: the servers, in the order run at each concurrency
-# (rotated by one at each next concurrency): ketch (defaults), ketch-torch (KETCH_NATIVE_CPU=0:
-# torch's kernels, the baseline before ketch/native), llama (llama-server, per-slot KV).
+# (rotated by one at each next concurrency): ketch (defaults), ketch-int8 (`--cpu-activations int8`:
+# llama.cpp's rounding of the activations), ketch-torch (KETCH_NATIVE_CPU=0: torch's kernels, the
+# baseline before ketch/native), llama (llama-server, per-slot KV).
 # Env: IN, OUT (256 / 128), EMULATE (e.g. "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2": set
 # for ketch only; llama.cpp has no such switch, its build decides), PORT (38001).
 set -euo pipefail
@@ -30,6 +31,7 @@ run_one() {  # server concurrency prompts
   local server=$1 c=$2 n=$3 cmd pid
   case $server in
     ketch) cmd=(env ${EMULATE:-} .venv/bin/ketch serve --host 127.0.0.1 --port "$PORT") ;;
+    ketch-int8) cmd=(env ${EMULATE:-} .venv/bin/ketch serve --host 127.0.0.1 --port "$PORT" --cpu-activations int8) ;;
     ketch-torch) cmd=(env ${EMULATE:-} KETCH_NATIVE_CPU=0 .venv/bin/ketch serve --host 127.0.0.1 --port "$PORT") ;;
     llama) cmd=("$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$PORT" --threads 2 --threads-batch 2
                 --parallel 32 --cont-batching --ctx-size 65536 --no-webui --no-kv-unified) ;;

@@ -65,18 +65,21 @@ def test_every_head_size(native_isa, dim):
     check_against_float64(2, dim)
 
 
-@pytest.mark.parametrize("dim", [64, 72, 100])
-def test_a_group_of_heads_per_task_gives_each_head_the_same_bits(native_isa, dim):
-    """A batch keeps each sequence's GQA group on one task (its K rows widened once for the
-    group); one sequence on many threads runs a head per task. Every head's output is the same
-    bits either way (case 2: 8-row blocks and tails)."""
+@pytest.mark.parametrize("dim", [64, 72, 100, 128])
+def test_every_split_of_the_work_gives_each_head_the_same_bits(native_isa, dim):
+    """Many sequences per thread: a task is a sequence, all kv heads inside chunks of rows (the
+    unrolled head sizes only); fewer: a sequence's GQA group per task (its K rows widened once
+    for the group); one sequence on many threads: a head per task. Every head's output is the
+    same bits each way (case 2: 8-row blocks, tails, and rows past one chunk)."""
     tables, lens = TABLES[2], LENS[2]
     pool = pool_with_random_pages(2, dim)
     q = torch.randn(len(tables), H, dim, generator=torch.Generator().manual_seed(9)).bfloat16()
     pages = torch.tensor(tables)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # 3 sequences x 3 kv heads >= 2 x 2 threads: a group per task
+        torch.set_num_threads(1)  # 3 sequences >= 2 x 1 thread: a sequence per task
+        whole = decode_attention(q, pool.k[0], pool.v[0], pages, torch.tensor(lens), dim ** -0.5)
+        torch.set_num_threads(2)  # 3 < 2 x 2, but 3 sequences x 3 kv heads >= 2 x 2: a group per task
         grouped = decode_attention(q, pool.k[0], pool.v[0], pages, torch.tensor(lens), dim ** -0.5)
         torch.set_num_threads(8)  # 1 x 3 < 2 x 8: a head per task
         alone = [decode_attention(q[b:b + 1], pool.k[0], pool.v[0], pages[b:b + 1], torch.tensor(lens[b:b + 1]),
@@ -84,6 +87,7 @@ def test_a_group_of_heads_per_task_gives_each_head_the_same_bits(native_isa, dim
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(grouped, torch.cat(alone))
+    assert torch.equal(whole, grouped)
 
 
 def test_backend_decode_reads_the_pool_in_place():

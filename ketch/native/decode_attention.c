@@ -1,6 +1,8 @@
 /* Decode attention on the CPU: one query token per sequence over its K/V pages, read in place
- * from the paged pool (no gather of the context into a contiguous copy), threaded over
- * (sequence, GQA group of query heads), or (sequence, query head) when that is too few tasks.
+ * from the paged pool (no gather of the context into a contiguous copy), threaded over sequences
+ * (at least two a thread: all heads of a sequence in one task, reading its rows whole in chunks,
+ * the next chunk prefetched), else over (sequence, GQA group of query heads), or (sequence, query
+ * head) when that is too few tasks.
  *
  * Why: torch's path gathered every sequence's pages per layer (two index_select copies) or, for
  * one sequence, took a view, then ran SDPA with an additive mask: ~30 us a layer at batch 1 for a
@@ -161,9 +163,9 @@ static float exponentiate(float *scores, int64_t len, float top) {
 /* acc (NV x W floats) += sum_t p[t] v_t, the rows v_t in place in the pool; NV a constant where
  * inlined, so the accumulators stay in registers (AVX2 at dim 256 spills some: still vector). */
 static inline void weighted_rows(float *out, const float *p, const uint16_t *vpool, const int64_t *off, int64_t len,
-                                 const int nv) {
+                                 const int nv, const int from_out) {
     vf acc[32];
-    for (int c = 0; c < nv; c++) acc[c] = vset1(0.f);
+    for (int c = 0; c < nv; c++) acc[c] = from_out ? vload(out + W * c) : vset1(0.f);
     for (int64_t t = 0; t < len; t++) {
         const uint16_t *v = vpool + off[t];
         const vf pv = vset1(p[t]);
@@ -178,9 +180,9 @@ static void weighted_sum(float *out, const float *p, const uint16_t *vpool, cons
                          int64_t dim) {
 #ifdef W
     switch (dim) { /* the common head sizes, unrolled */
-    case 64: weighted_rows(out, p, vpool, off, len, 64 / W); return;
-    case 128: weighted_rows(out, p, vpool, off, len, 128 / W); return;
-    case 256: weighted_rows(out, p, vpool, off, len, 256 / W); return;
+    case 64: weighted_rows(out, p, vpool, off, len, 64 / W, 0); return;
+    case 128: weighted_rows(out, p, vpool, off, len, 128 / W, 0); return;
+    case 256: weighted_rows(out, p, vpool, off, len, 256 / W, 0); return;
     default: break;
     }
 #endif
@@ -203,8 +205,8 @@ static inline float dot_f32(const float *q, const float *k, int64_t dim) {
 /* scores[g * len + t] = q_g . k_t for `per` query heads of one kv head: each K row is read and
  * widened to fp32 once (into `kf`, 8 rows of `dim`) for all of them, and each head's score is
  * computed with score_rows' own operations in its order, so the same bits as one head at a time. */
-static void score_rows_group(float *scores, const float *qf, int64_t per, const uint16_t *kpool, const int64_t *off,
-                             int64_t len, int64_t dim, float *kf) {
+static void score_rows_group(float *scores, int64_t stride, const float *qf, int64_t per, const uint16_t *kpool,
+                             const int64_t *off, int64_t len, int64_t dim, float *kf) {
 #ifdef W
     if (per > 1 && dim % W == 0) {
         int64_t t = 0;
@@ -219,19 +221,87 @@ static void score_rows_group(float *scores, const float *qf, int64_t per, const 
                     const vf qv = vload(qf + g * dim + d);
                     for (int r = 0; r < 8; r++) acc[r] = vfmadd(qv, vload(kf + r * dim + d), acc[r]);
                 }
-                vstore(scores + g * len + t, vsum8(acc));
+                vstore(scores + g * stride + t, vsum8(acc));
             }
         }
 #endif
         for (; t < len; t++) {
             for (int64_t d = 0; d < dim; d += W) vstore(kf + d, vload_bf16(kpool + off[t] + d));
-            for (int64_t g = 0; g < per; g++) scores[g * len + t] = dot_f32(qf + g * dim, kf, dim);
+            for (int64_t g = 0; g < per; g++) scores[g * stride + t] = dot_f32(qf + g * dim, kf, dim);
         }
         return;
     }
 #endif
-    for (int64_t g = 0; g < per; g++) score_rows(scores + g * len, qf + g * dim, kpool, off, len, dim);
+    for (int64_t g = 0; g < per; g++) score_rows(scores + g * stride, qf + g * dim, kpool, off, len, dim);
 }
+
+#ifdef W
+#define CHUNK_ROWS 16 /* rows of a sequence taken together across its kv heads: a page of 16 at most */
+
+/* acc (dim floats) += sum_t p[t] v_t over rows [0, n) at `off`: weighted_rows continued from acc's
+ * values, so the same FMAs in the same order as one pass over all rows. */
+static void weighted_more(float *acc, const float *p, const uint16_t *vpool, const int64_t *off, int64_t n,
+                          int64_t dim) {
+    switch (dim) {
+    case 64: weighted_rows(acc, p, vpool, off, n, 64 / W, 1); return;
+    case 128: weighted_rows(acc, p, vpool, off, n, 128 / W, 1); return;
+    default: weighted_rows(acc, p, vpool, off, n, 256 / W, 1); return;
+    }
+}
+
+/* The whole pool rows (all kv heads, `row` values) of rows [t0, t0 + CHUNK_ROWS) below len. */
+static inline void prefetch_rows(const uint16_t *pool, const int64_t *off, int64_t t0, int64_t len, int64_t row) {
+    const int64_t t1 = t0 + CHUNK_ROWS < len ? t0 + CHUNK_ROWS : len;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t b = 0; b < row * 2; b += 64) __builtin_prefetch((const char *)(pool + off[t]) + b, 0, 3);
+}
+
+/* One sequence, every head, reading its K/V rows in chunks of CHUNK_ROWS with all kv heads
+ * inside a chunk. Why: a pool row holds all kv heads of a token ([page_size, kv_heads, dim]);
+ * a task over one kv head reads one slice of every row (128 of 384 bytes for SmolLM2's 3 heads),
+ * and the three tasks over the same rows run apart in time, so each pass strides through the
+ * pages. Here a chunk's rows are read whole within a short time, page after page: at batch 32
+ * the call is bound by these reads, not by arithmetic (AVX2 and AVX-512 took the same time).
+ * Each head's arithmetic is that of score_rows_group and weighted_rows, in the same order (the
+ * 8-row blocks of the scores start at the same rows: chunks are multiples of 8), so the same bits.
+ * scratch: heads * (len + 2 * dim) + 8 * dim floats; off: len. Returns -1 when the scratch
+ * cannot be allocated. */
+static int attend_sequence(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool, const int64_t *table,
+                           int64_t len, uint16_t *out, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t page_size, float scale) {
+    const int64_t group = heads / kv_heads, row = kv_heads * dim;
+    int64_t *off = malloc((size_t)len * sizeof(int64_t) + (size_t)(heads * (len + 2 * dim) + 8 * dim) * sizeof(float));
+    if (off == NULL) return -1;
+    float *scores = (float *)(off + len), *qf = scores + heads * len, *acc = qf + heads * dim, *kf = acc + heads * dim;
+    for (int64_t i = 0; i < heads * dim; i++) qf[i] = bf16_to_f32(q[i]) * scale;
+    row_offsets(off, table, len, page_size, row, 0);
+    for (int64_t t0 = 0; t0 < len; t0 += CHUNK_ROWS) {
+        const int64_t n = len - t0 < CHUNK_ROWS ? len - t0 : CHUNK_ROWS;
+        prefetch_rows(kpool, off, t0 + CHUNK_ROWS, len, row);
+        for (int64_t h = 0; h < kv_heads; h++)
+            score_rows_group(scores + h * group * len + t0, len, qf + h * group * dim, group, kpool + h * dim,
+                             off + t0, n, dim, kf);
+    }
+    prefetch_rows(vpool, off, 0, len, row); /* V's first chunk, while the softmax runs */
+    float total[256];
+    for (int64_t g = 0; g < heads; g++) {
+        float *p = scores + g * len, top = -INFINITY;
+        for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top;
+        total[g] = exponentiate(p, len, top);
+    }
+    for (int64_t i = 0; i < heads * dim; i++) acc[i] = 0.f;
+    for (int64_t t0 = 0; t0 < len; t0 += CHUNK_ROWS) {
+        const int64_t n = len - t0 < CHUNK_ROWS ? len - t0 : CHUNK_ROWS;
+        prefetch_rows(vpool, off, t0 + CHUNK_ROWS, len, row);
+        for (int64_t g = 0; g < heads; g++)
+            weighted_more(acc + g * dim, scores + g * len + t0, vpool + g / group * dim, off + t0, n, dim);
+    }
+    for (int64_t g = 0; g < heads; g++)
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = f32_to_bf16(acc[g * dim + d] / total[g]);
+    free(off);
+    return 0;
+}
+#endif
 
 /* q [B, heads, dim] with `q_stride` values from one sequence's row to the next (a view of the
  * fused qkv projection: no copy), out [B, heads, dim]; pages [B, page_stride] page ids; lens [B]
@@ -248,8 +318,17 @@ int ketch_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
                                 uint16_t *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                                 int64_t page_size, float scale, int nthreads) {
     const int64_t group = heads / kv_heads, row = kv_heads * dim;
-    const int64_t per = batch * kv_heads >= 2 * (int64_t)nthreads ? group : 1, tasks_per_seq = heads / per;
     int failed = 0;
+#ifdef W
+    if (batch >= 2 * (int64_t)nthreads && heads <= 256 && dim % W == 0 && (dim == 64 || dim == 128 || dim == 256)) {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+        for (int64_t b = 0; b < batch; b++)
+            failed |= attend_sequence(q + b * q_stride, kpool, vpool, pages + b * page_stride, lens[b],
+                                      out + b * heads * dim, heads, kv_heads, dim, page_size, scale) != 0;
+        return failed ? -1 : 0;
+    }
+#endif
+    const int64_t per = batch * kv_heads >= 2 * (int64_t)nthreads ? group : 1, tasks_per_seq = heads / per;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
     for (int64_t task = 0; task < batch * tasks_per_seq; task++) {
         const int64_t b = task / tasks_per_seq, h0 = task % tasks_per_seq * per, kvh = h0 / group, len = lens[b];
@@ -262,7 +341,7 @@ int ketch_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
         for (int64_t g = 0; g < per; g++)
             for (int64_t d = 0; d < dim; d++) qf[g * dim + d] = bf16_to_f32(q[b * q_stride + (h0 + g) * dim + d]) * scale;
         row_offsets(off, pages + b * page_stride, len, page_size, row, kvh * dim);
-        score_rows_group(scores, qf, per, kpool, off, len, dim, kf);
+        score_rows_group(scores, len, qf, per, kpool, off, len, dim, kf);
         for (int64_t g = 0; g < per; g++) {
             float *p = scores + g * len, top = -INFINITY;
             for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top; /* not fmaxf: a libm call per score */
