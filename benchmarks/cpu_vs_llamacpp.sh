@@ -10,7 +10,8 @@
 # (rotated by one at each next concurrency): ketch (defaults), ketch-int8 (`--cpu-activations int8`:
 # llama.cpp's rounding of the activations), ketch-torch (KETCH_NATIVE_CPU=0: torch's kernels, the
 # baseline before ketch/native), llama (llama-server, per-slot KV).
-# Env: IN, OUT (256 / 128), EMULATE (e.g. "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2": set
+# Env: IN, OUT (256 / 128), EMULATE (e.g. "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# MKL_ENABLE_INSTRUCTIONS=AVX2": set
 # for ketch only; llama.cpp has no such switch, its build decides), PORT (38001).
 set -euo pipefail
 cd "$(dirname "$0")/.."

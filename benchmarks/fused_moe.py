@@ -54,6 +54,13 @@ def describe(cfg) -> str:  # noqa: ANN001  (a fused_moe.MoEConfig)
 
 SWEEP_UP = ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3))  # (BN, BK, warps, stages)
 SWEEP_DOWN = ((64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3))
+# decode-sized steps (--sweep-decode): one BLOCK_M (16: an expert sees a row or two), narrower
+# column blocks so that a few experts still fill the SMs, longer K steps
+DECODE_UP = ((16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 4), (64, 128, 4, 3),
+             (16, 128, 2, 4), (16, 256, 2, 3))
+DECODE_DOWN = ((16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (32, 128, 2, 4), (16, 256, 2, 3),
+               (64, 64, 4, 4))
+LAYERS = 8  # --sweep-decode: expert sets per timed call (another layer's experts each, as decode reads them)
 
 
 def sweep(fm, key: tuple, run, rep: int) -> tuple[float, object]:
@@ -73,6 +80,22 @@ def sweep(fm, key: tuple, run, rep: int) -> tuple[float, object]:
         if saved is not None:
             fm.TUNED[key] = saved
     return best
+
+
+def sweep_decode(fm, key: tuple, run, rep: int) -> tuple[float, object]:
+    """BLOCK_M 16; every gate|up config with down at the first, then every down config with the
+    best gate|up; (µs per layer, best MoEConfig), run doing LAYERS layers a call."""
+    saved = fm.TUNED.get(key)
+    try:
+        up = min(((_time(fm, key, fm.MoEConfig(16, fm.GemmConfig(*u), fm.GemmConfig(*DECODE_DOWN[0])), run, rep), u)
+                  for u in DECODE_UP), key=lambda t: t[0])[1]
+        best = min(((_time(fm, key, fm.MoEConfig(16, fm.GemmConfig(*up), fm.GemmConfig(*d)), run, rep),
+                     fm.MoEConfig(16, fm.GemmConfig(*up), fm.GemmConfig(*d))) for d in DECODE_DOWN), key=lambda t: t[0])
+    finally:
+        fm.TUNED.pop(key, None)
+        if saved is not None:
+            fm.TUNED[key] = saved
+    return best[0] / LAYERS, best[1]
 
 
 def _time(fm, key: tuple, cfg, run, rep: int) -> float:
@@ -95,6 +118,9 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="also fp8 e4m3 weights with 128x128 block scales")
     ap.add_argument("--rep", type=int, default=50, help="do_bench ms per measurement")
     ap.add_argument("--sweep", action="store_true", help="block-size sweep instead of the comparison")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="decode-sized sweep: BLOCK_M 16, narrow column blocks, each call over LAYERS expert sets "
+                         "(none in L2 from the call before); prints the current pick's time beside the best")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_moe.py needs CUDA")
@@ -142,6 +168,18 @@ def main() -> None:
                 def ref(rw13=rw13, rw2=rw2):
                     return fused_experts_ref(x, rw13, rw2, weights, ids)
 
+                if a.sweep_decode:
+                    sets = [(x, weights, ((ids + 7 * j) % e).contiguous()) for j in range(LAYERS)]  # other experts
+
+                    def layers(tw13=tw13, tw2=tw2, extra=extra, sets=sets):
+                        for xs, ws, ids_j in sets:
+                            fused_experts_triton(xs, tw13, tw2, ws, ids_j, **extra)
+
+                    now = triton.testing.do_bench_cudagraph(layers, rep=min(a.rep, 20)) * 1e3 / LAYERS
+                    t, cfg = sweep_decode(fm, (e, h, inter, k, kind), layers, rep=min(a.rep, 20))
+                    print(f"{name:17s} {kind:4s} {tokens:5d} current {now:7.1f} µs/layer ({describe(pick_config(tokens, e, h, inter, k, kind))})"
+                          f"  best {t:7.1f} µs/layer  ({tokens}, {cfg!r})", flush=True)
+                    continue
                 if a.sweep:
                     t, cfg = sweep(fm, (e, h, inter, k, kind), tri, rep=min(a.rep, 20))
                     print(f"{name:17s} {kind:4s} {tokens:5d} best {t:8.1f} µs  TUNED[{(e, h, inter, k, kind)}]: "

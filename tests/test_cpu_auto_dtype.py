@@ -11,6 +11,7 @@ import torch
 
 from ketch.config import EngineConfig, cpu_has_native_bf16
 from ketch.engine.engine import Engine
+from ketch import SamplingParams
 from ketch.llm import LLM
 from ketch.native import build
 from ketch.runner.cpu_dtype import with_cpu_auto_dtype
@@ -85,6 +86,22 @@ def test_the_engine_takes_it(machine):
     assert engine.config.torch_dtype == torch.bfloat16 and llm.config.torch_dtype == torch.bfloat16
     kernels = {type(m.int4).__name__ for m in engine.runner.model.modules() if getattr(m, "int4", None) is not None}
     assert kernels == {"NativeQ4"}
+
+
+def test_without_native_bf16_the_dense_copies_are_fp32(machine):
+    """The steps above the crossover take the dense product; without native bf16 it runs in fp32
+    (an emulated bf16 GEMM is several times slower), on bf16 rows, giving bf16 rows; the crossover
+    was timed against it and keeps its own cache entry."""
+    machine(**EMULATED_AVX2)
+    llm = LLM(device="cpu", max_num_seqs=1, kv_cache_memory=16 << 20, num_threads=1)
+    layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "int4", None) is not None]
+    assert layers and all(m.weight.dtype == torch.float32 and m.activation_dtype == torch.bfloat16 for m in layers)
+    m = layers[0]
+    x = torch.randn(m.int4_max_tokens + 1, m.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.linear(x.float(), m.weight).bfloat16())
+    assert "Paris" in llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].text
 
 
 @needs_vector_build

@@ -111,7 +111,9 @@ def calibrate(layers: Iterable[torch.nn.Module]) -> tuple[dict[tuple[int, int], 
     if not by_shape:
         return {}, "no 4-bit layers"
     first = next(iter(by_shape.values()))[0]
-    dtype, kernel = first.weight.dtype, first.int4.kernel_id
+    # the activations' dtype (the dense weight may be kept in fp32: linear.dense_in_fp32)
+    dtype = getattr(first, "activation_dtype", None) or first.weight.dtype
+    kernel = first.int4.kernel_id + ("" if first.weight.dtype == dtype else f"|dense {first.weight.dtype}")
     found, source = _known(list(by_shape), dtype, kernel)
     if found is None:
         found, under_load = {}, False

@@ -6,7 +6,8 @@ on every start of every replica on this machine, instead of one that may move ne
 
 The key is everything the timing depends on: the 4-bit kernel (torch's or ketch's, and the
 instruction set it was built for), the CPU model, torch's version and the ISA it
-dispatches to (with ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY, which emulate other machines),
+dispatches to (with ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY / MKL_ENABLE_INSTRUCTIONS (MKL's fp32
+GEMM: linear.dense_in_fp32), which emulate other machines),
 the thread count, the dtype and the set of shapes. Only a clean measurement is stored: one whose
 repeated timings agree (int4_crossover.Timing.noisy); a start-up under load measures for itself
 and keeps nothing. A file that cannot be read, or lacks a shape, is measured again and replaced.
@@ -25,7 +26,7 @@ import torch
 
 from ketch.user_cache import user_cache_dir
 
-FORMAT = 1  # of the key and the file; a change of either bumps it
+FORMAT = 2  # of the key and the file; a change of either bumps it
 Shape = tuple[int, int]
 
 
@@ -44,6 +45,7 @@ def cache_path(shapes: list[Shape], dtype: torch.dtype, kernel: str = "torch") -
     key = "|".join(map(str, (
         FORMAT, kernel, _cpu_model(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
         os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", ""),
+        os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         torch.get_num_threads(), dtype, sorted(shapes))))
     return user_cache_dir("int4_crossover", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
 

@@ -55,6 +55,8 @@ class Linear(nn.Linear):
     # steps of up to this many tokens take the 4-bit kernel: measured per shape at start-up
     # (int4_crossover.py, ModelRunner); INT4_MAX_TOKENS until then
     int4_max_tokens: int = INT4_MAX_TOKENS
+    # the activations' dtype where the dense weight is kept in another (dense_in_fp32); None: the weight's
+    activation_dtype: torch.dtype | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear) -> None:
@@ -88,6 +90,31 @@ class Linear(nn.Linear):
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the dense path, without bias (what calibration times against int4_product)."""
         return self.dense(x, self.weight, None)
+
+
+def fp32_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The dense product of a bf16 model's layer whose dense weight is kept in fp32: rows widened
+    (exact), an fp32 GEMM, the result rounded to x's dtype once."""
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def dense_in_fp32(modules: Iterable[nn.Module]) -> int:
+    """Keep the dense copy of every layer that also holds 4-bit blocks in fp32, for a bf16 model
+    on a CPU without native bf16. There a bf16 GEMM is emulated, several times slower than fp32,
+    so the steps above the crossover (prefill, many streams) ran the 4-bit kernel however large:
+    on emulated AVX2 MKL's fp32 GEMM beats its int16 activations from 32 rows (0.36 vs 0.46 ms
+    for 32 x 576 x 1536) and by 1.6x at 256. The crossover (int4_crossover.py) times this fp32
+    product against the 4-bit kernel per shape, as it timed the bf16 one. The weights are the bf16
+    copy's values, widened: the dense product's numbers are those of the bf16 path without its
+    roundings of the sums. Returns how many layers."""
+    taken = 0
+    for m in modules:
+        if isinstance(m, Linear) and m.int4 is not None and m.weight.dtype != torch.float32:
+            m.activation_dtype = m.weight.dtype
+            m.weight.data = m.weight.data.float()
+            m.dense = fp32_dense
+            taken += 1
+    return taken
 
 
 def use_activations(modules: Iterable[nn.Module], activations: str) -> int:

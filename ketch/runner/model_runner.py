@@ -29,11 +29,11 @@ import torch
 from ketch.attention.base import AttentionBackend
 from ketch.attention.idle import IDLE_ATTENTION
 from ketch.cache.kv_pool import KVPool
-from ketch.config import EngineConfig
+from ketch.config import EngineConfig, cpu_has_native_bf16
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.layers.int4_crossover import calibrate as calibrate_int4
-from ketch.layers.linear import use_activations
+from ketch.layers.linear import dense_in_fp32, use_activations
 from ketch.layers.ops import layer_ops
 from ketch.layers.vocab_parallel import VocabParallelEmbedding
 from ketch.models.family import FamilyConfig
@@ -145,6 +145,8 @@ class ModelRunner:
         model.load_weights(weights)
         if self._keeps_4bit():
             model.load_int4(iter_q4_weights(self.source.path))
+            if self.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+                dense_in_fp32(model.modules())  # an emulated bf16 GEMM loses to fp32 (linear.py)
             if self.config.cpu_activations != "int16" \
                     and not use_activations(model.modules(), self.config.cpu_activations):
                 print(f"ketch: cpu_activations {self.config.cpu_activations}: ketch's 4-bit kernel is not built "
