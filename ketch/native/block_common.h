@@ -23,7 +23,7 @@
 #define TILE 16   /* output rows per tile */
 #define BLK 32    /* weights per block */
 #define RUN 64    /* bytes per run: 16 lanes x 4 bytes */
-#define MAXM 4    /* activation rows sharing one decode of a block's weights */
+#define MAXM 8    /* activation rows sharing one decode of a block's weights (8: 5-10 % faster than 4 at 32+ rows on AVX2 and AVX-512, docs/performance.md) */
 #define AHEAD 8   /* records prefetched ahead of the one being read */
 #define QMAX 32767.f /* activations round to int16 in [-QMAX, QMAX] */
 
