@@ -185,6 +185,26 @@ def test_int8_activations_are_a_coarser_rounding_not_another_product():
         packed.with_activations("int4")
 
 
+def test_dense_copies_go_fp32_only_within_the_budget():
+    """linear.dense_in_fp32: the layers holding 4-bit blocks keep an fp32 dense copy (bf16 rows in,
+    bf16 out) when the extra bytes fit the budget, and stay as they were when they do not."""
+    from ketch.layers.linear import dense_in_fp32, fp32_dense
+
+    w = gguf_like(64, 64, seed=12)
+    layers = [Linear(64, 64, bias=False).to(torch.bfloat16) for _ in range(2)]
+    for lin in layers:
+        lin.weight.data.copy_(w.dequantize())
+        lin.attach_int4(w)
+    extra = 2 * 64 * 64 * 2  # two layers, 2 more bytes a weight
+    assert dense_in_fp32(layers, extra - 1) == 0
+    assert all(lin.weight.dtype == torch.bfloat16 and lin.activation_dtype is None for lin in layers)
+    assert dense_in_fp32(layers, extra) == 2
+    assert all(lin.weight.dtype == torch.float32 and lin.activation_dtype == torch.bfloat16 for lin in layers)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(13)).bfloat16()
+    assert torch.equal(layers[0].dense_product(x), fp32_dense(x, layers[0].weight, None))
+    assert layers[0].dense_product(x).dtype == torch.bfloat16
+
+
 def test_argument_types_are_declared():
     lib = q4.library()
     assert lib.ketch_q4_matmul.argtypes[4] is ctypes.c_int64  # M as 64 bits, not a C int

@@ -98,7 +98,7 @@ def fp32_dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
 
 
-def dense_in_fp32(modules: Iterable[nn.Module]) -> int:
+def dense_in_fp32(modules: Iterable[nn.Module], budget_bytes: int) -> int:
     """Keep the dense copy of every layer that also holds 4-bit blocks in fp32, for a bf16 model
     on a CPU without native bf16. There a bf16 GEMM is emulated, several times slower than fp32,
     so the steps above the crossover (prefill, many streams) ran the 4-bit kernel however large:
@@ -106,15 +106,18 @@ def dense_in_fp32(modules: Iterable[nn.Module]) -> int:
     for 32 x 576 x 1536) and by 1.6x at 256. The crossover (int4_crossover.py) times this fp32
     product against the 4-bit kernel per shape, as it timed the bf16 one. The weights are the bf16
     copy's values, widened: the dense product's numbers are those of the bf16 path without its
-    roundings of the sums. Returns how many layers."""
-    taken = 0
-    for m in modules:
-        if isinstance(m, Linear) and m.int4 is not None and m.weight.dtype != torch.float32:
-            m.activation_dtype = m.weight.dtype
-            m.weight.data = m.weight.data.float()
-            m.dense = fp32_dense
-            taken += 1
-    return taken
+    roundings of the sums. The fp32 copies take twice the bf16 ones' memory: when the extra bytes
+    exceed `budget_bytes` (a large model on a small machine) nothing changes. Returns how many
+    layers took it."""
+    layers = [m for m in modules if isinstance(m, Linear) and m.int4 is not None and m.weight.dtype != torch.float32]
+    extra = sum(m.weight.numel() * (4 - m.weight.element_size()) for m in layers)
+    if extra > budget_bytes:
+        return 0
+    for m in layers:
+        m.activation_dtype = m.weight.dtype
+        m.weight.data = m.weight.data.float()
+        m.dense = fp32_dense
+    return len(layers)
 
 
 def use_activations(modules: Iterable[nn.Module], activations: str) -> int:

@@ -55,6 +55,18 @@ def kv_budget_bytes(config: EngineConfig) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.kv_cache_fraction)
 
 
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build parameters directly in `dtype`: an 8B model is never materialized in fp32 first."""
@@ -144,9 +156,12 @@ class ModelRunner:
                                device=self.device, fp32=fp32)
         model.load_weights(weights)
         if self._keeps_4bit():
-            model.load_int4(iter_q4_weights(self.source.path))
-            if self.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-                dense_in_fp32(model.modules())  # an emulated bf16 GEMM loses to fp32 (linear.py)
+            held = model.load_int4(iter_q4_weights(self.source.path))
+            if held and self.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+                # an emulated bf16 GEMM loses to fp32 (linear.py), if a quarter of the free memory holds the copies
+                if not dense_in_fp32(model.modules(), available_memory_bytes() // 4):
+                    print("ketch: the dense copies stay bf16: fp32 ones would not fit in a quarter of the free "
+                          "memory", file=sys.stderr)
             if self.config.cpu_activations != "int16" \
                     and not use_activations(model.modules(), self.config.cpu_activations):
                 print(f"ketch: cpu_activations {self.config.cpu_activations}: ketch's 4-bit kernel is not built "
