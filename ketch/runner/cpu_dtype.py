@@ -6,7 +6,8 @@ several times slower than fp32 (on AVX2 it made prefill 0.6x llama.cpp's; docs/p
 
 A model whose products are 4-bit GGUF blocks is the exception: ketch's C kernel
 (ketch/native/q4_matmul.c) computes them in integer arithmetic at every batch size, whatever the
-activations' dtype, so no bf16 GEMM runs, and bf16 halves the bytes of the KV cache and the
+activations' dtype, so no bf16 GEMM runs (steps above the 4-bit crossover take an fp32 dense
+copy there: layers/linear.py dense_in_fp32), and bf16 halves the bytes of the KV cache and the
 activations. fp32 would instead dequantize every weight to fp32 (8x the bytes of the 4-bit
 blocks per decode step). So there the model runs in bf16, as on the CPUs with native bf16.
 """
