@@ -64,8 +64,11 @@ static void byte_planes(int16_t *qx, int64_t K) {
     }
 }
 
-static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
-                         int64_t nb, int64_t K, int m, float *out) {
+/* The tile over the records; per row and block the integer sum of the int16 activations' two
+ * byte planes (byte_planes), or, `int8` (ketch_q4_matmul_i8, a constant where inlined), of the
+ * int8 activations in one `vpdpbusd` per 4 weights. */
+static inline void vnni_tile(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx, int64_t nb,
+                             int64_t K, int m, float *out, const int int8) {
     __m512 acc[MAXM], accz[MAXM];
     for (int i = 0; i < m; i++) acc[i] = accz[i] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -81,18 +84,30 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN)));
         const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN + 32)));
         for (int i = 0; i < m; i++) {
-            const int32_t *hi = (const int32_t *)(qx + i * K + b * BLK), *lo = hi + 8;
-            __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                sh = _mm512_dpbusd_epi32(sh, q[j], _mm512_set1_epi32(hi[j]));
-                sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(lo[j]), q[j]);
+            __m512i sum = _mm512_setzero_si512();
+            if (int8) {
+                const int32_t *xp = (const int32_t *)((const int8_t *)(qx + i * K) + b * BLK);
+                for (int j = 0; j < 8; j++) sum = _mm512_dpbusd_epi32(sum, q[j], _mm512_set1_epi32(xp[j]));
+            } else {
+                const int32_t *hi = (const int32_t *)(qx + i * K + b * BLK), *lo = hi + 8;
+                __m512i sh = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++) {
+                    sh = _mm512_dpbusd_epi32(sh, q[j], _mm512_set1_epi32(hi[j]));
+                    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(lo[j]), q[j]);
+                }
+                sum = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sum);
             }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl));
+            const __m512 dot = _mm512_cvtepi32_ps(sum);
             acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, _mm512_set1_ps(dx[i * nb + b])), acc[i]);
             accz[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(sx[i * nb + b]), accz[i]);
         }
     }
     for (int i = 0; i < m; i++) _mm512_storeu_ps(out + i * TILE, _mm512_add_ps(acc[i], accz[i]));
+}
+
+static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
+                         int64_t nb, int64_t K, int m, float *out) {
+    vnni_tile(w, qx, dx, sx, nb, K, m, out, 0);
 }
 #define ROW_PREP byte_planes
 #elif KETCH_ISA == 2
@@ -167,22 +182,27 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
     }
 }
 #else
-static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
-                         int64_t nb, int64_t K, int m, float *out) {
+/* Plain C (no AVX2): each lane's block dot product from the record's words, the activations int16
+ * or, for ketch_q4_matmul_i8, int8 in their natural order, in a row's int16 scratch. */
+static void generic_tile(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx, int64_t nb, int64_t K,
+                         int m, float *out, int int8) {
     for (int i = 0; i < m; i++) {
         for (int l = 0; l < TILE; l++) {
             float acc = 0.f, accz = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *wb = w + b * REC;
                 const uint16_t *sz = (const uint16_t *)(wb + 4 * RUN);
-                const int16_t *xb = qx + i * K + b * BLK;
+                const int16_t *x16 = qx + i * K + b * BLK;
+                const int8_t *x8 = (const int8_t *)(qx + i * K) + b * BLK;
                 int32_t dot = 0;
                 for (int r = 0; r < 4; r++) {
                     uint32_t word;
                     memcpy(&word, wb + r * RUN + l * 4, 4);
-                    for (int k = 0; k < 4; k++)
-                        dot += (int32_t)((word >> (4 * k)) & 15) * xb[8 * r + 2 * k]
-                             + (int32_t)((word >> (16 + 4 * k)) & 15) * xb[8 * r + 2 * k + 1];
+                    for (int k = 0; k < 4; k++) {
+                        const int j = 8 * r + 2 * k;
+                        dot += (int32_t)((word >> (4 * k)) & 15) * (int8 ? x8[j] : x16[j])
+                             + (int32_t)((word >> (16 + 4 * k)) & 15) * (int8 ? x8[j + 1] : x16[j + 1]);
+                    }
                 }
                 acc = fmaf((float)dot, f16_to_f32(sz[l]) * dx[i * nb + b], acc);
                 accz = fmaf(f16_to_f32(sz[TILE + l]), sx[i * nb + b], accz);
@@ -190,6 +210,11 @@ static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, c
             out[i * TILE + l] = acc + accz;
         }
     }
+}
+
+static void tile_product(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
+                         int64_t nb, int64_t K, int m, float *out) {
+    generic_tile(w, qx, dx, sx, nb, K, m, out, 0);
 }
 #endif
 
@@ -245,29 +270,7 @@ static void quantize_row_i8(const void *x, int bf16, int64_t K, int16_t *scratch
 #if KETCH_ISA == 3
 static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
                             int64_t nb, int64_t K, int m, float *out) {
-    __m512 acc[MAXM], accz[MAXM];
-    for (int i = 0; i < m; i++) acc[i] = accz[i] = _mm512_setzero_ps();
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * REC;
-        prefetch_streams(wb, b, nb, REC);
-        __m512i q[8];
-        for (int r = 0; r < 4; r++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(wb + r * RUN));
-            q[2 * r] = _mm512_and_si512(v, nibble);
-            q[2 * r + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibble);
-        }
-        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN)));
-        const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + 4 * RUN + 32)));
-        for (int i = 0; i < m; i++) {
-            const int32_t *xp = (const int32_t *)((const int8_t *)(qx + i * K) + b * BLK);
-            __m512i s = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) s = _mm512_dpbusd_epi32(s, q[j], _mm512_set1_epi32(xp[j]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(dx[i * nb + b])), acc[i]);
-            accz[i] = _mm512_fmadd_ps(zv, _mm512_set1_ps(sx[i * nb + b]), accz[i]);
-        }
-    }
-    for (int i = 0; i < m; i++) _mm512_storeu_ps(out + i * TILE, _mm512_add_ps(acc[i], accz[i]));
+    vnni_tile(w, qx, dx, sx, nb, K, m, out, 1);
 }
 #elif KETCH_ISA == 2
 /* A block's 8 byte-quad products for 8 rows, summed in int16 (each `vpmaddubsw` pair is at most
@@ -336,28 +339,7 @@ static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx
 #else
 static void tile_product_i8(const uint8_t *w, const int16_t *qx, const float *dx, const float *sx,
                             int64_t nb, int64_t K, int m, float *out) {
-    for (int i = 0; i < m; i++) {
-        const int8_t *x8 = (const int8_t *)(qx + i * K);
-        for (int l = 0; l < TILE; l++) {
-            float acc = 0.f, accz = 0.f;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *wb = w + b * REC;
-                const uint16_t *sz = (const uint16_t *)(wb + 4 * RUN);
-                const int8_t *xb = x8 + b * BLK;
-                int32_t dot = 0;
-                for (int r = 0; r < 4; r++) {
-                    uint32_t word;
-                    memcpy(&word, wb + r * RUN + l * 4, 4);
-                    for (int k = 0; k < 4; k++)
-                        dot += (int32_t)((word >> (4 * k)) & 15) * xb[8 * r + 2 * k]
-                             + (int32_t)((word >> (16 + 4 * k)) & 15) * xb[8 * r + 2 * k + 1];
-                }
-                acc = fmaf((float)dot, f16_to_f32(sz[l]) * dx[i * nb + b], acc);
-                accz = fmaf(f16_to_f32(sz[TILE + l]), sx[i * nb + b], accz);
-            }
-            out[i * TILE + l] = acc + accz;
-        }
-    }
+    generic_tile(w, qx, dx, sx, nb, K, m, out, 1);
 }
 #endif
 
