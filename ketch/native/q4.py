@@ -3,8 +3,9 @@
 `NativeQ4.pack(q, scale, zero)` turns 4-bit blocks (w = (q - 8) * scale + zero, the form of
 ketch.layers.q4.Q4Weight) into the tiled layout, and `matmul(x)` is x @ W^T for bf16 or fp32
 rows, the activations rounded to int16 per block (the default) or, opt-in
-(`with_activations("int8")`, `--cpu-activations int8`), to int8 as llama.cpp rounds them. `available()` says whether the library is built here (ketch/native/build.py); without it
-the callers keep torch's int4 kernel.
+(`with_activations("int8")`, `--cpu-activations int8`), to int8 as llama.cpp rounds them.
+`available()` says whether the library is built here (ketch/native/build.py); without it the
+callers keep torch's int4 kernel.
 """
 from __future__ import annotations
 
