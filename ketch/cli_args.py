@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ketch.config import DISAGGREGATION_MODES, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS, SPECULATIVE_ALGORITHMS
+from ketch.config import CPU_ACTIVATIONS, DISAGGREGATION_MODES, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS, SPECULATIVE_ALGORITHMS
 from ketch.sampling.params import SamplingParams
 
 
@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="/metrics: tokens routed to each expert of each MoE layer (layers x experts series)")
     g.add_argument("--quantization", default="auto", choices=["auto", "none"],
                    help="auto: on a bf16 CPU run, keep a GGUF's 4-bit matrices 4-bit for small-batch decode")
-    g.add_argument("--cpu-activations", default="int16", choices=["int16", "int8"],
+    g.add_argument("--cpu-activations", default="int16", choices=CPU_ACTIVATIONS,
                    help="CPU 4-bit product: activations rounded to int16 per block of 32 (default), or to "
                         "int8 as llama.cpp does (~1.9x less arithmetic, lower fidelity to fp32)")
     g.add_argument("--enable-hierarchical-cache", action="store_true",

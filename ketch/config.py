@@ -17,7 +17,7 @@ from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACH
 # the flags' choices live with their checks (config_checks.py); importers read them from here
 __all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKENDS", "HICACHE_WRITE_POLICIES",
            "SPECULATIVE_ALGORITHMS", "_STORAGE_URL_FORMS", "EngineConfig", "ModelConfig", "RopeScaling", "KVTensorSpec",
-           "KVSpec", "KV_CACHE_DTYPES", "cpu_has_native_bf16"]
+           "KVSpec", "KV_CACHE_DTYPES", "CPU_ACTIVATIONS", "cpu_has_native_bf16"]
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]

@@ -175,18 +175,20 @@ static inline void weighted_rows(float *out, const float *p, const uint16_t *vpo
 }
 #endif
 
-/* out[d] = sum_t p[t] v_t[d] over the rows at `off`. */
+/* out[d] = sum_t p[t] v_t[d] over the rows at `off`; `more`: added to out's values instead, the
+ * same FMAs in the same order as one pass over all the rows (attend_sequence's chunks). */
 static void weighted_sum(float *out, const float *p, const uint16_t *vpool, const int64_t *off, int64_t len,
-                         int64_t dim) {
+                         int64_t dim, int more) {
 #ifdef W
     switch (dim) { /* the common head sizes, unrolled */
-    case 64: weighted_rows(out, p, vpool, off, len, 64 / W, 0); return;
-    case 128: weighted_rows(out, p, vpool, off, len, 128 / W, 0); return;
-    case 256: weighted_rows(out, p, vpool, off, len, 256 / W, 0); return;
+    case 64: weighted_rows(out, p, vpool, off, len, 64 / W, more); return;
+    case 128: weighted_rows(out, p, vpool, off, len, 128 / W, more); return;
+    case 256: weighted_rows(out, p, vpool, off, len, 256 / W, more); return;
     default: break;
     }
 #endif
-    for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
+    if (!more)
+        for (int64_t d = 0; d < dim; d++) out[d] = 0.f;
     for (int64_t t = 0; t < len; t++) {
         const uint16_t *v = vpool + off[t];
         for (int64_t d = 0; d < dim; d++) out[d] += p[t] * bf16_to_f32(v[d]);
@@ -238,17 +240,6 @@ static void score_rows_group(float *scores, int64_t stride, const float *qf, int
 #ifdef W
 #define CHUNK_ROWS 16 /* rows of a sequence taken together across its kv heads: a page of 16 at most */
 
-/* acc (dim floats) += sum_t p[t] v_t over rows [0, n) at `off`: weighted_rows continued from acc's
- * values, so the same FMAs in the same order as one pass over all rows. */
-static void weighted_more(float *acc, const float *p, const uint16_t *vpool, const int64_t *off, int64_t n,
-                          int64_t dim) {
-    switch (dim) {
-    case 64: weighted_rows(acc, p, vpool, off, n, 64 / W, 1); return;
-    case 128: weighted_rows(acc, p, vpool, off, n, 128 / W, 1); return;
-    default: weighted_rows(acc, p, vpool, off, n, 256 / W, 1); return;
-    }
-}
-
 /* The whole pool rows (all kv heads, `row` values) of rows [t0, t0 + CHUNK_ROWS) below len. */
 static inline void prefetch_rows(const uint16_t *pool, const int64_t *off, int64_t t0, int64_t len, int64_t row) {
     const int64_t t1 = t0 + CHUNK_ROWS < len ? t0 + CHUNK_ROWS : len;
@@ -294,7 +285,7 @@ static int attend_sequence(const uint16_t *q, const uint16_t *kpool, const uint1
         const int64_t n = len - t0 < CHUNK_ROWS ? len - t0 : CHUNK_ROWS;
         prefetch_rows(vpool, off, t0 + CHUNK_ROWS, len, row);
         for (int64_t g = 0; g < heads; g++)
-            weighted_more(acc + g * dim, scores + g * len + t0, vpool + g / group * dim, off + t0, n, dim);
+            weighted_sum(acc + g * dim, scores + g * len + t0, vpool + g / group * dim, off + t0, n, dim, 1);
     }
     for (int64_t g = 0; g < heads; g++)
         for (int64_t d = 0; d < dim; d++) out[g * dim + d] = f32_to_bf16(acc[g * dim + d] / total[g]);
@@ -346,7 +337,7 @@ int ketch_decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint1
             float *p = scores + g * len, top = -INFINITY;
             for (int64_t t = 0; t < len; t++) top = p[t] > top ? p[t] : top; /* not fmaxf: a libm call per score */
             const float total = exponentiate(p, len, top);
-            weighted_sum(acc, p, vpool, off, len, dim);  /* the group's V rows: from this core's cache after the first head */
+            weighted_sum(acc, p, vpool, off, len, dim, 0);  /* the group's V rows: from this core's cache after the first head */
             for (int64_t d = 0; d < dim; d++) out[(b * heads + h0 + g) * dim + d] = f32_to_bf16(acc[d] / total);
         }
         free(off);
