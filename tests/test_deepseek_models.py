@@ -43,7 +43,9 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_lay
 MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
            n_shared_experts=1, n_group=4, topk_group=2, rope_parameters=YARN)
 CHECKPOINTS = {  # dense: first_k_dense_replace = num_hidden_layers
-    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=2, rope_parameters=YARN)),
+    # attention_bias: kv_a has a bias, q_proj (no q LoRA) has none (HF): one stacked product, one biased part
+    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=2, rope_parameters=YARN,
+                                         attention_bias=True)),
     "v3": ("DeepseekV3Config", dict(num_hidden_layers=3, first_k_dense_replace=3, rope_parameters=YARN)),
     "v3-neox": ("DeepseekV3Config", dict(first_k_dense_replace=2, rope_interleave=False, attention_bias=True,
                                          rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
@@ -107,6 +109,9 @@ def _build(name: str, tmp_path_factory) -> tuple:
         bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
         if bias is not None:
             bias.copy_(torch.rand(bias.shape, generator=torch.Generator().manual_seed(1)) - 0.5)
+    for module in hf.modules():  # attention_bias: HF initialises the biases to 0; make them matter too
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            module.bias.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(2))
     path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path)
     generated = {}

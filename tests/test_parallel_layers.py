@@ -10,6 +10,7 @@ from gloo_util import run_on_ranks
 from ketch.layers.parallel_linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    StackedLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
@@ -18,6 +19,7 @@ from ketch.parallel import SINGLE, ParallelContext
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, TOKENS = 32, 4, 2, 8, 48, 37, 5  # odd vocab: padded shards
 Q, KV = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+LATENT = 11  # DeepSeek's kv_a: whole on every rank, an odd width that could not be split
 
 
 def full_tensors() -> dict[str, torch.Tensor]:
@@ -28,7 +30,7 @@ def full_tensors() -> dict[str, torch.Tensor]:
         "col.w": r(INTER, HIDDEN), "col.b": r(INTER),
         "row.w": r(HIDDEN, INTER), "row.b": r(HIDDEN),
         "q.w": r(Q, HIDDEN), "k.w": r(KV, HIDDEN), "v.w": r(KV, HIDDEN), "q.b": r(Q), "k.b": r(KV), "v.b": r(KV),
-        "gate.w": r(INTER, HIDDEN), "up.w": r(INTER, HIDDEN),
+        "gate.w": r(INTER, HIDDEN), "up.w": r(INTER, HIDDEN), "lat.w": r(LATENT, HIDDEN), "lat.b": r(LATENT),
         "embed.w": r(VOCAB, HIDDEN), "head.w": r(VOCAB, HIDDEN),
     }
 
@@ -50,6 +52,11 @@ def build_and_run(parallel: ParallelContext) -> dict[str, torch.Tensor]:
     merged = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], parallel=parallel)
     merged.weight_loader(merged.weight, t["gate.w"], 0)
     merged.weight_loader(merged.weight, t["up.w"], 1)
+    # DeepSeek's q | kv_a: q's rows split (no bias, as HF's q_proj), the latent's whole (biased)
+    stacked = StackedLinear(HIDDEN, (Q, LATENT), split=(True, False), biased=(False, True), parallel=parallel)
+    stacked.weight_loader(stacked.weight, t["q.w"], 0)
+    stacked.weight_loader(stacked.weight, t["lat.w"], 1)
+    stacked.weight_loader(stacked.bias, t["lat.b"], 1)
     embed = VocabParallelEmbedding(VOCAB, HIDDEN, parallel=parallel)
     embed.weight_loader(embed.weight, t["embed.w"])
     head = ParallelLMHead(VOCAB, HIDDEN, parallel=parallel)
@@ -57,7 +64,7 @@ def build_and_run(parallel: ParallelContext) -> dict[str, torch.Tensor]:
     x_inter = parallel.shard(t["x_inter"], 1)
     with torch.inference_mode():
         return {"col": col(t["x"]), "row": row(x_inter), "qkv": qkv(t["x"]), "merged": merged(t["x"]),
-                "embed": embed(t["ids"]), "head": head(t["x"]), "tied_head": embed.project(t["x"])}
+                "stacked": stacked.parts(stacked(t["x"])), "embed": embed(t["ids"]), "head": head(t["x"]), "tied_head": embed.project(t["x"])}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +118,27 @@ def test_merged_column_parallel_holds_a_slice_of_each_part(outputs):
     gate, up = ref["merged"].chunk(2, -1)
     for rank, out in enumerate(ranks):
         close(out["merged"], torch.cat([halves(gate, rank), halves(up, rank)], -1))
+
+
+def test_stacked_linear_splits_some_parts_and_keeps_others_whole(outputs):
+    ref, ranks = outputs
+    t = full_tensors()
+    q, latent = ref["stacked"]
+    assert torch.equal(q, torch.nn.functional.linear(t["x"], t["q.w"]))  # the part without a bias adds none
+    assert torch.equal(latent, torch.nn.functional.linear(t["x"], t["lat.w"], t["lat.b"]))
+    for rank, out in enumerate(ranks):
+        assert [p.shape[-1] for p in out["stacked"]] == [Q // 2, LATENT]
+        close(out["stacked"][0], halves(q, rank))
+        close(out["stacked"][1], latent)
+
+
+def test_stacked_linear_refuses_a_bias_its_part_has_not():
+    stacked = StackedLinear(HIDDEN, (Q, LATENT), split=(True, False), biased=(False, True))
+    assert stacked.param_shard_ids("weight") == (0, 1) and stacked.param_shard_ids("bias") == (1,)
+    with pytest.raises(ValueError, match="part 0 of this projection has no bias"):
+        stacked.weight_loader(stacked.bias, torch.zeros(Q), 0)
+    with pytest.raises(ValueError, match="split: 1 flags for 2 parts"):
+        StackedLinear(HIDDEN, (Q, LATENT), split=(True,))
 
 
 def test_vocab_parallel_embedding_and_lm_head_give_the_whole(outputs):

@@ -6,6 +6,9 @@ and loads that share itself from the full checkpoint tensor (`weight_loader`).
     MergedColumnParallelLinear  several column-parallel projections of one input stacked
                                 (gate|up): each rank holds [gate_r | up_r]
     QKVParallelLinear           q|k|v stacked: each rank holds its q heads and its kv heads
+    StackedLinear               projections of one input stacked, each part either split by
+                                rows or whole on every rank (DeepSeek's q | kv_a: the query
+                                heads are split, the latent's down-projection is not)
     RowParallelLinear           W's columns (input features) split; takes the split y of a
                                 column-parallel layer, all-reduces the partial products
 
@@ -97,6 +100,46 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def int4_part(self, w: Q4Weight, shard_id: ShardId = None) -> Q4Weight | None:
         return narrow_q4(w, 0, self.source_rows(shard_id), self.slot(shard_id)[1])
+
+
+class StackedLinear(Linear):
+    """Several projections of one input in one product: `split[i]` says whether part i's rows
+    are split over the ranks (as ColumnParallelLinear) or whole on each rank (a replicated
+    Linear). At batch 1 each product is a separate weight stream with its own launch ramp; one
+    stacked product streams the same bytes in one. `parts(y)` cuts the output back into views.
+    `biased[i]`: part i's checkpoint has a bias (a part without one keeps zeros in its slot)."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], split: Sequence[bool],
+                 biased: Sequence[bool] | None = None, *, parallel: ParallelContext = SINGLE, dense: Dense = F.linear,
+                 field: str = "output_sizes") -> None:
+        if len(split) != len(output_sizes):
+            raise ValueError(f"split: {len(split)} flags for {len(output_sizes)} parts")
+        self.local_sizes = tuple(parallel.split(n, field) if s else n for n, s in zip(output_sizes, split))
+        self.split, self.biased = tuple(split), tuple(biased or (False,) * len(output_sizes))
+        super().__init__(in_features, sum(self.local_sizes), bias=any(self.biased), dense=dense)
+        if self.bias is not None:
+            self.bias.data.zero_()  # the slots of parts without a bias
+        self.parallel = parallel
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def param_shard_ids(self, param_name: str) -> tuple[int, ...]:
+        """The checkpoint tensors each parameter is made of (param_loader's completeness check)."""
+        return tuple(i for i in self.shard_ids if param_name == "weight" or self.biased[i])
+
+    def slot(self, shard_id: ShardId) -> tuple[int, int]:
+        assert isinstance(shard_id, int), f"stacked projection: shard id {shard_id!r} is not a part index"
+        return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, rows = self.slot(shard_id)
+        if param is self.bias and not self.biased[shard_id]:  # type: ignore[index]
+            raise ValueError(f"part {shard_id} of this projection has no bias")
+        load_shard(param.data.narrow(0, offset, rows), loaded, self.parallel,
+                   dim=0 if self.split[shard_id] else None)  # type: ignore[index]
+
+    def parts(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """y [..., sum of this rank's parts] -> one view per part (no copies)."""
+        return y.split(self.local_sizes, dim=-1)
 
 
 class RowParallelLinear(Linear):

@@ -5,6 +5,8 @@ A layer's attention, per token (the declaration, deepseek_family.py, has the sha
     q        = q_proj(x)                     or  q_b_proj(q_a_layernorm(q_a_proj(x)))   (q LoRA)
              -> [heads, nope | rope], the rope part rotated
     c | k_pe = kv_a_proj_with_mqa(x)         c -> kv_a_layernorm; k_pe (one for all heads) rotated
+    (q_proj or q_a_proj, and kv_a_proj_with_mqa, read the same x: they are one stacked product,
+    q_kv_a_proj, one weight stream instead of two at decode)
     latent   = c | k_pe                      the only thing the KV pool keeps
     out      = o_proj(MLA(q, latent; kv_b_proj))   ketch/attention/mla_backend.py
 
@@ -28,9 +30,8 @@ import torch
 from torch import nn
 
 from ketch.layers.eplb_runtime import Eplb, ExpertLoad
-from ketch.layers.linear import Linear
 from ketch.layers.norm import RMSNorm
-from ketch.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ketch.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, StackedLinear
 from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -43,7 +44,8 @@ from ketch.parallel import SINGLE, ParallelContext
 if TYPE_CHECKING:
     from ketch.models.deepseek_family import DeepseekConfig
 
-PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # not Llama's q/k/v
+PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),  # not Llama's q/k/v
+          "q_proj": ("q_kv_a_proj", 0), "q_a_proj": ("q_kv_a_proj", 0), "kv_a_proj_with_mqa": ("q_kv_a_proj", 1)}
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: the norms' default, not rms_norm_eps (as HF)
 
 
@@ -57,13 +59,15 @@ class DeepseekAttention(nn.Module):
         self.heads, self.nope, self.rank = parallel.split(c.num_heads, "num_attention_heads"), c.qk_nope_head_dim, \
             c.kv_lora_rank
         q_out, lin = c.num_heads * c.qk_head_dim, ops.linear
-        if c.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(c.hidden_size, q_out, parallel=parallel, dense=lin)
-        else:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, dense=lin)
+        # the two projections of x in one product (PACKED's shard 0 and 1): q (its heads split
+        # over the ranks) or q LoRA's down-projection (whole), and the latent's (whole)
+        lora = c.q_lora_rank is not None
+        self.q_kv_a_proj = StackedLinear(c.hidden_size, (c.q_lora_rank if lora else q_out, c.latent_dim),
+                                         split=(not lora, False), biased=(lora and c.attention_bias, c.attention_bias),
+                                         parallel=parallel, dense=lin, field="num_attention_heads")
+        if lora:
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, q_out, parallel=parallel, dense=lin)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.latent_dim, bias=c.attention_bias, dense=lin)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                               parallel=parallel)
@@ -71,11 +75,12 @@ class DeepseekAttention(nn.Module):
                                         parallel=parallel, dense=lin)
         self._prepare = ops.mla_prepare or self._prepare_torch  # the Triton ops' one launch (CUDA)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x)
+    def _query(self, q: torch.Tensor) -> torch.Tensor:
+        """q_kv_a_proj's first part -> q (through q LoRA's norm and up-projection if any)."""
+        if not hasattr(self, "q_b_proj"):
+            return q
         n = self.q_a_layernorm
-        return self.q_b_proj(self.ops.rms_norm(self.q_a_proj(x), n.weight, n.eps))
+        return self.q_b_proj(self.ops.rms_norm(q, n.weight, n.eps))
 
     def _prepare_torch(self, q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        weight: torch.Tensor, eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +92,9 @@ class DeepseekAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        q = self._query(x)
+        q, ckv = self.q_kv_a_proj.parts(self.q_kv_a_proj(x))
+        q = self._query(q)
         q = q.view(t, self.heads, q.shape[1] // self.heads)  # (not -1: an idle forward has t == 0)
-        ckv = self.kv_a_proj_with_mqa(x)
         n = self.kv_a_layernorm
         q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
