@@ -26,9 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = {  # name: (experts, top_k, hidden, moe intermediate)
-    "qwen3": ("Qwen3-30B-A3B", 128, 8, 2048, 768),
-    "dsv2lite": ("DeepSeek-V2-Lite", 64, 6, 2048, 1408),
+SHAPES = {  # name: (experts, top_k, hidden, moe intermediate, shared experts folded in)
+    "qwen3": ("Qwen3-30B-A3B", 128, 8, 2048, 768, 0),
+    "dsv2lite": ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, 0),
+    # as the model runs it on CUDA: its 2 shared experts as slots 64, 65 that every token picks
+    "dsv2lite-shared": ("V2-Lite+shared", 64, 6, 2048, 1408, 2),
 }
 
 
@@ -132,7 +134,7 @@ def main() -> None:
     from ketch.kernels.moe_align import moe_align, moe_align_ref
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.layers.moe import fused_experts_ref
-    from ketch.layers.moe_routing import softmax_topk
+    from ketch.layers.moe_routing import append_picks, softmax_topk
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
     dev = torch.device("cuda")
@@ -141,7 +143,8 @@ def main() -> None:
             f"{'route µs':>8s} {'(torch)':>8s} {'speedup':>7s} {'ref TF/s':>8s} {'tri TF/s':>8s} {'tri GB/s':>8s} {'max err':>8s}  config")
     print(head)
     for key in a.shapes:
-        name, e, k, h, inter = SHAPES[key]
+        name, routed, routed_k, h, inter, shared = SHAPES[key]
+        e, k = routed + shared, routed_k + shared  # the fused kernel's experts and picks
         g = torch.Generator(device=dev).manual_seed(0)
         w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) * h ** -0.5).to(dtype)
         w2 = (torch.randn(e, h, inter, device=dev, generator=g) * inter ** -0.5).to(dtype)
@@ -153,10 +156,11 @@ def main() -> None:
                              dequantize_blocks(q13, s13, FP8_BLOCK, dtype), dequantize_blocks(q2, s2, FP8_BLOCK, dtype)))
         for tokens in a.batches:
             x = torch.randn(tokens, h, device=dev, generator=g).to(dtype)
-            logits = torch.randn(tokens, e, device=dev, generator=g).to(dtype)
-            weights, ids = softmax_topk(logits, k, True)
-            t_route = triton.testing.do_bench(lambda: softmax_topk_triton(logits, k, True), rep=a.rep) * 1e3
-            t_route_ref = triton.testing.do_bench(lambda: softmax_topk(logits, k, True), rep=a.rep) * 1e3
+            logits = torch.randn(tokens, routed, device=dev, generator=g).to(dtype)
+            weights, ids = append_picks(*softmax_topk(logits, routed_k, True), routed, shared)
+            t_route = triton.testing.do_bench(lambda: softmax_topk_triton(logits, routed_k, True, append=shared),
+                                              rep=a.rep) * 1e3
+            t_route_ref = triton.testing.do_bench(lambda: softmax_topk(logits, routed_k, True), rep=a.rep) * 1e3
             flops = 6.0 * tokens * k * h * inter
             hit = int(torch.unique(ids).numel())
             for kind, tw13, tw2, extra, rw13, rw2 in variants:
@@ -169,7 +173,9 @@ def main() -> None:
                     return fused_experts_ref(x, rw13, rw2, weights, ids)
 
                 if a.sweep_decode:
-                    sets = [(x, weights, ((ids + 7 * j) % e).contiguous()) for j in range(LAYERS)]  # other experts
+                    # other routed experts per layer (the shared slots stay)
+                    sets = [(x, weights, torch.cat(((ids[:, :routed_k] + 7 * j) % routed, ids[:, routed_k:]), 1))
+                            for j in range(LAYERS)]
 
                     def layers(tw13=tw13, tw2=tw2, extra=extra, sets=sets):
                         for xs, ws, ids_j in sets:

@@ -177,6 +177,7 @@ def test_kernels_compile_for_sm90_without_spills():
     alignment kernel, the softmax top-k routing kernel at the models' expert counts and the
     combine (which loads nothing before the PDL wait: its rows are the down GEMM's output)."""
     script = """
+import triton
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
 for tokens, kind, which in ((1, "16", "up down"), (512, "fp8", "up"), (4096, "16", "down")):
@@ -198,9 +199,10 @@ for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks fo
     u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
     print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait)
     assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
-sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "stride_l": "i32"}
-for experts, top_k in ((128, 8), (8, 2)):  # Qwen3-30B-A3B, Mixtral
-    consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, K_PAD=top_k, RENORMALIZE=True, BLOCK_E=experts, USE_PDL=True)
+sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "stride_l": "i32", "scale": "fp32"}
+for experts, top_k, append in ((128, 8, 0), (8, 2, 0), (64, 6, 2)):  # Qwen3-30B-A3B, Mixtral, V2-Lite + shared
+    consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append, K_PAD=triton.next_power_of_2(top_k + append),
+                  RENORMALIZE=True, BLOCK_E=experts, USE_PDL=True)
     u = _usage("route", _compile(_softmax_topk_kernel, sig, consts, 90, 1, 1))
     print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait)
     assert u.spill_bytes == 0 and u.stores_before_wait == 0, u

@@ -88,8 +88,9 @@ def test_the_reference_is_the_models_torch_glue(name, tmp_path):
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
 def test_a_deepseek_engine_on_the_triton_kernels_keeps_the_torch_paths_tokens(name, tmp_path):
     """End to end (fp32, dummy weights): the engine with the Triton attention and layer kernels
-    (MLA prepare, MLA decode/extend, fused MoE, routing: the interpreter without CUDA) gives the
-    torch path's greedy tokens, logprobs within 1e-4, prefill and decode, pages shared by a prefix."""
+    (MLA prepare, MLA decode/extend, fused MoE with the shared experts folded in, routing: the
+    interpreter without CUDA) gives the torch path's greedy tokens, logprobs within 1e-4, prefill
+    and decode, pages shared by a prefix."""
     from conftest import greedy_ids_and_logprobs, make_tiny_engine
 
     d = json.loads((CONFIGS / name / "config.json").read_text())
@@ -102,12 +103,20 @@ def test_a_deepseek_engine_on_the_triton_kernels_keeps_the_torch_paths_tokens(na
     path = str(tmp_path / "config.json")
     prompts = [[5, 9, 11], list(range(3, 30)), list(range(3, 20)) + [7, 7]]
     device = DEVICE.type
-    ids, lps = greedy_ids_and_logprobs(make_tiny_engine(path, device=device, attention_backend="torch",
-                                                        layer_kernels="torch", cuda_graph=False), prompts, 6)
+    reference = make_tiny_engine(path, device=device, attention_backend="torch", layer_kernels="torch",
+                                 cuda_graph=False)
+    ids, lps = greedy_ids_and_logprobs(reference, prompts, 6)
     engine = make_tiny_engine(path, device=device, attention_backend="triton", layer_kernels="triton")
     assert engine.runner.ops.mla_prepare is mla_prepare
+    # the shared experts run inside the fused MoE (slots after the routed experts), not as an MLP
+    moe = engine.runner.model.layers[1].mlp
+    assert moe.shared_experts is None and moe.experts.shared == d["n_shared_experts"]
+    assert reference.runner.model.layers[1].mlp.shared_experts is not None
     got_ids, got_lps = greedy_ids_and_logprobs(engine, prompts, 6)
     assert got_ids == ids
     for a, b in zip(got_lps, lps, strict=True):
         assert max(abs(u - v) for u, v in zip(a, b, strict=True)) < 1e-4
     engine.check_invariants()
+    # /metrics' per-expert counts: the routed picks only, as many as the torch path's
+    load, ref_load = engine.runner.expert_load.totals(), reference.runner.expert_load.totals()
+    assert len(load[0]) == d["n_routed_experts"] and list(map(sum, load)) == list(map(sum, ref_load))

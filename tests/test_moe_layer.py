@@ -167,3 +167,35 @@ def test_dense_experts_ref_is_fused_experts_ref():
     weights, ids = softmax_topk(torch.randn(TOKENS, 8, generator=torch.Generator().manual_seed(16)), 3, False)
     torch.testing.assert_close(dense_experts_ref(x, w13, w2, weights, ids), fused_experts_ref(x, w13, w2, weights, ids),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_shared_experts_fold_into_the_fused_experts(world):
+    """DeepSeek's shared MLP (S x I features) loaded into S expert slots after the routed ones
+    and picked by every token at weight 1 (append_picks) is the routed sum plus the MLP; under
+    tensor parallelism each rank holds its half of every slot and the ranks' partial sums add up."""
+    from ketch.layers.moe import SHARED, FusedExperts
+    from ketch.layers.moe_routing import append_picks
+
+    experts, inter, shared = 8, 24, 2
+    ckpt = expert_checkpoint(experts, inter)
+    g = torch.Generator().manual_seed(17)
+    gate, up = (0.2 * torch.randn(shared * inter, HIDDEN, generator=g) for _ in range(2))
+    down = 0.2 * torch.randn(HIDDEN, shared * inter, generator=g)
+    x = torch.randn(TOKENS, HIDDEN, generator=g)
+    weights, ids = softmax_topk(torch.randn(TOKENS, experts, generator=g), 2, True)
+    total = torch.zeros(TOKENS, HIDDEN)
+    for rank in range(world):
+        layer = FusedExperts(experts, HIDDEN, inter, parallel=ParallelContext(rank, world), shared=shared)
+        assert layer.param_shard_ids("w2")[-1] == (SHARED, "w2")
+        for (e, part), t in ckpt.items():
+            layer.weight_loader(layer.w2 if part == "w2" else layer.w13, t, (e, part))
+        for part, t in (("w1", gate), ("w3", up), ("w2", down)):
+            layer.weight_loader(layer.w2 if part == "w2" else layer.w13, t, (SHARED, part))
+        total += fused_experts_ref(x, layer.w13, layer.w2, *append_picks(weights, ids, experts, shared))
+    w13 = torch.stack([torch.cat((ckpt[(e, "w1")], ckpt[(e, "w3")])) for e in range(experts)])
+    w2 = torch.stack([ckpt[(e, "w2")] for e in range(experts)])
+    want = naive_experts(x, w13, w2, weights, ids) + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="should be 2 x 24"):
+        layer.weight_loader(layer.w13, gate[:inter], (SHARED, "w1"))

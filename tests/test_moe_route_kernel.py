@@ -67,6 +67,25 @@ def test_routing_kernel_is_softmax_topk(experts, top_k, renormalize):
         torch.testing.assert_close(weights.sum(-1).cpu(), torch.ones(37), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("append", [1, 2])
+def test_routing_kernel_scales_and_appends_the_shared_experts(renormalize, append):
+    """DeepSeek-V2: the routed weights times routed_scaling_factor, then the shared experts as
+    always-picked slots E, E+1, ... at weight 1 (append_picks, the reference)."""
+    from ketch.kernels.moe_route import softmax_topk_triton
+    from ketch.layers.moe_routing import append_picks, softmax_topk
+
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(append))
+    weights, ids = softmax_topk_triton(logits.to(DEVICE), 6, renormalize, scale=2.5, append=append)
+    ref_w, ref_ids = softmax_topk(logits, 6, renormalize)
+    ref_w, ref_ids = append_picks(ref_w * 2.5, ref_ids, 16, append)
+    assert ids.shape == (9, 6 + append) and ids[:, 6:].tolist() == [list(range(16, 16 + append))] * 9
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=0)
+    assert torch.equal(weights[:, 6:].cpu(), torch.ones(9, append))
+    assert append_picks(ref_w, ref_ids, 16, 0) == (ref_w, ref_ids)
+
+
 def test_routing_kernel_strided_logits_and_no_tokens():
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.layers.moe_routing import softmax_topk

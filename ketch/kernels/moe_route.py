@@ -3,7 +3,9 @@ logits [T, E] (fp32, bf16 or fp16) -> (topk_weights [T, k] fp32, topk_ids [T, k]
 result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py compares them):
 
     probs = softmax(logits.float()) over all E experts; the k largest, in descending order;
-    `renormalize`: divided by their sum.
+    `renormalize`: divided by their sum; times `scale` (DeepSeek-V2's routed_scaling_factor);
+    `append` slots after them: ids E, E+1, ... at weight 1 (DeepSeek's shared experts run as
+    always-picked experts of the fused MoE: moe_routing.append_picks, the reference).
 
 One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
 two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask. Replaces
@@ -28,8 +30,8 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-                         K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                         APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
                          USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -54,21 +56,31 @@ def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, NUM_EXPERTS: tl.constex
     keep = slots < TOP_K
     if RENORMALIZE:
         weights = weights / tl.sum(tl.where(keep, weights, 0.0), axis=0)
-    tl.store(Weights + t * TOP_K + slots, weights, mask=keep)
-    tl.store(Ids + t * TOP_K + slots, ids.to(tl.int64), mask=keep)
+    weights = weights * scale  # x 1.0 is exact: no scale, the same bits
+    appended = (slots >= TOP_K) & (slots < TOP_K + APPEND)
+    weights = tl.where(appended, 1.0, weights)
+    ids = tl.where(appended, NUM_EXPERTS + slots - TOP_K, ids)
+    width = TOP_K + APPEND
+    tl.store(Weights + t * width + slots, weights, mask=slots < width)
+    tl.store(Ids + t * width + slots, ids.to(tl.int64), mask=slots < width)
 
 
-def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax_topk's signature and result (see above). No host sync; grid (T,)."""
+def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
+                        append: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk's signature and result, times `scale`, with `append` always-picked slots
+    (see above): [T, top_k + append]. No host sync; grid (T,)."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
+    if append < 0:
+        raise ValueError(f"softmax_topk: append {append} < 0")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k + append, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)
     if tokens:
         block_e = pow2(experts)
-        _softmax_topk_kernel[(tokens,)](logits, weights, ids, logits.stride(0), NUM_EXPERTS=experts, TOP_K=top_k,
-                                        K_PAD=pow2(top_k), RENORMALIZE=renormalize, BLOCK_E=block_e,
+        _softmax_topk_kernel[(tokens,)](logits, weights, ids, logits.stride(0), float(scale), NUM_EXPERTS=experts,
+                                        TOP_K=top_k, APPEND=append, K_PAD=pow2(top_k + append),
+                                        RENORMALIZE=renormalize, BLOCK_E=block_e,
                                         num_warps=1 if block_e <= 256 else 4, **pdl_launch())
     return weights, ids

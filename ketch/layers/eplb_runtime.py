@@ -35,7 +35,11 @@ class ExpertLoad(nn.Module):
         if len(layer_ids) != len(routers):
             raise ValueError(f"layer_ids: {len(layer_ids)} for {len(routers)} routers")
         self.layer_ids = tuple(layer_ids)
-        self.register_buffer("counts", torch.zeros(len(routers), num_experts, dtype=torch.int64), persistent=False)
+        # routers whose picks end in always-picked slots (shared experts, ids num_experts..):
+        # counted in columns past the experts' (one scatter, no slicing copy) and left out
+        self.num_experts = num_experts
+        width = num_experts + max((getattr(r, "appended", 0) for r in routers), default=0)
+        self.register_buffer("counts", torch.zeros(len(routers), width, dtype=torch.int64), persistent=False)
         self.register_buffer("window_start", torch.zeros_like(self.counts), persistent=False)
         self.ones = torch.ones(0, dtype=torch.int64)  # _ones' storage (not a buffer: not moved, never saved)
         for i, router in enumerate(routers):
@@ -56,7 +60,7 @@ class ExpertLoad(nn.Module):
 
     def snapshot(self) -> torch.Tensor:
         """[MoE layers, experts]: (token, pick)s routed to each expert since the last reset."""
-        return self.counts - self.window_start
+        return (self.counts - self.window_start)[:, : self.num_experts]
 
     def reset(self) -> None:
         self.window_start.copy_(self.counts)
@@ -64,7 +68,7 @@ class ExpertLoad(nn.Module):
     def totals(self) -> list[list[int]]:
         """[MoE layers][experts]: every (token, pick) routed since the model was built (one host
         copy: read when /metrics asks, never per step)."""
-        return self.counts.tolist()
+        return self.counts[:, : self.num_experts].tolist()
 
 
 def _sources(old: list[int], new: list[int], per_rank: int) -> list[int]:

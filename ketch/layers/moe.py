@@ -6,11 +6,15 @@ the token's output is the routing-weighted sum of its experts' outputs.
                                       optional fp32 logits and DeepSeek's
                                       `e_score_correction_bias` (handed to select); the
                                       product is the layer ops' `linear` (MoE passes it)
-    FusedExperts(experts, hidden, intermediate)
-                                      w13 [E, 2 I_r, H] (gate_r | up_r, as the dense
-                                      MergedColumnParallelLinear stacks them) and w2 [E, H, I_r]:
+    FusedExperts(experts, hidden, intermediate, shared=S)
+                                      w13 [E + S, 2 I_r, H] (gate_r | up_r, as the dense
+                                      MergedColumnParallelLinear stacks them) and w2 [E + S, H, I_r]:
                                       each rank holds its slice of every expert's intermediate
-                                      features (TP by intermediate size, no expert parallelism)
+                                      features (TP by intermediate size, no expert parallelism);
+                                      slots E.. hold a shared MLP of S x I features cut into S
+                                      experts (DeepSeek's shared experts run in the fused MoE as
+                                      experts every token picks, weight 1: one weight stream and
+                                      no separate MLP launches at decode)
     MoE(..., ops=)                    gate + experts; forward(x [T, H]) -> [T, H], all-reduced
                                       once across ranks (as the dense row-parallel down_proj);
                                       the expert computation is picked at build from the
@@ -43,7 +47,7 @@ from ketch.layers.sharding import load_shard
 from ketch.parallel import SINGLE, ParallelContext
 
 Select = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (logits[, correction_bias=]) -> (weights, ids)
-ExpertShard = tuple[int, str]  # (expert, "w1" | "w3" | "w2")
+ExpertShard = tuple[int | str, str]  # (expert or SHARED, "w1" | "w3" | "w2")
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -99,11 +103,14 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, select: Select, *,
                  correction_bias: bool = False, fp32_logits: bool = False,
-                 dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear) -> None:
+                 dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear,
+                 appended: int = 0) -> None:
         """dense: the product (LayerOps.linear: on CUDA the skinny GEMM for decode-sized steps,
-        where cuBLAS ran a 64-row GEMM kernel for the [experts, hidden] matrix)."""
+        where cuBLAS ran a 64-row GEMM kernel for the [experts, hidden] matrix). appended: how
+        many always-picked slots (ids num_experts..) `select` puts after the routed k (shared
+        experts; ExpertLoad leaves them out of its counts)."""
         super().__init__()
-        self.dense = dense
+        self.dense, self.appended = dense, appended
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         # DeepSeek V3 (noaux_tc): added to the scores for the choice of experts only
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
@@ -120,28 +127,40 @@ class Router(nn.Module):
         return self.select(logits, correction_bias=self.e_score_correction_bias)
 
 
+SHARED = "shared"  # the shard id's expert for the shared MLP's tensors (FusedExperts' slots E..)
+
+
 class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size") -> None:
+                 parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size", shared: int = 0) -> None:
         super().__init__()
         self.parallel = parallel
-        self.num_experts = num_experts
+        self.num_experts, self.shared, self.intermediate = num_experts, shared, intermediate_size
         self.local_intermediate = parallel.split(intermediate_size, field)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate))
+        self.w13 = nn.Parameter(torch.empty(num_experts + shared, 2 * self.local_intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts + shared, hidden_size, self.local_intermediate))
 
     def param_shard_ids(self, param_name: str) -> tuple[ExpertShard, ...]:
         """The checkpoint tensors each parameter is made of (param_loader's completeness check)."""
         parts = ("w2",) if param_name == "w2" else ("w1", "w3")
-        return tuple((e, p) for e in range(self.num_experts) for p in parts)
+        experts: list[int | str] = [*range(self.num_experts), *([SHARED] if self.shared else [])]
+        return tuple((e, p) for e in experts for p in parts)  # type: ignore[misc]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ExpertShard) -> None:
-        """One expert's full gate / up ([I, H]: this rank's rows) or down ([H, I]: its columns)."""
+        """One expert's full gate / up ([I, H]: this rank's rows) or down ([H, I]: its columns);
+        expert SHARED: the shared MLP's ([S I, H] / [H, S I]), one I-wide cut per slot E.."""
         expert, part = shard_id
-        if not 0 <= expert < self.num_experts:
-            raise ValueError(f"names expert {expert}, the layer has {self.num_experts}")
         if (part == "w2") != (param is self.w2) or part not in ("w1", "w2", "w3"):
             raise ValueError(f"shard {part!r} does not belong in this parameter")
+        if expert == SHARED and self.shared:
+            dim, n = (1 if part == "w2" else 0), self.intermediate
+            if loaded.shape[dim] != self.shared * n:
+                raise ValueError(f"has shape {tuple(loaded.shape)}: dim {dim} should be {self.shared} x {n}")
+            for s in range(self.shared):
+                self.weight_loader(param, loaded.narrow(dim, s * n, n), (self.num_experts + s, part))
+            return
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts + self.shared:
+            raise ValueError(f"names expert {expert}, the layer has {self.num_experts}")
         if part == "w2":
             load_shard(param.data[expert], loaded, self.parallel, dim=1)
             return
@@ -155,11 +174,14 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, select: Select, *,
                  parallel: ParallelContext = SINGLE, field: str = "moe_intermediate_size",
                  correction_bias: bool = False, fp32_router_logits: bool = False,
-                 ops: LayerOps = TORCH_OPS) -> None:
+                 ops: LayerOps = TORCH_OPS, shared: int = 0) -> None:
+        """shared: experts every token runs at weight 1, in slots num_experts.. (`select` appends
+        their picks: moe_routing.append_picks)."""
         super().__init__()
         self.gate = Router(hidden_size, num_experts, select, correction_bias=correction_bias,
-                           fp32_logits=fp32_router_logits, dense=ops.linear)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field)
+                           fp32_logits=fp32_router_logits, dense=ops.linear, appended=shared)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field,
+                                    shared=shared)
         self.parallel = parallel
         self.reduce = parallel.world_size > 1  # fixed at build: TP=1 runs no collective
         # picked once: the layer kernels' fused MoE (Triton on CUDA: one grouped GEMM per

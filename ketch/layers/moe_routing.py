@@ -20,6 +20,11 @@ DeepSeek's grouped routing, as its configs name it:
     are the unbiased scores of the chosen experts;
   * `norm_topk_prob`: the k weights divided by their sum (+1e-20), then
   * `routed_scaling_factor` multiplies them.
+
+    append_picks(weights, ids, first, count)     `count` always-picked slots after the k:
+                                                 ids first, first + 1, ... at weight 1
+                                                 (DeepSeek's shared experts as experts of the
+                                                 fused MoE, ketch/models/deepseek_moe.py)
 """
 from __future__ import annotations
 
@@ -71,3 +76,12 @@ def grouped_topk(logits: torch.Tensor, top_k: int, *, n_group: int = 1, topk_gro
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def append_picks(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [T, k] -> [T, k + count]: slots k.. pick experts first, first + 1, ... at
+    weight 1 for every token (count 0: unchanged)."""
+    if not count:
+        return weights, ids
+    extra = torch.arange(first, first + count, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], count)
+    return torch.cat((weights, weights.new_ones(weights.shape[0], count)), 1), torch.cat((ids, extra), 1)

@@ -36,7 +36,7 @@ from ketch.layers.ops import TORCH_OPS, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
-from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekEPMoE, DeepseekMoE
+from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekEPMoE, DeepseekMoE, shared_expert_names
 from ketch.models.llama import DecoderStack, LlamaMLP
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
@@ -145,6 +145,9 @@ class DeepseekForCausalLM(DecoderStack):
         ids = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]  # routed picks per expert: /metrics
         sparse = [self.layers[i].mlp for i in ids]
         self.expert_load = ExpertLoad([m.gate for m in sparse], cfg.n_routed_experts or 0, ids)
+        # the shared MLPs' checkpoint tensors go into the fused experts' last slots where folded
+        folded = any(isinstance(m, DeepseekMoE) and m.experts.shared for m in sparse)
+        self.name_maps = (EXPERT_NAMES, shared_expert_names) if folded else (EXPERT_NAMES,)
         self.eplb = Eplb(sparse, self.expert_load, parallel) if parallel.ep.eplb_interval else None
         self.requires_grad_(False)
 
@@ -156,11 +159,11 @@ class DeepseekForCausalLM(DecoderStack):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (gate/up into the fused MLP slot, each routed expert's projections into
-        its layer's w13 / w2). V3 checkpoints also carry their multi-token-prediction layer(s) after
+        its layer's w13 / w2, the shared experts' too where folded). V3 checkpoints also carry their multi-token-prediction layer(s) after
         the last decoder layer: not used, skipped."""
         n = self.config.num_layers
         load_parameters(self, ((k, v) for k, v in weights if _layer_index(k) < n), PACKED,
-                        optional=frozenset({"lm_head.weight"}), name_maps=(EXPERT_NAMES,))
+                        optional=frozenset({"lm_head.weight"}), name_maps=self.name_maps)
 
     def load_int4(self, weights: Iterable[tuple[str, Any]]) -> int:
         return 0  # no GGUF of this family yet

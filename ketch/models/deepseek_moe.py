@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ketch.layers.moe import MoE
+from ketch.layers.moe import SHARED, MoE
 from ketch.layers.moe_ep import ExpertParallelMoE
-from ketch.layers.moe_routing import grouped_topk
+from ketch.layers.moe_routing import append_picks, grouped_topk
 from ketch.layers.ops import LayerOps
 from ketch.models.llama import LlamaMLP
 from ketch.models.param_loader import expert_name_map
@@ -46,6 +46,18 @@ V3 = "DeepseekV3ForCausalLM"
 FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # name suffixes kept fp32
 V2_METHODS = ("greedy", "group_limited_greedy")
 EXPERT_NAMES = expert_name_map({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
+SHARED_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def shared_expert_names(name: str) -> tuple[str, Any] | None:
+    """`<layer>.mlp.shared_experts.<proj>.weight` -> (`<layer>.mlp.experts.w13` or `.w2`,
+    (SHARED, part)) where the shared MLP is folded into the fused experts."""
+    head, sep, tail = name.partition(".mlp.shared_experts.")
+    proj = tail.removesuffix(".weight")
+    if not sep or proj not in SHARED_PARTS or not tail.endswith(".weight"):
+        return None
+    part = SHARED_PARTS[proj]
+    return f"{head}.mlp.experts.{'w2' if part == 'w2' else 'w13'}", (SHARED, part)
 
 
 def moe_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -99,28 +111,38 @@ def moe_shapes(c: DeepseekConfig, p: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def routing(c: DeepseekConfig, ops: LayerOps | None = None) -> partial:
-    """grouped_topk with this config's numbers (logits[, correction_bias=]) -> (weights, ids).
+def routing(c: DeepseekConfig, ops: LayerOps | None = None, appended: int = 0) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """grouped_topk with this config's numbers (logits[, correction_bias=]) -> (weights, ids),
+    with `appended` always-picked slots after the k (the shared experts folded into the fused
+    MoE: append_picks).
 
     V2 routing that masks no group (greedy, or every group kept) is softmax top-k times the
     scaling factor: with layer ops that have a softmax top-k kernel (Triton: one launch, where
-    torch's softmax + topk ran four kernels a layer) it runs that instead."""
+    torch's softmax + topk ran four kernels a layer) it runs that instead, scaling and appending
+    in the same launch. (Its +1e-20 in the renormalisation cannot move a sum of softmax
+    probabilities, which is at least 1 / experts.)"""
     if (ops is not None and ops.softmax_topk is not None and c.topk_method != "noaux_tc"
             and (c.n_group <= 1 or c.topk_group >= c.n_group)):
-        return partial(_scaled_softmax_topk, ops.softmax_topk, top_k=c.num_experts_per_tok,
-                       renormalize=c.norm_topk_prob, scale=c.routed_scaling_factor)
-    return partial(grouped_topk, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
-                   scoring="sigmoid" if c.topk_method == "noaux_tc" else "softmax",
-                   renormalize=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+        return partial(ops.softmax_topk, top_k=c.num_experts_per_tok, renormalize=c.norm_topk_prob,
+                       scale=c.routed_scaling_factor, append=appended)
+    grouped = partial(grouped_topk, top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                      scoring="sigmoid" if c.topk_method == "noaux_tc" else "softmax",
+                      renormalize=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+    return partial(_appended, grouped, first=c.n_routed_experts or 0, count=appended) if appended else grouped
 
 
-def _scaled_softmax_topk(kernel: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]],
-                         logits: torch.Tensor, *, top_k: int, renormalize: bool,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """grouped_topk's result when no group is masked (its +1e-20 in the renormalisation cannot
-    move a sum of softmax probabilities, which is at least 1 / experts)."""
-    weights, ids = kernel(logits, top_k, renormalize)
-    return (weights if scale == 1.0 else weights * scale), ids
+def _appended(select: Callable[..., tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor, *, first: int,
+              count: int, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return append_picks(*select(logits, **kw), first, count)
+
+
+def folds_shared_experts(c: DeepseekConfig, ops: LayerOps) -> bool:
+    """With a fused MoE kernel (the Triton ops) the shared MLP of n_shared_experts x
+    moe_intermediate_size features runs as n_shared_experts more experts that every token picks
+    at weight 1: the same products and bytes in the MoE's launches, where the MLP took its own
+    four (gate|up, SiLU, down, add) at every step. The torch path (the CPU, HF's reference
+    arithmetic) keeps the separate MLP."""
+    return ops.fused_experts is not None and c.n_shared_experts > 0
 
 
 class DeepseekMoE(MoE):
@@ -130,10 +152,11 @@ class DeepseekMoE(MoE):
         """Tensor parallel: routed and shared experts split by intermediate feature, the router
         whole on every rank; the two partial sums are added first and summed over the ranks once
         (one all-reduce a layer, not one each)."""
-        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c, ops),
+        folded = c.n_shared_experts if folds_shared_experts(c, ops) else 0
+        super().__init__(c.hidden_size, c.n_routed_experts or 0, c.moe_intermediate_size, routing(c, ops, folded),
                          parallel=parallel, correction_bias=c.topk_method == "noaux_tc", fp32_router_logits=True,
-                         ops=ops)
-        shared = c.moe_intermediate_size * c.n_shared_experts
+                         ops=ops, shared=folded)
+        shared = 0 if folded else c.moe_intermediate_size * c.n_shared_experts
         self.shared_experts = LlamaMLP(c, ops, parallel, intermediate_size=shared) if shared else None  # type: ignore[arg-type]
         if self.shared_experts is not None:
             self.shared_experts.down_proj.reduce = False  # this rank's partial sum: reduced with the routed one
