@@ -57,6 +57,21 @@ def test_gemv_matches_fp64_reference(m: int, n: int, k: int, bias: bool, dtype: 
     check(y, x, w, b)
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_widens_a_bf16_x_against_an_fp32_weight(m: int) -> None:
+    """DeepSeek's router: bf16 hidden states, fp32 weight, fp32 logits; the same bits as widening
+    x first (one launch fewer), and LayerOps.linear_fp32's contract on either op set."""
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 320, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(200, 320, generator=gen).to(DEVICE)
+    y = gemv(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, gemv(x.float(), w))
+    check(y, x.float(), w, None)
+    for ops in (layer_ops("triton"), layer_ops("torch")):
+        fp32 = ops.linear_fp32 or (lambda x, w: ops.linear(x.float(), w.float(), None))
+        torch.testing.assert_close(fp32(x, w), F.linear(x.float(), w), rtol=1e-5, atol=1e-4)
+
+
 def test_gemv_strided_rows_and_columns_past_n_untouched() -> None:
     gen = torch.Generator().manual_seed(7)
     big = torch.randn(3, 400, generator=gen).to(DEVICE)

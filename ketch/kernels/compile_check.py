@@ -140,7 +140,14 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
          {"GROUP": 1, "HEAD_DIM": nope + rope, "V_DIM": v_dim, "BLOCK_M": 64, "BLOCK_N": 32,
           "BLOCK_D": pow2(nope + rope, 16), "BLOCK_DV": pow2(v_dim, 16), "PRECISION": prec}, 8, 2),
     ]
-    return _build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl)
+    fma = _gemv_configs(dot=False)[-1]
+    # the router's fp32 logits at one token: x in the model's dtype widened against the fp32
+    # weight. (2-8 tokens take the fp32 "ieee" dot path, which spills at every tile, as it did
+    # when x was widened by a cast launch first.)
+    router = [("router_m1", _gemv_kernel, {"HAS_BIAS": False, "UPCAST": True, "PRECISION": "ieee", "BLOCK_M": 1,
+                                           **fma.kwargs}, fma.num_warps, fma.num_stages)]
+    return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl)
+            + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl))
 
 
 def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[str, str], p: str, arch: int,

@@ -119,10 +119,13 @@ _gemv_fma = triton.autotune(configs=_configs(dot=False), key=["N", "K", "BLOCK_M
 _gemv_dot = triton.autotune(configs=_configs(dot=True), key=["N", "K", "BLOCK_M"])(_gemv_kernel)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: [..., K] with at most MAX_M rows in all; weight: [N, K]; bias: [N] or None.
-    Returns [..., N] in x's dtype (fp32 accumulation). No host sync: CUDA-graph safe once
-    each (N, K, M bucket) has been autotuned outside the capture."""
+    Returns [..., N] in `out_dtype` (default x's; fp32 accumulation). x and weight may differ
+    in dtype: a bf16 x against an fp32 weight (DeepSeek's router) is widened in registers, the
+    same bits as gemv(x.float(), weight) without the cast's launch. No host sync: CUDA-graph
+    safe once each (N, K, M bucket) has been autotuned outside the capture."""
     if weight.dim() != 2:
         raise ValueError(f"gemv: weight must be 2-D, got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -135,15 +138,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m > MAX_M:
         raise ValueError(f"gemv: {m} rows > MAX_M={MAX_M}; use F.linear")
     weight = last_dim_contiguous(weight)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m and n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         kernel, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
+        fp32 = torch.float32 in (x.dtype, weight.dtype)  # the dot path's operands: both widened
         kernel[grid](
             x2, weight, weight if bias is None else bias, y, m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, UPCAST=interpreting() or x.dtype == torch.float32,
-            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, **pdl_launch(),
+            HAS_BIAS=bias is not None, UPCAST=interpreting() or fp32,
+            PRECISION=dot_precision(torch.float32 if fp32 else x.dtype), BLOCK_M=block_m, **pdl_launch(),
         )
     return y.view(*x.shape[:-1], n)
 

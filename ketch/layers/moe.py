@@ -104,13 +104,15 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, select: Select, *,
                  correction_bias: bool = False, fp32_logits: bool = False,
                  dense: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear,
+                 dense_fp32: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  appended: int = 0) -> None:
         """dense: the product (LayerOps.linear: on CUDA the skinny GEMM for decode-sized steps,
-        where cuBLAS ran a 64-row GEMM kernel for the [experts, hidden] matrix). appended: how
-        many always-picked slots (ids num_experts..) `select` puts after the routed k (shared
-        experts; ExpertLoad leaves them out of its counts)."""
+        where cuBLAS ran a 64-row GEMM kernel for the [experts, hidden] matrix); dense_fp32:
+        fp32 logits from x as it comes (LayerOps.linear_fp32: no cast launch), else dense on
+        x.float(). appended: how many always-picked slots (ids num_experts..) `select` puts after
+        the routed k (shared experts; ExpertLoad leaves them out of its counts)."""
         super().__init__()
-        self.dense, self.appended = dense, appended
+        self.dense, self.dense_fp32, self.appended = dense, dense_fp32, appended
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         # DeepSeek V3 (noaux_tc): added to the scores for the choice of experts only
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
@@ -118,7 +120,9 @@ class Router(nn.Module):
         self.fp32_logits = fp32_logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fp32_logits:
+        if self.fp32_logits and self.dense_fp32 is not None:
+            logits = self.dense_fp32(x, self.weight.float())
+        elif self.fp32_logits:
             logits = self.dense(x.float(), self.weight.float(), None)
         else:
             logits = self.dense(x, self.weight, None)
@@ -179,7 +183,8 @@ class MoE(nn.Module):
         their picks: moe_routing.append_picks)."""
         super().__init__()
         self.gate = Router(hidden_size, num_experts, select, correction_bias=correction_bias,
-                           fp32_logits=fp32_router_logits, dense=ops.linear, appended=shared)
+                           fp32_logits=fp32_router_logits, dense=ops.linear, dense_fp32=ops.linear_fp32,
+                           appended=shared)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, parallel=parallel, field=field,
                                     shared=shared)
         self.parallel = parallel

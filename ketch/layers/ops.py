@@ -52,6 +52,9 @@ class LayerOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     # (x [tokens, in], weight [out, in], bias [out] or None) -> [tokens, out]; dense projections
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
+    # (x [tokens, in] of any float dtype, weight [out, in] fp32) -> fp32 [tokens, out]: fp32
+    # router logits (DeepSeek); None: linear(x.float(), weight.float(), None)
+    linear_fp32: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # (x, w13, w2, topk_weights, topk_ids) -> [tokens, hidden]: a MoE layer's experts (moe.py);
     # None: the torch reference (with its host-sync-free fallback while a graph is captured)
     fused_experts: Callable[..., torch.Tensor] | None = None
@@ -102,8 +105,15 @@ def triton_ops() -> LayerOps:
             return gemv(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, fused_experts_triton,
-                    softmax_topk_triton, qk_rms_norm, mla_prepare)
+    def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # decode-sized steps: x widened inside the skinny GEMM (no cast launch, the same bits)
+        if (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_M and x.is_cuda and weight.is_cuda
+                and weight.dtype == torch.float32 and weight.dim() == 2 and weight.stride(-1) == 1):
+            return gemv(x, weight, out_dtype=torch.float32)
+        return F.linear(x.float(), weight.float())
+
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, linear_fp32,
+                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, mla_prepare)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)
