@@ -30,6 +30,7 @@ from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_k
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel
+from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
@@ -146,8 +147,15 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     # when x was widened by a cast launch first.)
     router = [("router_m1", _gemv_kernel, {"HAS_BIAS": False, "UPCAST": True, "PRECISION": "ieee", "BLOCK_M": 1,
                                            **fma.kwargs}, fma.num_warps, fma.num_stages)]
+    heads_gemv = [  # the absorbed products at one row, as mla_triton_backend launches them (head_gemv's defaults)
+        ("head_gemv_uk", _head_gemv_kernel, {"K": nope, "N": rank, "BLOCK_T": 16, "BLOCK_K": 64, "BLOCK_N": 64,
+                                             "PRECISION": prec}, 4, 3),
+        ("head_gemv_uv", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16,
+                                             "PRECISION": prec}, 2, 3),
+    ]
     return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl)
-            + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl))
+            + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl)
+            + _build(heads_gemv, {"rows": "i32"}, p, arch, pdl))
 
 
 def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[str, str], p: str, arch: int,

@@ -42,10 +42,18 @@ def _head_gemv_kernel(
     t_mask = offs_t < rows
     w_base = W + h * stride_wh + offs_n[None, :] * stride_wn
     x_base = X + offs_t[:, None] * stride_xt + h * stride_xh
-    if USE_PDL:  # the weights are parameters; x comes from the kernel just before
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # K step 0 peeled, as in gemv: its weight tile (a parameter) is requested before the PDL
+    # wait, so it streams during the previous kernel; x (that kernel's output) only after. The
+    # same loads and dots in the same order as the loop: PDL on or off, the same bits.
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_base + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+    acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
