@@ -86,6 +86,21 @@ def test_routing_kernel_scales_and_appends_the_shared_experts(renormalize, appen
     assert append_picks(ref_w, ref_ids, 16, 0) == (ref_w, ref_ids)
 
 
+def test_routing_kernel_adds_its_routed_picks_to_the_counts():
+    """ExpertLoad's counters (/metrics, EPLB) in the routing launch: each routed pick adds 1 to
+    its expert's count, on top of what is there; the appended shared slots are not counted."""
+    from ketch.kernels.moe_route import softmax_topk_triton
+
+    logits = torch.randn(23, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    counts = torch.arange(20, dtype=torch.int64, device=DEVICE)  # earlier steps' counts
+    _, ids = softmax_topk_triton(logits, 4, True, append=2, counts=counts)
+    want = torch.arange(20) + torch.bincount(ids[:, :4].reshape(-1).cpu(), minlength=20)
+    assert torch.equal(counts.cpu(), want) and int(counts.sum()) == sum(range(20)) + 23 * 4
+    for bad in (counts.int(), counts[:15], counts.view(4, 5)):
+        with pytest.raises(ValueError, match="counts"):
+            softmax_topk_triton(logits, 4, True, counts=bad)
+
+
 def test_routing_kernel_strided_logits_and_no_tokens():
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.layers.moe_routing import softmax_topk
@@ -164,7 +179,9 @@ def test_deepseek_routing_uses_the_kernel_where_no_group_is_masked(tmp_path, met
 
     from ketch.layers.moe_routing import grouped_topk
     from ketch.layers.ops import TORCH_OPS, triton_ops
-    from ketch.models.deepseek_moe import _scaled_softmax_topk, routing
+    from ketch.kernels.moe_route import softmax_topk_triton
+    from ketch.layers.moe_routing import append_picks
+    from ketch.models.deepseek_moe import routing
     from ketch.models.registry import load_model_config
 
     d = json.loads((Path(__file__).resolve().parents[1] / "configs" / "deepseek-v2-lite" / "config.json").read_text())
@@ -174,12 +191,15 @@ def test_deepseek_routing_uses_the_kernel_where_no_group_is_masked(tmp_path, met
     (tmp_path / "config.json").write_text(json.dumps(d))
     cfg = load_model_config(str(tmp_path / "config.json"), "dummy")
     select = routing(cfg, triton_ops())
-    assert (select.func is _scaled_softmax_topk) == kernel
+    assert (select.func is softmax_topk_triton) == kernel
     assert routing(cfg, TORCH_OPS).func is grouped_topk and routing(cfg).func is grouped_topk
-    if method == "noaux_tc":
-        return
     logits = 3.0 * torch.randn(37, 64, generator=torch.Generator().manual_seed(n_group + topk_group))
-    weights, ids = select(logits.to(DEVICE))
-    ref_w, ref_ids = routing(cfg)(logits)
-    assert torch.equal(ids.cpu(), ref_ids)
-    torch.testing.assert_close(weights.cpu(), ref_w, atol=1e-6, rtol=0)
+    bias = {"correction_bias": torch.zeros(64)} if method == "noaux_tc" else {}
+    ref_w, ref_ids = routing(cfg)(logits, **bias)
+    # the shared experts folded in (2 slots after the 64 routed): the kernel appends them in its
+    # launch, the torch path after grouped_topk
+    for appended in (0, 2):
+        weights, ids = routing(cfg, triton_ops(), appended)(logits.to(DEVICE), **bias)
+        want_w, want_ids = append_picks(ref_w, ref_ids, 64, appended)
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(weights.cpu(), want_w, atol=1e-6, rtol=0)

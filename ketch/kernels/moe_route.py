@@ -5,7 +5,9 @@ result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py 
     probs = softmax(logits.float()) over all E experts; the k largest, in descending order;
     `renormalize`: divided by their sum; times `scale` (DeepSeek-V2's routed_scaling_factor);
     `append` slots after them: ids E, E+1, ... at weight 1 (DeepSeek's shared experts run as
-    always-picked experts of the fused MoE: moe_routing.append_picks, the reference).
+    always-picked experts of the fused MoE: moe_routing.append_picks, the reference);
+    `counts` given: each routed pick adds 1 to counts[id] (an int64 atomic: the per-expert load
+    for /metrics and EPLB, where a scatter_add launch per layer broke the PDL chain).
 
 One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
 two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask. Replaces
@@ -30,9 +32,9 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-                         APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPERTS: tl.constexpr,
+                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     real = offs < NUM_EXPERTS
@@ -63,24 +65,34 @@ def _softmax_topk_kernel(Logits, Weights, Ids, stride_l, scale, NUM_EXPERTS: tl.
     width = TOP_K + APPEND
     tl.store(Weights + t * width + slots, weights, mask=slots < width)
     tl.store(Ids + t * width + slots, ids.to(tl.int64), mask=slots < width)
+    if COUNT:  # integer adds: the totals do not depend on the order the programs reach them
+        tl.atomic_add(Counts + ids, tl.full([K_PAD], 1, tl.int64), mask=keep)
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
-                        append: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        append: int = 0, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_topk's signature and result, times `scale`, with `append` always-picked slots
-    (see above): [T, top_k + append]. No host sync; grid (T,)."""
+    (see above): [T, top_k + append]; the routed picks added into `counts` (int64, >= E entries,
+    contiguous) when given. No host sync; grid (T,)."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
     if append < 0:
         raise ValueError(f"softmax_topk: append {append} < 0")
+    if counts is not None and (counts.dtype != torch.int64 or counts.dim() != 1 or counts.stride(0) != 1
+                               or counts.numel() < experts or counts.device != logits.device):
+        raise ValueError(f"softmax_topk: counts must be a contiguous int64 vector of >= {experts} on "
+                         f"{logits.device}, got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     weights = torch.empty(tokens, top_k + append, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)
     if tokens:
         block_e = pow2(experts)
-        _softmax_topk_kernel[(tokens,)](logits, weights, ids, logits.stride(0), float(scale), NUM_EXPERTS=experts,
-                                        TOP_K=top_k, APPEND=append, K_PAD=pow2(top_k + append),
-                                        RENORMALIZE=renormalize, BLOCK_E=block_e,
-                                        num_warps=1 if block_e <= 256 else 4, **pdl_launch())
+        _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts, logits.stride(0),
+                                        float(scale), NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append,
+                                        K_PAD=pow2(top_k + append), RENORMALIZE=renormalize, BLOCK_E=block_e,
+                                        COUNT=counts is not None, num_warps=1 if block_e <= 256 else 4, **pdl_launch())
     return weights, ids
+
+
+softmax_topk_triton.counts_picks = True  # type: ignore[attr-defined]  # Router: pass ExpertLoad's row as counts=

@@ -1,9 +1,10 @@
 """EPLB at run time: the experts' measured load and their re-placement.
 
     ExpertLoad(routers, num_experts,    per-layer, per-expert counters of routed (token, pick)s:
-               layer_ids)               a forward hook on each MoE layer's Router adds its ids
-                                        (scatter_add_ into a [layers, experts] int64 buffer on
-                                        the model's device: no host sync). `totals()` only grows
+               layer_ids)               the Router's routing kernel adds its picks (atomics in
+                                        its one launch) where it can, else a forward hook adds
+                                        its ids (scatter_add_) into a [layers, experts] int64
+                                        buffer on the model's device: no host sync. `totals()` only grows
                                         (/metrics); `snapshot()` is the planner's window since
                                         its last `reset()`
     Eplb(layers, load, parallel)        every `parallel.ep.eplb_interval` forwards (`step()`, run
@@ -18,6 +19,8 @@
 Every rank computes the same plan from the same load, so no placement is ever sent.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -43,7 +46,13 @@ class ExpertLoad(nn.Module):
         self.register_buffer("window_start", torch.zeros_like(self.counts), persistent=False)
         self.ones = torch.ones(0, dtype=torch.int64)  # _ones' storage (not a buffer: not moved, never saved)
         for i, router in enumerate(routers):
-            router.register_forward_hook(self._hook(i))
+            if getattr(router, "select_counts_picks", lambda: False)():
+                router.count_into = partial(self._row, i)  # the routing kernel adds its picks: no launch
+            else:
+                router.register_forward_hook(self._hook(i))
+
+    def _row(self, layer: int) -> torch.Tensor:
+        return self.counts[layer]  # looked up per call: the buffer is replaced when the model moves
 
     def _hook(self, layer: int):
         def count(module: nn.Module, args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:

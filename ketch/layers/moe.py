@@ -118,6 +118,13 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts)) if correction_bias else None
         self.select = select
         self.fp32_logits = fp32_logits
+        # ExpertLoad's counter row of this layer, handed to `select` as counts= when it adds its
+        # picks itself (select_counts_picks: the Triton routing kernel); None: a hook counts
+        self.count_into: Callable[[], torch.Tensor] | None = None
+
+    def select_counts_picks(self) -> bool:
+        """Whether `select` takes counts= and adds each routed pick to it (in its launch)."""
+        return bool(getattr(getattr(self.select, "func", self.select), "counts_picks", False))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp32_logits and self.dense_fp32 is not None:
@@ -126,9 +133,10 @@ class Router(nn.Module):
             logits = self.dense(x.float(), self.weight.float(), None)
         else:
             logits = self.dense(x, self.weight, None)
-        if self.e_score_correction_bias is None:
-            return self.select(logits)
-        return self.select(logits, correction_bias=self.e_score_correction_bias)
+        kw = {} if self.count_into is None else {"counts": self.count_into()}
+        if self.e_score_correction_bias is not None:
+            kw["correction_bias"] = self.e_score_correction_bias
+        return self.select(logits, **kw)
 
 
 SHARED = "shared"  # the shard id's expert for the shared MLP's tensors (FusedExperts' slots E..)
