@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Same-run A/B on the GPU: `ketch bench one-batch` with dummy weights, alternated between a base
+# tree and this one, so that only same-run ratios are compared (machine starts differ by a few
+# per cent). The base travels as a git-ignored copy of an older commit:
+#     rm -rf .base && mkdir .base && git archive <base> | tar -x -C .base && git rev-parse --short <base> > .base/.commit
+#     device run, carry [".whl", ".base"]:  source scripts/device_env.sh && bash scripts/h200_ab.sh
+# Everything lands in $OUT/session.log ("== base" / "== new" headers, one bench line each).
+#   usage: bash scripts/h200_ab.sh [models...]   (configs/ names; default deepseek-v2-lite qwen3-30b-a3b)
+#   env:   ROUNDS (2: base/new pairs per model), ARGS (bench one-batch flags; default bs1 128/128),
+#          TESTS (pytest files run first on this tree, e.g. "tests/test_fused_moe_kernel.py"),
+#          PROFILE=1 (then this tree once more under --profile: kernels per step, time by family)
+set -u
+source scripts/device_env.sh  # carried wheels, PYTHONPATH, $OUT, $LOG
+MODELS=${*:-deepseek-v2-lite qwen3-30b-a3b}
+ROUNDS=${ROUNDS:-2}
+ARGS=${ARGS:---batch-size 1 --input-len 128 --output-len 128}
+[ -d .base/ketch ] || { echo "no .base/ketch: carry a git archive of the base commit as .base" | tee -a "$LOG"; exit 2; }
+echo "=== h200_ab $(date -u '+%F %T UTC'); base $(cat .base/.commit 2>/dev/null || echo '?') vs new ${KETCH_COMMIT:-?};" \
+  "$(nvidia-smi --query-gpu=name --format=csv,noheader); torch $(python3 -c 'import torch; print(torch.__version__)')" | tee -a "$LOG"
+if [ -n "${TESTS:-}" ]; then
+  echo "== tests $(date +%T): $TESTS" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  timeout 420 python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -15 | tee -a "$LOG"
+fi
+site=""  # the carried wheels' install (device_env.sh), ahead of whichever tree runs
+[ -d /tmp/site ] && site=/tmp/site
+bench() {  # bench LABEL TREE MODEL [more flags]
+  local label=$1 tree=$2 model=$3; shift 3
+  echo "== $label $model $(date +%T)" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  (cd "$tree" && export PYTHONPATH="${site:+$site:}$PWD" && python3 -c 'import ketch; print("ketch from", ketch.__file__)' \
+    && timeout 300 python3 -m ketch.cli bench one-batch --model "configs/$model" --load-format dummy $ARGS "$@") 2>&1 \
+    | grep --line-buffered -E "ketch from|decode step|GPU|kernels per step|ms/step|µs/step|Error|error" | tee -a "$LOG"
+}
+for m in $MODELS; do
+  for _ in $(seq "$ROUNDS"); do
+    bench base .base "$m"
+    bench new . "$m"
+  done
+  [ "${PROFILE:-0}" = 1 ] && bench "new profile" . "$m" --profile
+done
+echo "=== done ($(date +%T))" | tee -a "$LOG"
