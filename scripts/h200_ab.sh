@@ -7,6 +7,8 @@
 # Everything lands in $OUT/session.log ("== base" / "== new" headers, one bench line each).
 #   usage: bash scripts/h200_ab.sh [models...]   (configs/ names; default deepseek-v2-lite qwen3-30b-a3b)
 #   env:   ROUNDS (2: base/new pairs per model), ARGS (bench one-batch flags; default bs1 128/128),
+#          BASE_TREE (.base; "." compares this tree with itself, e.g. under NEW_ENV),
+#          NEW_ENV (assignments for the new runs only, e.g. "KETCH_PDL_EARLY=1"),
 #          TESTS (pytest files run first on this tree, e.g. "tests/test_fused_moe_kernel.py"),
 #          PROFILE=1 (then this tree once more under --profile: kernels per step, time by family)
 set -u
@@ -14,8 +16,11 @@ source scripts/device_env.sh  # carried wheels, PYTHONPATH, $OUT, $LOG
 MODELS=${*:-deepseek-v2-lite qwen3-30b-a3b}
 ROUNDS=${ROUNDS:-2}
 ARGS=${ARGS:---batch-size 1 --input-len 128 --output-len 128}
-[ -d .base/ketch ] || { echo "no .base/ketch: carry a git archive of the base commit as .base" | tee -a "$LOG"; exit 2; }
-echo "=== h200_ab $(date -u '+%F %T UTC'); base $(cat .base/.commit 2>/dev/null || echo '?') vs new ${KETCH_COMMIT:-?};" \
+BASE_TREE=${BASE_TREE:-.base}
+NEW_ENV=${NEW_ENV:-}
+[ -d "$BASE_TREE/ketch" ] || { echo "no $BASE_TREE/ketch: carry a git archive of the base commit as .base" | tee -a "$LOG"; exit 2; }
+echo "=== h200_ab $(date -u '+%F %T UTC'); base $BASE_TREE $(cat "$BASE_TREE/.commit" 2>/dev/null || echo '?') vs new" \
+  "${KETCH_COMMIT:-?} ${NEW_ENV:+(with $NEW_ENV)};" \
   "$(nvidia-smi --query-gpu=name --format=csv,noheader); torch $(python3 -c 'import torch; print(torch.__version__)')" | tee -a "$LOG"
 if [ -n "${TESTS:-}" ]; then
   echo "== tests $(date +%T): $TESTS" | tee -a "$LOG"
@@ -24,19 +29,19 @@ if [ -n "${TESTS:-}" ]; then
 fi
 site=""  # the carried wheels' install (device_env.sh), ahead of whichever tree runs
 [ -d /tmp/site ] && site=/tmp/site
-bench() {  # bench LABEL TREE MODEL [more flags]
-  local label=$1 tree=$2 model=$3; shift 3
-  echo "== $label $model $(date +%T)" | tee -a "$LOG"
+bench() {  # bench LABEL TREE MODEL ENV [more flags]
+  local label=$1 tree=$2 model=$3 envs=$4; shift 4
+  echo "== $label $model $(date +%T) $envs" | tee -a "$LOG"
   # shellcheck disable=SC2086
-  (cd "$tree" && export PYTHONPATH="${site:+$site:}$PWD" && python3 -c 'import ketch; print("ketch from", ketch.__file__)' \
+  (cd "$tree" && export PYTHONPATH="${site:+$site:}$PWD" $envs && python3 -c 'import ketch; print("ketch from", ketch.__file__)' \
     && timeout 300 python3 -m ketch.cli bench one-batch --model "configs/$model" --load-format dummy $ARGS "$@") 2>&1 \
     | grep --line-buffered -E "ketch from|decode step|GPU|kernels per step|ms/step|µs/step|Error|error" | tee -a "$LOG"
 }
 for m in $MODELS; do
   for _ in $(seq "$ROUNDS"); do
-    bench base .base "$m"
-    bench new . "$m"
+    bench base "$BASE_TREE" "$m" ""
+    bench new . "$m" "$NEW_ENV"
   done
-  [ "${PROFILE:-0}" = 1 ] && bench "new profile" . "$m" --profile
+  [ "${PROFILE:-0}" = 1 ] && bench "new profile" . "$m" "$NEW_ENV" --profile
 done
 echo "=== done ($(date +%T))" | tee -a "$LOG"

@@ -195,24 +195,29 @@ from ketch.kernels.moe_align import _moe_align_kernel
 from ketch.kernels.moe_route import _softmax_topk_kernel
 sig = {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32", "NumPostPad": "*i32", "rows": "i32", "total": "i32"}
 for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks for Qwen3 / DeepSeek-V2 / V3
-    consts = dict(NUM_EXPERTS=experts, BLOCK_M=16, BLOCK_E=experts, CHUNK=chunk, FILL=1024, USE_PDL=True)
-    u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
-    print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait)
-    assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+    for early in (False, True):  # KETCH_PDL_EARLY: the dependents' launch before the wait
+        consts = dict(NUM_EXPERTS=experts, BLOCK_M=16, BLOCK_E=experts, CHUNK=chunk, FILL=1024, USE_PDL=True,
+                      EARLY_TRIGGER=early)
+        u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
+        print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)
+        assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.trigger_first == early, u
 sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "Counts": "*i64", "stride_l": "i32", "scale": "fp32"}
 for experts, top_k, append in ((128, 8, 0), (8, 2, 0), (64, 6, 2)):  # Qwen3-30B-A3B, Mixtral, V2-Lite + shared
     consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append, K_PAD=triton.next_power_of_2(top_k + append),
                   RENORMALIZE=True, BLOCK_E=experts, COUNT=True, USE_PDL=True)
-    u = _usage("route", _compile(_softmax_topk_kernel, sig, consts, 90, 1, 1))
-    print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait)
-    assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+    for early in (False, True):
+        u = _usage("route", _compile(_softmax_topk_kernel, sig, {**consts, "EARLY_TRIGGER": early}, 90, 1, 1))
+        print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)
+        assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.trigger_first == early, u
 from ketch.kernels.moe_combine import _moe_sum_kernel
 sig = {"X": "*bf16", "Out": "*bf16", "stride_t": "i32", "stride_k": "i32", "stride_o": "i32"}
 for top_k, hidden in ((8, 2048), (6, 2048), (2, 4096)):  # Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral
-    consts = dict(TOP_K=top_k, HIDDEN=hidden, BLOCK=1024, USE_PDL=True)
-    u = _usage("combine", _compile(_moe_sum_kernel, sig, consts, 90, 4, 3))
-    print("combine", top_k, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
-    assert u.spill_bytes == 0 and u.loads_before_wait == 0 and u.stores_before_wait == 0, u
+    for early in (False, True):
+        consts = dict(TOP_K=top_k, HIDDEN=hidden, BLOCK=1024, USE_PDL=True, EARLY_TRIGGER=early)
+        u = _usage("combine", _compile(_moe_sum_kernel, sig, consts, 90, 4, 3))
+        print("combine", top_k, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait, u.trigger_first)
+        assert u.spill_bytes == 0 and u.loads_before_wait == 0 and u.stores_before_wait == 0, u
+        assert u.trigger_first == early, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

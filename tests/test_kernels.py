@@ -244,6 +244,31 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["add_rms_norm"] > 0, proc.stdout
     assert loads["qk_rms_norm"] > 0, proc.stdout  # its two weights
     assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "silu_and_mul")), proc.stdout
+    assert "trigger first" not in proc.stdout  # the default: dependents launch after the loads
+
+
+EARLY = {"store_kv", "decode_merge", "add_rms_norm", "qk_rms_norm", "rotary", "silu_and_mul", "mla_prepare",
+         "mla_store_rows", "mla_merge"}  # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_early_trigger_variants_launch_dependents_before_their_wait(mla: bool) -> None:
+    """KETCH_PDL_EARLY's build (compile_check --early): the one-wave kernels call
+    griddepcontrol.launch_dependents before griddepcontrol.wait, and still neither store nor load
+    anything a step writes before the wait; the weight-streaming kernels keep their late trigger."""
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "ketch.kernels.compile_check", "--arch", "90", "--early", *(["--mla"] if mla else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (\d+ loads / (\d+) stores|no wait)"
+                       r"(  trigger first)?$", proc.stdout, re.MULTILINE)
+    assert found and all(spill == "0" and stores in ("0", "") for _, spill, _, stores, _ in found), proc.stdout
+    first = {name for name, _, _, _, flag in found if flag}
+    assert first == EARLY & {name for name, *_ in found} and first, proc.stdout
 
 
 # ---------------------------------------------------------------- backend end to end

@@ -226,8 +226,9 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
                           env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
-    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv"}  # K step 0's weight tile before the wait
-    assert {name for name, _, _ in found} == {"mla_store_rows", "mla_decode", "mla_merge", "mla_extend",
+    # parameters before the wait: K step 0's weight tile, mla_prepare's norm weight
+    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv", "mla_prepare"}
+    assert {name for name, _, _ in found} == {"mla_prepare", "mla_store_rows", "mla_decode", "mla_merge", "mla_extend",
                                               *weights_first}, proc.stdout
     assert all(spill == "0" for _, spill, _ in found), proc.stdout
     waits = {name: wait for name, _, wait in found}

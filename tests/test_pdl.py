@@ -58,6 +58,22 @@ def test_use_pdl_reads_its_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pdl_launch() == {"USE_PDL": True, "launch_pdl": True}
 
 
+def test_early_trigger_needs_the_switch_pdl_and_a_one_wave_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KETCH_PDL_EARLY=1 (an experiment until measured): EARLY_TRIGGER only with PDL on and for a
+    grid of at most one program per SM; off by default; kernels without the constexpr get no key."""
+    monkeypatch.setattr(_common, "_pdl", True)
+    monkeypatch.setattr(_common, "_sm_count", 132)
+    monkeypatch.setattr(_common, "_early", None)
+    monkeypatch.delenv("KETCH_PDL_EARLY", raising=False)
+    assert pdl_launch(1)["EARLY_TRIGGER"] is False and "EARLY_TRIGGER" not in pdl_launch()
+    monkeypatch.setattr(_common, "_early", None)
+    monkeypatch.setenv("KETCH_PDL_EARLY", "1")
+    assert pdl_launch(132)["EARLY_TRIGGER"] is True and pdl_launch(133)["EARLY_TRIGGER"] is False
+    monkeypatch.setattr(_common, "_pdl", False)
+    monkeypatch.setattr(_common, "_early", None)
+    assert pdl_launch(1) == {"USE_PDL": False, "launch_pdl": False, "EARLY_TRIGGER": False}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU / interpreter case")
 def test_pdl_off_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_common, "_pdl", None)
@@ -154,7 +170,7 @@ def test_pdl_is_on_and_compiled_in() -> None:
     assert use_pdl()
     x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1, 128, device="cuda", dtype=torch.bfloat16)
-    k = _silu_and_mul_kernel[(1, 1)](x, out, x.stride(0), out.stride(0), INTER=128, BLOCK=128, **pdl_launch())
+    k = _silu_and_mul_kernel[(1, 1)](x, out, x.stride(0), out.stride(0), INTER=128, BLOCK=128, **pdl_launch(1))
     assert k.metadata.launch_pdl and "griddepcontrol.wait" in k.asm["ptx"]
 
 

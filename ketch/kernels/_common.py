@@ -37,12 +37,42 @@ def use_pdl() -> bool:
     return _pdl
 
 
-def pdl_launch() -> dict[str, bool]:
+_early: bool | None = None  # KETCH_PDL_EARLY, resolved with the PDL switch
+_sm_count: int | None = None
+
+
+def early_trigger_enabled() -> bool:
+    """KETCH_PDL_EARLY=1 (an experiment, off by default until an H200 A/B decides:
+    scripts/h200_ab.sh with NEW_ENV): small latency-bound kernels whose grid fits in one wave
+    call gdc_launch_dependents before their gdc_wait, so the kernel after them launches, and
+    requests its first weight tile (gemv, head_gemv), while they and the kernel before them
+    still run. Correctness does not change: every kernel still waits for its predecessor's
+    completion before it reads or stores anything a step writes."""
+    global _early
+    if _early is None:
+        _early = use_pdl() and os.environ.get("KETCH_PDL_EARLY") == "1"
+    return _early
+
+
+def one_wave(programs: int) -> bool:
+    """Whether `programs` CTAs fit on the GPU's SMs at one CTA each: then the dependents that
+    launch early take only SMs this grid leaves idle."""
+    global _sm_count
+    if _sm_count is None:
+        _sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return programs <= _sm_count
+
+
+def pdl_launch(programs: int | None = None) -> dict[str, bool]:
     """Launch kwargs of every PDL-aware kernel: the constexpr that compiles the gdc_wait /
     gdc_launch_dependents calls in, and Triton's launch option (cuLaunchKernelEx with
-    programmatic stream serialization). The interpreter ignores launch_pdl."""
+    programmatic stream serialization). The interpreter ignores launch_pdl. `programs`: the
+    grid's size, for the kernels with an EARLY_TRIGGER constexpr (early_trigger_enabled)."""
     on = use_pdl()
-    return {"USE_PDL": on, "launch_pdl": on}
+    kw = {"USE_PDL": on, "launch_pdl": on}
+    if programs is not None:
+        kw["EARLY_TRIGGER"] = on and early_trigger_enabled() and one_wave(programs)
+    return kw
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -16,15 +16,17 @@ from ketch.kernels._common import pdl_launch, pow2
 
 @triton.jit
 def _silu_and_mul_kernel(GateUp, Out, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
     if USE_PDL:  # gate_up is the previous kernel's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     g = tl.load(GateUp + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GateUp + row * stride_g + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     dt = Out.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -44,6 +46,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if x.shape[0]:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
-            **pdl_launch(),
+            **pdl_launch(x.shape[0] * triton.cdiv(inter, block)),
         )
     return out.view(*gate_up.shape[:-1], inter)

@@ -33,6 +33,7 @@ from ketch.kernels.gemv import _gemv_kernel
 from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
+from ketch.kernels.mla_prepare import _mla_prepare_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
 from ketch.kernels.rmsnorm import _qk_rms_norm_kernel, _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
@@ -45,6 +46,7 @@ class Usage:
     spill_bytes: int  # stack frame: registers spilled to local memory
     loads_before_wait: int  # PDL: global loads issued before griddepcontrol.wait (-1: no wait)
     stores_before_wait: int  # must be 0: a store before the wait races the previous kernel
+    trigger_first: bool = False  # griddepcontrol.launch_dependents before the wait (EARLY_TRIGGER)
 
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int) -> Any:
@@ -72,13 +74,15 @@ def _usage(name: str, kernel: Any) -> Usage:
     head = ptx[:at]
     loads = -1 if at < 0 else len(re.findall(r"\bld\.global", head))
     stores = -1 if at < 0 else len(re.findall(r"\b(?:st|red|atom)\.global", head))
-    return Usage(name, int(match.group(1)), int(match.group(2)), loads, stores)
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    return Usage(name, int(match.group(1)), int(match.group(2)), loads, stores, 0 <= trigger < at)
 
 
 def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                 hidden: int = 4096, inter: int = 14336, dtype: str = "bf16", pdl: bool = True,
-                kv_dtype: str | None = None) -> list[Usage]:
-    """kv_dtype: the KV pool's Triton type ("fp8e4nv": an fp8 KV cache); None: `dtype`."""
+                kv_dtype: str | None = None, early: bool = False) -> list[Usage]:
+    """kv_dtype: the KV pool's Triton type ("fp8e4nv": an fp8 KV cache); None: `dtype`. early: the
+    one-wave kernels built with EARLY_TRIGGER (KETCH_PDL_EARLY)."""
     p = f"*{dtype}"
     kv = f"*{kv_dtype or dtype}"
     group, bd = heads // kv_heads, pow2(head_dim, 16)
@@ -116,11 +120,11 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
-    return _build(cases, fixed, p, arch, pdl)
+    return _build(cases, fixed, p, arch, pdl, early)
 
 
 def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128, v_dim: int = 128,
-                dtype: str = "bf16", pdl: bool = True, kv_dtype: str | None = None) -> list[Usage]:
+                dtype: str = "bf16", pdl: bool = True, kv_dtype: str | None = None, early: bool = False) -> list[Usage]:
     """The MLA kernels at DeepSeek-V2-Lite's shapes, launched as MLATritonBackend launches them
     (ketch/attention/mla_triton_backend.py: decode block_h 16 / block_n 32 / 4 warps, extend
     64 x 32 tiles / 8 warps)."""
@@ -128,8 +132,11 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
              "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
-             "Cache": kv}
+             "Cache": kv, "eps": "fp32"}
     cases = [
+        ("mla_prepare", _mla_prepare_kernel,  # V2-Lite's 16 heads, interleaved rope pairs
+         {"HEADS": heads, "NOPE": nope, "ROPE": rope, "RANK": rank, "INTERLEAVE": True, "BLOCK_H": pow2(heads),
+          "BLOCK_ROPE": pow2(rope), "BLOCK_RANK": pow2(rank)}, 4, 3),
         ("mla_store_rows", _store_rows_kernel,
          {"WIDTH": rank + rope, "BLOCK": pow2(rank + rope), "TO_FP8": kv != p}, 4 if rank + rope >= 1024 else 2, 3),
         ("mla_decode", _mla_decode_split_kernel,
@@ -153,17 +160,19 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
         ("head_gemv_uv", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16,
                                              "PRECISION": prec}, 2, 3),
     ]
-    return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl)
-            + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl)
-            + _build(heads_gemv, {"rows": "i32"}, p, arch, pdl))
+    return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl, early)
+            + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl, early)
+            + _build(heads_gemv, {"rows": "i32"}, p, arch, pdl, early))
 
 
 def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[str, str], p: str, arch: int,
-           pdl: bool) -> list[Usage]:
+           pdl: bool, early: bool = False) -> list[Usage]:
     out = []
     for name, fn, consts, warps, stages in cases:
         if "USE_PDL" in fn.arg_names:
             consts = {**consts, "USE_PDL": pdl}
+        if "EARLY_TRIGGER" in fn.arg_names:
+            consts = {**consts, "EARLY_TRIGGER": pdl and early}
         sig = {n: fixed.get(n, "i32" if n.startswith("stride") or n == "page_size" else p) for n in fn.arg_names}
         if fn is _gemv_kernel:  # its M, N, K are sizes (elsewhere K is the key pointer)
             sig.update(M="i32", N="i32", K="i32")
@@ -181,18 +190,21 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=14336)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--no-pdl", action="store_true", help="build without the griddepcontrol calls")
+    ap.add_argument("--early", action="store_true", help="one-wave kernels trigger their dependents before "
+                    "their wait (KETCH_PDL_EARLY)")
     ap.add_argument("--kv-dtype", choices=("fp8e4nv",), default=None, help="KV pool type (default: --dtype)")
     ap.add_argument("--mla", action="store_true", help="the MLA kernels instead (DeepSeek-V2-Lite: --heads 16, "
                     "rank 512 + rope 64, nope 128, v 128)")
     a = ap.parse_args()
     if a.mla:
-        usages = compile_mla(a.arch, a.heads or 16, dtype=a.dtype, pdl=not a.no_pdl, kv_dtype=a.kv_dtype)
+        usages = compile_mla(a.arch, a.heads or 16, dtype=a.dtype, pdl=not a.no_pdl, kv_dtype=a.kv_dtype, early=a.early)
     else:
         usages = compile_all(a.arch, a.heads or 32, a.kv_heads, a.head_dim, a.hidden, a.inter, a.dtype, not a.no_pdl,
-                             a.kv_dtype)
+                             a.kv_dtype, a.early)
     for u in usages:
         pdl = "no wait" if u.loads_before_wait < 0 else f"{u.loads_before_wait} loads / {u.stores_before_wait} stores"
-        print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B  before PDL wait: {pdl}")
+        first = "  trigger first" if u.trigger_first else ""
+        print(f"{u.name:14s} registers {u.registers:3d}  spilled {u.spill_bytes} B  before PDL wait: {pdl}{first}")
 
 
 if __name__ == "__main__":

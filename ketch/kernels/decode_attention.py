@@ -105,6 +105,7 @@ def _decode_merge_kernel(
     MidO, MidLse, Out,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -113,6 +114,8 @@ def _decode_merge_kernel(
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     if USE_PDL:  # the split kernel's partials
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -120,7 +123,7 @@ def _decode_merge_kernel(
     w = tl.exp2(lse - m)
     o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     denom = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
@@ -190,7 +193,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, 
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=dim, BLOCK_S=pow2(num_splits), BLOCK_D=pow2(dim, 16),
-        num_warps=1 if dim <= 64 else (2 if dim <= 128 else 4), **pdl_launch(),
+        num_warps=1 if dim <= 64 else (2 if dim <= 128 else 4), **pdl_launch(batch * num_heads),
     )
     return out
 

@@ -27,10 +27,12 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    TO_FP8: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     t = tl.program_id(0)
     if USE_PDL:  # slots, k and v are this step's; the pool slots may still be read before us
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     slot = tl.load(Slots + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -40,7 +42,7 @@ def _store_kv_kernel(
     t64 = t.to(tl.int64)
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if TO_FP8:  # scale 1.0: saturate, then round to e4m3
         k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX).to(KCache.dtype.element_ty)
@@ -65,7 +67,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         kc.stride(0), kc.stride(1),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(kv_heads), BLOCK_D=pow2(head_dim),
         TO_FP8=k_cache.dtype == torch.float8_e4m3fn and k.dtype != k_cache.dtype,
-        num_warps=4 if kv_heads * head_dim >= 1024 else 1, **pdl_launch(),
+        num_warps=4 if kv_heads * head_dim >= 1024 else 1, **pdl_launch(tokens),
     )
 
 
@@ -79,15 +81,18 @@ def store_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
 
 @triton.jit(do_not_specialize_on_alignment=["Slots"])
 def _store_rows_kernel(X, Cache, Slots, stride_xt, stride_cs,
-                       WIDTH: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                       WIDTH: tl.constexpr, BLOCK: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+                       EARLY_TRIGGER: tl.constexpr):
     t = tl.program_id(0)
     if USE_PDL:
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     slot = tl.load(Slots + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = (offs < WIDTH) & (slot >= 0)
     x = tl.load(X + t.to(tl.int64) * stride_xt + offs, mask=mask)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if TO_FP8:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(Cache.dtype.element_ty)
@@ -105,7 +110,7 @@ def store_rows(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> Non
     _store_rows_kernel[(tokens,)](
         x, c, slots, x.stride(0), c.stride(0),
         WIDTH=width, BLOCK=pow2(width), TO_FP8=cache.dtype == torch.float8_e4m3fn and x.dtype != cache.dtype,
-        num_warps=4 if width >= 1024 else 2, **pdl_launch(),
+        num_warps=4 if width >= 1024 else 2, **pdl_launch(tokens),
     )
 
 

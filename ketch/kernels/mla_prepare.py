@@ -38,7 +38,7 @@ def _mla_prepare_kernel(
     stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, eps,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = ROPE // 2
@@ -52,6 +52,8 @@ def _mla_prepare_kernel(
     k_mask = offs_k < RANK
     w = tl.load(Weight + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # a parameter: safe before the wait
     if USE_PDL:  # q and ckv come from the projections just before
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     q_rope = Q + t * stride_qt + offs_h[:, None] * stride_qh + NOPE
     x = tl.load(q_rope + src[None, :], mask=q_mask, other=0.0).to(tl.float32)
@@ -62,7 +64,7 @@ def _mla_prepare_kernel(
     c = tl.load(Ckv + t * stride_ct + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     cos = tl.load(Cos + t * stride_cos + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     sin = tl.load(Sin + t * stride_sin + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
     # q's rope part in place: every element of it was loaded above (one program per token)
@@ -92,7 +94,7 @@ def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torc
             q, ckv, cos, sin, weight, latent,
             q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), eps,
             HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
-            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(),
+            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(tokens),
         )
     return q, latent
 

@@ -77,12 +77,15 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 @triton.jit(do_not_specialize=["rows", "total"])
 def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPad, rows, total,
                       NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                      CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr):
+                      CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, CHUNK)
     if USE_PDL:  # topk_ids is the routing kernel's output; nothing is stored before this
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the GEMMs wait for this grid to finish anyway
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()  # the GEMMs wait for this grid to finish anyway
     # pass 1: rows per expert
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for start in range(0, rows, CHUNK):
@@ -133,5 +136,5 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_e = pow2(num_experts)
     chunk = max(16, min(pow2(max(rows, total // block_m)), _HIT_ELEMENTS // block_e))
     _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, num_post_pad, rows, total, NUM_EXPERTS=num_experts,
-                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, FILL=_FILL, num_warps=4, **pdl_launch())
+                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, FILL=_FILL, num_warps=4, **pdl_launch(1))
     return sorted_ids, expert_ids, num_post_pad

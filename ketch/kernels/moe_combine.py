@@ -19,16 +19,18 @@ from ketch.kernels._common import pdl_launch, pow2
 
 @triton.jit
 def _moe_sum_kernel(X, Out, stride_t, stride_k, stride_o, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     if USE_PDL:  # the rows are the down GEMM's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(X + t * stride_t + j * stride_k + offs, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(Out + t * stride_o + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
@@ -44,5 +46,5 @@ def moe_sum(x: torch.Tensor) -> torch.Tensor:
     if tokens and hidden:
         _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](
             x, out, x.stride(0), x.stride(1), out.stride(0), TOP_K=top_k, HIDDEN=hidden, BLOCK=block,
-            num_warps=4 if block >= 512 else 1, **pdl_launch())
+            num_warps=4 if block >= 512 else 1, **pdl_launch(tokens * triton.cdiv(hidden, block)))
     return out

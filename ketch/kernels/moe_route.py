@@ -34,14 +34,17 @@ from ketch.kernels._common import pdl_launch, pow2
 @triton.jit
 def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPERTS: tl.constexpr,
                          TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr,
+                         EARLY_TRIGGER: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     real = offs < NUM_EXPERTS
     if USE_PDL:  # the logits are the router GEMM's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(Logits + t * stride_l + offs, mask=real, other=float("-inf")).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
@@ -91,7 +94,8 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, 
         _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts, logits.stride(0),
                                         float(scale), NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append,
                                         K_PAD=pow2(top_k + append), RENORMALIZE=renormalize, BLOCK_E=block_e,
-                                        COUNT=counts is not None, num_warps=1 if block_e <= 256 else 4, **pdl_launch())
+                                        COUNT=counts is not None, num_warps=1 if block_e <= 256 else 4,
+                                        **pdl_launch(tokens))
     return weights, ids
 
 

@@ -28,17 +28,20 @@ def _rms_norm_kernel(
     X, Residual, Weight, Out, ResidualOut,
     stride_x, stride_r, stride_o, stride_ro, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)  # a parameter: safe before the wait
     if USE_PDL:  # x / residual come from earlier kernels; ResidualOut may be what they read
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
@@ -66,7 +69,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2 if r2 is None else r2, weight, out, out if res_out is None else res_out,
             x2.stride(0), 0 if r2 is None else r2.stride(0), out.stride(0), 0 if res_out is None else res_out.stride(0),
-            eps, N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, **pdl_launch(),
+            eps, N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, **pdl_launch(x2.shape[0]),
             num_warps=min(16, max(1, block // 256)),
         )
     res = None if res_out is None else res_out.view(x.shape)
@@ -90,6 +93,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def _qk_rms_norm_kernel(
     X, WeightQ, WeightK, Out, stride_t, stride_h, stride_ot, eps,
     HEADS: tl.constexpr, NUM_Q: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     """One program = one head of one token: _rms_norm_kernel's math with the q or the k weight."""
     pid = tl.program_id(0).to(tl.int64)
@@ -99,9 +103,11 @@ def _qk_rms_norm_kernel(
     wq = tl.load(WeightQ + offs, mask=mask, other=0.0).to(tl.float32)  # parameters: before the wait
     wk = tl.load(WeightK + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:  # x is the qkv projection's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(X + t * stride_t + h * stride_h + offs, mask=mask, other=0.0)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
@@ -123,7 +129,8 @@ def qk_rms_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     if tokens:
         _qk_rms_norm_kernel[(tokens * heads,)](
             qk, q_weight, k_weight, out, qk.stride(0), qk.stride(1), out.stride(0), eps,
-            HEADS=heads, NUM_Q=num_q, N=dim, BLOCK=block, **pdl_launch(), num_warps=min(16, max(1, block // 256)))
+            HEADS=heads, NUM_Q=num_q, N=dim, BLOCK=block, **pdl_launch(tokens * heads),
+            num_warps=min(16, max(1, block // 256)))
     return out
 
 

@@ -33,7 +33,7 @@ def _rotary_kernel(
     X, Cos, Sin, Out,
     stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -43,12 +43,14 @@ def _rotary_kernel(
     partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM
     base = X + t * stride_xt + offs_h[:, None] * stride_xh
     if USE_PDL:  # x (often rotated in place), cos and sin are all written during the step
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xs = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     c = tl.load(Cos + t * stride_ct + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     s = tl.load(Sin + t * stride_st + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     out = rotated(x, xs, c[None, :], s[None, :], Out.dtype.element_ty)
     tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], out, mask=mask)
@@ -69,6 +71,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.
             x, cos, sin, out,
             x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
             HEADS=heads, HEAD_DIM=head_dim, BLOCK_H=pow2(heads), BLOCK_D=pow2(head_dim),
-            num_warps=4 if heads * head_dim >= 2048 else 2, **pdl_launch(),
+            num_warps=4 if heads * head_dim >= 2048 else 2, **pdl_launch(tokens),
         )
     return out
