@@ -194,6 +194,24 @@ def test_qk_head_norm_matches_two_norms(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_head_norm_with_rope_is_the_norm_then_the_rotary_kernel(dtype: torch.dtype) -> None:
+    """Qwen3's head norms and RoPE in one launch: the same bits as qk_rms_norm, then rotary (its
+    partner halves normed from their own loads); a model's (cos, sin) rows at several positions."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, num_q, num_k, dim = 5, 4, 2, 48
+    qkv = (torch.randn(tokens, (num_q + 2 * num_k) * dim, generator=gen) * 30).to(DEVICE, dtype)
+    qk = qkv[:, : (num_q + num_k) * dim].view(tokens, num_q + num_k, dim)
+    wq, wk = (torch.randn(dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    cos, sin = RotaryEmbedding(dim, 128, 10000.0, None).to(DEVICE).lookup(torch.tensor([0, 3, 50, 127, 7], device=DEVICE),
+                                                                           dtype)
+    got = qk_rms_norm(qk, wq, wk, 1e-6, num_q, rope=(cos, sin))
+    assert torch.equal(got, rotary(qk_rms_norm(qk, wq, wk, 1e-6, num_q), cos, sin))
+    assert not torch.equal(got, qk_rms_norm(qk, wq, wk, 1e-6, num_q))  # it did rotate
+    with pytest.raises(ValueError, match="even"):
+        qk_rms_norm(qk[..., :47], wq[:47], wk[:47], 1e-6, num_q, rope=(cos[..., :47], sin[..., :47]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_model_layout(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     rope = RotaryEmbedding(D, 128, 10000.0, None).to(DEVICE)
@@ -232,7 +250,8 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     rows = {name: spill for name, spill, _ in found}
-    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm", "rotary",
+    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm",
+                         "qk_norm_rope", "rotary",
                          "silu_and_mul", "gemv_m1", "gemv_dot", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
     # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
@@ -242,12 +261,12 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
     loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["add_rms_norm"] > 0, proc.stdout
-    assert loads["qk_rms_norm"] > 0, proc.stdout  # its two weights
+    assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0, proc.stdout  # their two weights
     assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "silu_and_mul")), proc.stdout
     assert "trigger first" not in proc.stdout  # the default: dependents launch after the loads
 
 
-EARLY = {"store_kv", "decode_merge", "add_rms_norm", "qk_rms_norm", "rotary", "silu_and_mul", "mla_prepare",
+EARLY = {"store_kv", "decode_merge", "add_rms_norm", "qk_rms_norm", "qk_norm_rope", "rotary", "silu_and_mul", "mla_prepare",
          "mla_store_rows", "mla_merge"}  # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY)
 
 

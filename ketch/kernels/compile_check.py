@@ -110,7 +110,9 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("add_rms_norm", _rms_norm_kernel, {"N": hidden, "BLOCK": pow2(hidden), "HAS_RESIDUAL": True},
          min(16, max(1, pow2(hidden) // 256)), 3),
         ("qk_rms_norm", _qk_rms_norm_kernel,  # Qwen3's q / k head norms
-         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim)}, 1, 3),
+         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "ROTATE": False}, 1, 3),
+        ("qk_norm_rope", _qk_rms_norm_kernel,  # ... with RoPE in the same launch (LayerOps.qk_norm_rotary)
+         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "ROTATE": True}, 1, 3),
         ("rotary", _rotary_kernel,
          {"HEADS": heads + kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(heads + kv_heads), "BLOCK_D": pow2(head_dim)},
          4 if (heads + kv_heads) * head_dim >= 2048 else 2, 3),

@@ -63,6 +63,9 @@ class LayerOps:
     softmax_topk: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] | None = None
     # (qk [tokens, heads, dim], q_weight, k_weight, eps, num_q) -> new tensor: per-head q / k norms
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] = torch_qk_norm
+    # (qk, q_weight, k_weight, eps, num_q, cos, sin) -> new tensor: rotary(qk_norm(...)) in one
+    # launch (Qwen3); None: those two ops
+    qk_norm_rotary: Callable[..., torch.Tensor] | None = None
     # (q [tokens, heads, nope + rope], ckv [tokens, rank + rope], cos, sin, norm weight, eps, nope,
     # interleave) -> (q with its rope part rotated, latent): an MLA layer's glue (DeepSeek); None:
     # the model's torch ops
@@ -112,8 +115,12 @@ def triton_ops() -> LayerOps:
             return gemv(x, weight, out_dtype=torch.float32)
         return F.linear(x.float(), weight.float())
 
+    def qk_norm_rotary(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_q: int,
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return qk_rms_norm(qk, q_weight, k_weight, eps, num_q, rope=(cos, sin))
+
     return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, linear_fp32,
-                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, mla_prepare)
+                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, qk_norm_rotary, mla_prepare)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -55,19 +55,29 @@ class LlamaAttention(nn.Module):
                                         part=(share.q_start * self.head_dim, self.q_size))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # q / k head norms (Qwen3) and RoPE: one launch where the op set fuses them
+        fused = cfg.qk_norm and ops.qk_norm_rotary is not None
+        self._position = self._norm_and_rotate if fused else self._rotate
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = self.ops.qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads)
-        qk = self.ops.rotary(qk, *rope)  # q and k heads rotated in one go (in place with Triton)
+        qk = self._position(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim), rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _rotate(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.q_norm is not None:
+            qk = self.ops.qk_norm(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads)
+        return self.ops.rotary(qk, *rope)  # q and k heads rotated in one go (in place with Triton)
+
+    def _norm_and_rotate(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        assert self.ops.qk_norm_rotary is not None and self.q_norm is not None and self.k_norm is not None
+        return self.ops.qk_norm_rotary(qk, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
+                                       *rope)
 
 
 class LlamaMLP(nn.Module):
