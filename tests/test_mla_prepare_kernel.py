@@ -53,6 +53,27 @@ def test_equals_the_torch_glue(dtype, interleave, tokens, rope):
     assert not torch.allclose(q[..., NOPE:].float(), before[..., NOPE:].float())
 
 
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn])
+def test_the_latent_also_goes_into_the_pool_as_store_rows_puts_it(pool_dtype):
+    """store=(pool, slots): each token's latent row lands in its slot exactly as store_rows would
+    write it (fp8 pools: the same saturating conversion), a padding slot (< 0) writes nothing,
+    no other row changes; q and the returned latent are what they are without store."""
+    from ketch.kernels.kv_store import store_rows
+
+    dtype = torch.float32
+    q, ckv, cos, sin, weight = inputs(4, dtype, seed=9)
+    pool = torch.randn(5, 4, RANK + ROPE, generator=torch.Generator().manual_seed(1)).to(DEVICE, pool_dtype or dtype)
+    slots = torch.tensor([7, -1, 3, 19], dtype=torch.int32, device=DEVICE)  # row 0: a padding write would land there
+    want_q, want_latent = mla_prepare(q.clone(), ckv, cos, sin, weight, 1e-6, NOPE, True)
+    want_pool = pool.clone()
+    store_rows(want_pool, want_latent, slots)
+    got_q, got_latent = mla_prepare(q.clone(), ckv, cos, sin, weight, 1e-6, NOPE, True, store=(pool, slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_latent, want_latent)
+    assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8))  # bits, fp8 included
+    with pytest.raises(ValueError, match="slot per token"):
+        mla_prepare(q.clone(), ckv, cos, sin, weight, 1e-6, NOPE, True, store=(pool, slots[:3]))
+
+
 def test_no_tokens_and_bad_shapes():
     q, ckv, cos, sin, weight = inputs(0, torch.float32)
     got_q, latent = mla_prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, True)

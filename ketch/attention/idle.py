@@ -18,7 +18,10 @@ class IdleAttention:
     def init_metadata(self, batch: ForwardBatch) -> None:
         return None
 
-    def forward(self, q: torch.Tensor, *rest: Any) -> torch.Tensor:
+    def latent_sink(self, layer: int, meta: Any) -> None:
+        return None  # MLA: nothing to store
+
+    def forward(self, q: torch.Tensor, *rest: Any, stored: bool = False) -> torch.Tensor:
         """MHA: (q, k, v, layer, metadata) -> [0, heads, v's dim]; MLA (mla_backend.py):
         (q, latent, layer, metadata, w_uk, w_uv) -> [0, heads, w_uv's dim 1]."""
         v_dim = rest[4].shape[1] if len(rest) == 5 else rest[1].shape[-1]

@@ -62,13 +62,21 @@ class MLAAttentionBackend(TorchAttentionBackend):
         super().__init__(pool, 1, device)
         self.name, self.scale = name, scale
 
+    def latent_sink(self, layer: int, meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(pool tensor, slots) for a layer op that stores the new latents itself (the Triton
+        mla_prepare, then forward(stored=True)); None: forward stores them (this backend)."""
+        return None
+
     # The MHA contract's forward(q, k, v) has no place for a latent and the up-projections; the
     # family's attention layers call this one (the runner only ever calls init_metadata).
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer: int,  # type: ignore[override]
-                meta: TorchAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+                meta: TorchAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                stored: bool = False) -> torch.Tensor:
         """q: [tokens, heads, nope + rope] (q_pe rotated); latent: [tokens, rank + rope] of the
         new tokens, stored here; w_uk [heads, nope, rank], w_uv [heads, v, rank] (kv_b_proj's
-        weight). Returns [tokens, heads, v]."""
+        weight). Returns [tokens, heads, v]. stored: only where latent_sink said where."""
+        if stored:
+            raise ValueError("stored: this backend gave no latent_sink; it stores the latents itself")
         self.pool.write(layer, self.name, meta.slots, latent)
         nd = meta.num_decode
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1])

@@ -3,7 +3,8 @@ interpreter in tests). The math is mla_backend.py's, which stays the reference (
 
 Per layer (forward), with the step's metadata from the MHA Triton backend (triton_backend.py:
 one int32 host→device copy of lens, slots and page table; decode rows first):
-    store     the new latents into their slots (`store_rows`; slot < 0 = a padded graph row)
+    store     the new latents into their slots (`store_rows`; slot < 0 = a padded graph row),
+              unless the layer's mla_prepare wrote them there already (`latent_sink`)
     decode    absorbed form: q_lat = q_nope W_UK_h, `mla_decode` over the latent pages (split-K,
               a block of heads per program sharing each latent row), then W_UV_h on the
               [heads, rank] result; the two per-head products as `head_gemv` launches for steps
@@ -107,12 +108,20 @@ class MLATritonBackend(TritonAttentionBackend):
                                         prefix_pages, prefix_table)
         return meta
 
+    def latent_sink(self, layer: int, meta: TritonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the new latents go (the layer's pool tensor, the step's slots): the Triton
+        mla_prepare writes them there in its launch, and forward(stored=True) skips store_rows."""
+        return self.pool.tensor(layer, self.name), meta.slots
+
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer: int,  # type: ignore[override]
-                meta: TritonAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+                meta: TritonAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                stored: bool = False) -> torch.Tensor:
         """As MLAAttentionBackend.forward: q [tokens, heads, nope + rope] (q_pe rotated), latent
-        [tokens, rank + rope]; w_uk [heads, nope, rank], w_uv [heads, v, rank]. Returns [tokens, heads, v]."""
+        [tokens, rank + rope]; w_uk [heads, nope, rank], w_uv [heads, v, rank]. Returns [tokens, heads, v].
+        stored: the latents are in the pool already (latent_sink)."""
         cache = self.pool.tensor(layer, self.name)
-        store_rows(cache, latent, meta.slots)
+        if not stored:
+            store_rows(cache, latent, meta.slots)
         nope = w_uk.shape[1]
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1])
         if meta.decode is not None:

@@ -138,7 +138,7 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     cases = [
         ("mla_prepare", _mla_prepare_kernel,  # V2-Lite's 16 heads, interleaved rope pairs
          {"HEADS": heads, "NOPE": nope, "ROPE": rope, "RANK": rank, "INTERLEAVE": True, "BLOCK_H": pow2(heads),
-          "BLOCK_ROPE": pow2(rope), "BLOCK_RANK": pow2(rank)}, 4, 3),
+          "BLOCK_ROPE": pow2(rope), "BLOCK_RANK": pow2(rank), "STORE": True, "TO_FP8": kv != p}, 4, 3),
         ("mla_store_rows", _store_rows_kernel,
          {"WIDTH": rank + rope, "BLOCK": pow2(rank + rope), "TO_FP8": kv != p}, 4 if rank + rope >= 1024 else 2, 3),
         ("mla_decode", _mla_decode_split_kernel,

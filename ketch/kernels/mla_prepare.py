@@ -3,6 +3,9 @@ ketch/models/deepseek.py):
 
     q       [tokens, heads, nope | rope]   the rope part rotated, in place
     latent  = rms_norm(ckv[:, :rank]) * w  |  rotated ckv[:, rank:]      a new [tokens, rank + rope]
+    store = (cache, slots): the latent also written into the pool row of each token's slot
+            (kv_store.store_rows' job, its fp8 conversion and padding slots < 0 included), so
+            the attention backend stores nothing (MLATritonBackend.latent_sink): one launch less
 
 where `rotated` first gathers DeepSeek's interleaved rope pairs to [even | odd] (when
 `interleave`), then rotates in ketch's rotate-half layout (kernels/rotary.py: full-width cos and
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
+from ketch.kernels.kv_store import FP8_MAX
 from ketch.kernels.rotary import rotated
 
 
@@ -34,11 +38,11 @@ def _gathered(offs, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 @triton.jit
 def _mla_prepare_kernel(
-    Q, Ckv, Cos, Sin, Weight, Latent,
-    stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, eps,
+    Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+    stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
-    USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+    STORE: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = ROPE // 2
@@ -55,6 +59,8 @@ def _mla_prepare_kernel(
         if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    if STORE:
+        slot = tl.load(Slots + t).to(tl.int64)
     q_rope = Q + t * stride_qt + offs_h[:, None] * stride_qh + NOPE
     x = tl.load(q_rope + src[None, :], mask=q_mask, other=0.0).to(tl.float32)
     xs = tl.load(q_rope + src_partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
@@ -71,14 +77,26 @@ def _mla_prepare_kernel(
     tl.store(q_rope + offs_r[None, :], rotated(x, xs, cos[None, :], sin[None, :], dt), mask=q_mask)
     rstd = tl.rsqrt(tl.sum(c * c, 0) / RANK + eps)
     normed = (c * rstd).to(dt).to(tl.float32)
-    tl.store(Latent + t * stride_lt + offs_k, (normed * w).to(dt), mask=k_mask)
-    tl.store(Latent + t * stride_lt + RANK + offs_r, rotated(k, ks, cos, sin, dt), mask=r_mask)
+    c_out = (normed * w).to(dt)
+    k_out = rotated(k, ks, cos, sin, dt)
+    tl.store(Latent + t * stride_lt + offs_k, c_out, mask=k_mask)
+    tl.store(Latent + t * stride_lt + RANK + offs_r, k_out, mask=r_mask)
+    if STORE:  # store_rows' conversion and padding rule, into the pool row of the token's slot
+        row = Cache + tl.maximum(slot, 0) * stride_cs
+        if TO_FP8:
+            c_out = tl.minimum(tl.maximum(c_out.to(tl.float32), -FP8_MAX), FP8_MAX)
+            k_out = tl.minimum(tl.maximum(k_out.to(tl.float32), -FP8_MAX), FP8_MAX)
+        tl.store(row + offs_k, c_out.to(Cache.dtype.element_ty), mask=k_mask & (slot >= 0))
+        tl.store(row + RANK + offs_r, k_out.to(Cache.dtype.element_ty), mask=r_mask & (slot >= 0))
 
 
 def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, nope: int, interleave: bool, *,
+                store: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [tokens, heads, nope + rope] (its rope part is overwritten), ckv [tokens, rank + rope],
-    cos / sin [tokens, 1, rope] or [tokens, rope], weight [rank] -> (q, latent [tokens, rank + rope])."""
+    cos / sin [tokens, 1, rope] or [tokens, rope], weight [rank] -> (q, latent [tokens, rank + rope]).
+    store = (cache [pages, page_size, rank + rope] contiguous, slots [tokens] int32 / int64, < 0:
+    padding): the latent also goes into the pool (as store_rows(cache, latent, slots))."""
     tokens, heads, head_dim = q.shape
     rope = head_dim - nope
     rank = ckv.shape[1] - rope
@@ -89,12 +107,18 @@ def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torc
         raise ValueError("mla_prepare: q and ckv need a contiguous last dimension")
     cos, sin = cos.reshape(tokens, rope), sin.reshape(tokens, rope)
     latent = torch.empty((tokens, rank + rope), dtype=ckv.dtype, device=ckv.device)
+    cache, slots = (latent, latent) if store is None else (store[0].view(-1, rank + rope), store[1])
+    if store is not None and (slots.shape != (tokens,) or not cache.is_contiguous()):
+        raise ValueError(f"mla_prepare: store needs a contiguous pool of rows {rank + rope} wide and a slot per token, "
+                         f"got {tuple(store[0].shape)} and slots {tuple(slots.shape)}")
     if tokens:
         _mla_prepare_kernel[(tokens,)](
-            q, ckv, cos, sin, weight, latent,
-            q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), eps,
-            HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
-            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), num_warps=4, **pdl_launch(tokens),
+            q, ckv, cos, sin, weight, latent, cache, slots,
+            q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), cache.stride(0),
+            eps, HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
+            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), STORE=store is not None,
+            TO_FP8=cache.dtype == torch.float8_e4m3fn and latent.dtype != cache.dtype, num_warps=4,
+            **pdl_launch(tokens),
         )
     return q, latent
 

@@ -67,8 +67,9 @@ class LayerOps:
     # launch (Qwen3); None: those two ops
     qk_norm_rotary: Callable[..., torch.Tensor] | None = None
     # (q [tokens, heads, nope + rope], ckv [tokens, rank + rope], cos, sin, norm weight, eps, nope,
-    # interleave) -> (q with its rope part rotated, latent): an MLA layer's glue (DeepSeek); None:
-    # the model's torch ops
+    # interleave[, store=(pool tensor, slots)]) -> (q with its rope part rotated, latent): an MLA
+    # layer's glue (DeepSeek), the latent also written into the pool when store is given (the
+    # backend's latent_sink); None: the model's torch ops
     mla_prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 

@@ -96,9 +96,13 @@ class DeepseekAttention(nn.Module):
         q = self._query(q)
         q = q.view(t, self.heads, q.shape[1] // self.heads)  # (not -1: an idle forward has t == 0)
         n = self.kv_a_layernorm
-        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave)
+        # the layer ops' prepare (Triton) also writes the latents into the pool where the
+        # backend says where (one launch less); the torch glue leaves that to the backend
+        sink = attn.latent_sink(self.layer, meta) if self.ops.mla_prepare is not None else None
+        store = {} if sink is None else {"store": sink}
+        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave, **store)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
-        o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :])
+        o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :], stored=sink is not None)
         return self.o_proj(o.flatten(1))
 
 
