@@ -76,3 +76,40 @@ def test_copy_seconds_reach_metrics(tiny_config_path: str) -> None:
     assert host is not None and host.stats.loaded_pages > 0
     shown = scraped(eng)
     assert shown["ketch_hicache_load_copy_seconds_total"] == host.stats.load_copy_seconds > 0
+
+
+class RecordedWaits:
+    """The pending load's interface as LayerWaitingAttention uses it: the layers waited for, in order."""
+
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+
+    def wait_layer(self, layer: int) -> None:
+        self.layers.append(layer)
+
+
+def test_the_waiting_attention_waits_for_the_called_layer_mha_and_mla(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step after a host-tier load wraps the backend: both call shapes (MHA's (q, k, v, layer,
+    meta) and MLA's (q, latent, layer, meta, w_uk, w_uv, stored=)) wait for their own layer
+    first, and an MLA layer whose prepare stores the latents (latent_sink) waits before it."""
+    from ketch.attention.idle import IDLE_ATTENTION
+    from ketch.attention.mla_backend import MLAAttentionBackend
+    from ketch.attention.mla_triton_backend import MLATritonBackend
+    from ketch.config import KVTensorSpec
+    from ketch.runner.layer_waits import LayerWaitingAttention
+
+    waits = RecordedWaits()
+    idle = LayerWaitingAttention(IDLE_ATTENTION, waits)  # type: ignore[arg-type]
+    q, w = torch.zeros(0, 4, 8), torch.zeros(4, 6, 16)
+    assert idle.forward(q, q, q, 3, None).shape == (0, 4, 8)
+    assert idle.forward(q, torch.zeros(0, 24), 5, None, w, w, stored=False).shape == (0, 4, 6)
+    assert idle.latent_sink(6, None) is None and waits.layers == [3, 5]  # nothing stored early: no wait
+    pool = KVPool(KVSpec(2, (KVTensorSpec("latent", (24,)),)), 4, 4, torch.float32, torch.device("cpu"))
+    torch_mla = LayerWaitingAttention(MLAAttentionBackend(pool, "latent", 0.1, torch.device("cpu")), waits)  # type: ignore[arg-type]
+    assert torch_mla.latent_sink(1, None) is None and waits.layers == [3, 5]
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend on the CPU (no kernel runs here)
+    triton_mla = LayerWaitingAttention(MLATritonBackend(pool, "latent", 4, 16, 0.1, torch.device("cpu")), waits)  # type: ignore[arg-type]
+    meta = type("Meta", (), {"slots": torch.zeros(1, dtype=torch.int32)})()
+    cache, slots = triton_mla.latent_sink(1, meta)
+    assert cache is pool.tensor(1, "latent") and slots is meta.slots and waits.layers == [3, 5, 1]

@@ -27,6 +27,16 @@ class LayerWaitingAttention(AttentionBackend):
     def init_metadata(self, batch: ForwardBatch) -> Any:
         return self.inner.init_metadata(batch)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any) -> torch.Tensor:
-        self.pending.wait_layer(layer)
-        return self.inner.forward(q, k, v, layer, metadata)
+    def forward(self, q: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
+        """MHA: (q, k, v, layer, metadata); MLA (attention/mla_backend.py): (q, latent, layer,
+        metadata, w_uk, w_uv[, stored=]). Either way the layer's pages are waited for first."""
+        self.pending.wait_layer(rest[1] if len(rest) == 5 else rest[2])  # MLA: 5 after q; MHA: 4
+        return self.inner.forward(q, *rest, **kw)
+
+    def latent_sink(self, layer: int, metadata: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """MLA: where the layer op stores the new latents, if the backend lets it; that store is
+        the layer's first touch of the pool, so the wait comes before it."""
+        sink = self.inner.latent_sink(layer, metadata)  # type: ignore[attr-defined]
+        if sink is not None:
+            self.pending.wait_layer(layer)
+        return sink
