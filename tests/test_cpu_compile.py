@@ -47,3 +47,21 @@ def test_cpu_compile_refuses_cuda(tiny_config_path):
     cfg = EngineConfig(model=tiny_config_path, load_format="dummy", device="cuda:0", cpu_compile=True)
     with pytest.raises(ValueError, match="cpu_compile"):
         ModelRunner(cfg, None, 64)  # refused before the model is read
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b"])
+def test_cpu_compile_refuses_moe_and_mla_models_by_name(name, tmp_path):
+    """A mixture-of-experts or MLA model cannot be traced (the experts' routing syncs with the
+    host; MLA attention has another call shape): --cpu-compile is refused at start-up, naming
+    the flag, instead of failing at the first decode step."""
+    import json
+    from pathlib import Path
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "configs" / name / "config.json").read_text())
+    d.update(num_hidden_layers=1, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, vocab_size=512,
+             num_attention_heads=4, num_key_value_heads=4, head_dim=16, kv_lora_rank=32, qk_rope_head_dim=16,
+             qk_nope_head_dim=32, v_head_dim=32, num_experts=8, n_routed_experts=8, first_k_dense_replace=0)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="cpu_compile: .* eagerly"):
+        make_tiny_engine(str(tmp_path / "config.json"), cpu_compile=True)
+    make_tiny_engine(str(tmp_path / "config.json"))  # the same model runs without it

@@ -102,6 +102,10 @@ class ModelFamily(Generic[C]):
     # name suffixes (checkpoint names, and parameter names without "model.") of tensors kept fp32
     # in a model of any dtype: read, drawn and held in fp32 (DeepSeek's router)
     fp32_weights: tuple[str, ...] = ()
+    # whether `cpu_compile` can trace its decode step (runner/cpu_compile.py: dense layers and
+    # MHA attention through one custom op; a MoE layer's expert routing syncs with the host and
+    # MLA attention has another call shape)
+    cpu_compile: bool = False
 
     def make_attention(self, config: C, pool: Any, *, backend: str, parallel: ParallelContext,
                        device: torch.device, max_model_len: int) -> AttentionBackend:

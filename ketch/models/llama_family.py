@@ -68,4 +68,5 @@ LLAMA: ModelFamily[ModelConfig] = ModelFamily(
     kv_spec=kv_spec,
     weight_shapes=weight_shapes,
     model_class=LlamaForCausalLM,
+    cpu_compile=True,
 )

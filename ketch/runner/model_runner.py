@@ -93,6 +93,9 @@ class ModelRunner:
         # model, KV layout, weights and attention backend all come from the family: nothing
         # here reads a family's config fields (head counts, dims)
         self.family = family_for(model_config.architecture)
+        if config.cpu_compile and not self.family.cpu_compile:
+            raise ValueError(f"cpu_compile: traces the dense (Llama-family) decode step only; "
+                             f"{model_config.architecture} ({self.family.name} family) runs its decode steps eagerly")
         self.source = source or ModelSource.resolve(config.model, config.load_format, config.tokenizer)
         self.device = config.torch_device
         self.dtype = config.torch_dtype
