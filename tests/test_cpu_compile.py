@@ -31,10 +31,14 @@ def test_tiny_model_padded_batches_match_eager(tiny_config_path):
     assert _greedy(engine, prompts[:1], 6) == _greedy(make_tiny_engine(tiny_config_path), prompts[:1], 6)
 
 
-def test_bundled_model_bf16_decode_matches_eager(smollm_path):
+def test_bundled_model_bf16_decode_matches_eager(smollm_path, monkeypatch):
     """The default CPU fast path (bf16 activations, 4-bit GGUF matmuls): the same greedy tokens.
     A compiled engine takes torch's layer ops (its graph fuses them; EngineConfig.resolved_layer_kernels),
-    so the eager one it is compared with takes them too."""
+    so the eager one it is compared with takes them too. The 4-bit crossover is pinned: measured,
+    it moves between 8 and 16 tokens from run to run on a small VM (never a clean timing), which
+    picks the 4-bit or the dense product for the 9-token prompt and so the bf16 text, and with it
+    whether a near-tie falls on this prompt (the test failed ~1 run in 4 before)."""
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "8")
     prompts = [[1, 504, 3458, 282, 4372, 314, 253, 3527, 30]]
     kw = dict(model=smollm_path, dtype="bfloat16", kv_cache_memory=64 << 20, max_num_seqs=4, layer_kernels="torch")
     eager = _greedy(Engine(EngineConfig(**kw)), prompts, 16)

@@ -131,3 +131,19 @@ def test_a_dense_gemm_that_lost_at_every_size_is_never_taken():
 
     assert steps_up_to(SIZES[-1]) > 1 << 40
     assert steps_up_to(SIZES[-2]) == SIZES[-2] and steps_up_to(0) == 0
+
+
+def test_a_pinned_crossover_sets_every_shape_without_timing_or_the_cache(one_torch_thread, monkeypatch):
+    """KETCH_INT4_CROSSOVER=<tokens>: every layer takes the 4-bit kernel up to that many tokens
+    whatever the cache holds and without timing (a machine that never times clean then starts
+    alike every time); anything but a count or 'measure' is refused, naming the variable."""
+    layers = [q4_linear(64, 128, 0), q4_linear(96, 64, 1)]
+    cache.store({(64, 128): 4, (96, 64): 32}, torch.bfloat16)
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "12")
+    found, source = calibrate(layers)
+    assert found == {(64, 128): 12, (96, 64): 12} and source == "pinned by KETCH_INT4_CROSSOVER=12"
+    assert [m.int4_max_tokens for m in layers] == [12, 12]
+    assert cache.load(list(found), torch.bfloat16) == {(64, 128): 4, (96, 64): 32}  # the cache untouched
+    monkeypatch.setenv("KETCH_INT4_CROSSOVER", "twelve")
+    with pytest.raises(ValueError, match="KETCH_INT4_CROSSOVER"):
+        calibrate(layers)

@@ -142,13 +142,27 @@ def _key(shapes: list[tuple[int, int]], dtype: torch.dtype, kernel: str) -> str:
 
 
 def _known(shapes: list[tuple[int, int]], dtype: torch.dtype, kernel: str) -> tuple[dict | None, str]:
-    """An earlier measurement: this process's, else the machine's cache (none when asked to measure)."""
-    if os.environ.get("KETCH_INT4_CROSSOVER") == "measure":
+    """A pinned crossover (KETCH_INT4_CROSSOVER=<tokens>), else an earlier measurement: this
+    process's, else the machine's cache (none when asked to measure)."""
+    setting = os.environ.get("KETCH_INT4_CROSSOVER", "")
+    if setting == "measure":
         return None, ""
+    if setting:
+        return {shape: pinned_tokens(setting) for shape in shapes}, f"pinned by KETCH_INT4_CROSSOVER={setting}"
     here = _MEASURED_HERE.get(_key(shapes, dtype, kernel))
     if here is not None:
         return dict(here), "measured earlier in this process"
     return int4_crossover_cache.load(shapes, dtype, kernel), "cached"
+
+
+def pinned_tokens(setting: str) -> int:
+    """KETCH_INT4_CROSSOVER=<tokens>: every shape takes the 4-bit kernel for steps of up to that
+    many tokens, no timing. A machine whose timings are never clean (a loaded or small VM) times
+    at every start and may choose differently each time, and the two products round bf16
+    differently: the pin makes every start choose alike (reproducible greedy text)."""
+    if not setting.isdigit():
+        raise ValueError(f"KETCH_INT4_CROSSOVER: 'measure' or a token count, got {setting!r}")
+    return int(setting)
 
 
 def steps_up_to(tokens: int) -> int:

@@ -11,7 +11,8 @@ GEMM: linear.dense_in_fp32), which emulate other machines),
 the thread count, the dtype and the set of shapes. Only a clean measurement is stored: one whose
 repeated timings agree (int4_crossover.Timing.noisy); a start-up under load measures for itself
 and keeps nothing. A file that cannot be read, or lacks a shape, is measured again and replaced.
-`KETCH_INT4_CROSSOVER=measure` measures (and stores) whatever the cache holds.
+`KETCH_INT4_CROSSOVER=measure` measures (and stores) whatever the cache holds; a token count pins
+the crossover without reading or writing it (int4_crossover.pinned_tokens).
 """
 from __future__ import annotations
 
