@@ -199,3 +199,5 @@ def test_shared_experts_fold_into_the_fused_experts(world):
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="should be 2 x 24"):
         layer.weight_loader(layer.w13, gate[:inter], (SHARED, "w1"))
+    with pytest.raises(ValueError, match="names expert 8"):  # a shared slot is loaded by SHARED only
+        layer.weight_loader(layer.w2, ckpt[(0, "w2")], (8, "w2"))

@@ -169,10 +169,13 @@ class FusedExperts(nn.Module):
             if loaded.shape[dim] != self.shared * n:
                 raise ValueError(f"has shape {tuple(loaded.shape)}: dim {dim} should be {self.shared} x {n}")
             for s in range(self.shared):
-                self.weight_loader(param, loaded.narrow(dim, s * n, n), (self.num_experts + s, part))
+                self._load_slot(param, loaded.narrow(dim, s * n, n), self.num_experts + s, part)
             return
-        if not isinstance(expert, int) or not 0 <= expert < self.num_experts + self.shared:
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:  # a shared slot only by SHARED
             raise ValueError(f"names expert {expert}, the layer has {self.num_experts}")
+        self._load_slot(param, loaded, expert, part)
+
+    def _load_slot(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> None:
         if part == "w2":
             load_shard(param.data[expert], loaded, self.parallel, dim=1)
             return
