@@ -34,9 +34,9 @@ from ketch.engine.engine import Engine  # noqa: E402
 from ketch.sampling.params import SamplingParams  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-SMALL = dict(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, num_experts=8,
-             kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+SMALL = dict(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=96,
+             moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+             num_experts=8, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 NOT_KERNELS = ("empty", "view", "slice", "select", "as_strided", "reshape", "t.", "transpose", "unsqueeze", "squeeze",
                "expand", "detach", "alias", "_reshape_alias", "split", "narrow", "permute", "unbind", "_unsafe_view",
                "new_empty", "lift_fresh", "flatten", "to.", "_to_copy")  # views, allocations, same-dtype casts

@@ -58,9 +58,11 @@ class LayerOps:
     # (x, w13, w2, topk_weights, topk_ids) -> [tokens, hidden]: a MoE layer's experts (moe.py);
     # None: the torch reference (with its host-sync-free fallback while a graph is captured)
     fused_experts: Callable[..., torch.Tensor] | None = None
-    # (logits [tokens, experts], top_k, renormalize) -> (weights fp32, ids int64) [tokens, top_k]:
-    # softmax top-k routing (moe_routing.softmax_topk's contract); None: that torch function
-    softmax_topk: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (logits [tokens, experts], top_k, renormalize[, scale=, append=, counts=]) -> (weights fp32,
+    # ids int64) [tokens, top_k (+ append)]: softmax top-k routing (moe_routing.softmax_topk's
+    # contract; the Triton kernel also scales, appends always-picked slots and counts picks:
+    # kernels/moe_route.py); None: that torch function
+    softmax_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # (qk [tokens, heads, dim], q_weight, k_weight, eps, num_q) -> new tensor: per-head q / k norms
     qk_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor] = torch_qk_norm
     # (qk, q_weight, k_weight, eps, num_q, cos, sin) -> new tensor: rotary(qk_norm(...)) in one

@@ -163,8 +163,8 @@ class DeepseekForCausalLM(DecoderStack):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (gate/up into the fused MLP slot, each routed expert's projections into
-        its layer's w13 / w2, the shared experts' too where folded). V3 checkpoints also carry their multi-token-prediction layer(s) after
-        the last decoder layer: not used, skipped."""
+        its layer's w13 / w2, the shared experts' too where folded). V3 checkpoints also carry
+        their multi-token-prediction layer(s) after the last decoder layer: not used, skipped."""
         n = self.config.num_layers
         load_parameters(self, ((k, v) for k, v in weights if _layer_index(k) < n), PACKED,
                         optional=frozenset({"lm_head.weight"}), name_maps=self.name_maps)

@@ -111,7 +111,8 @@ def moe_shapes(c: DeepseekConfig, p: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def routing(c: DeepseekConfig, ops: LayerOps | None = None, appended: int = 0) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def routing(c: DeepseekConfig, ops: LayerOps | None = None,
+            appended: int = 0) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """grouped_topk with this config's numbers (logits[, correction_bias=]) -> (weights, ids),
     with `appended` always-picked slots after the k (the shared experts folded into the fused
     MoE: append_picks).
