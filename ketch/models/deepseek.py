@@ -83,8 +83,10 @@ class DeepseekAttention(nn.Module):
         return self.q_b_proj(self.ops.rms_norm(q, n.weight, n.eps))
 
     def _prepare_torch(self, q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       weight: torch.Tensor, eps: float, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """q's rope part rotated, the latent = normed c | rotated k_pe (LayerOps.mla_prepare's contract)."""
+                       weight: torch.Tensor, eps: float, nope: int, interleave: bool,
+                       store: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q's rope part rotated, the latent = normed c | rotated k_pe (LayerOps.mla_prepare's contract;
+        never asked to store: the backend stores what the torch glue hands it)."""
         rank = ckv.shape[1] - (q.shape[2] - nope)
         q = torch.cat((q[..., :nope], _rotate(q[..., nope:], cos, sin, interleave)), -1)
         c = self.ops.rms_norm(ckv[:, :rank], weight, eps)
@@ -99,8 +101,7 @@ class DeepseekAttention(nn.Module):
         # the layer ops' prepare (Triton) also writes the latents into the pool where the
         # backend says where (one launch less); the torch glue leaves that to the backend
         sink = attn.latent_sink(self.layer, meta) if self.ops.mla_prepare is not None else None
-        store = {} if sink is None else {"store": sink}
-        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave, **store)
+        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave, store=sink)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
         o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :], stored=sink is not None)
         return self.o_proj(o.flatten(1))

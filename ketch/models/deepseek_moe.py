@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 V3 = "DeepseekV3ForCausalLM"
 FP32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # name suffixes kept fp32
 V2_METHODS = ("greedy", "group_limited_greedy")
-EXPERT_NAMES = expert_name_map({"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})
-SHARED_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # a checkpoint projection's FusedExperts part
+EXPERT_NAMES = expert_name_map(PARTS)
 
 
 def shared_expert_names(name: str) -> tuple[str, Any] | None:
@@ -54,9 +54,9 @@ def shared_expert_names(name: str) -> tuple[str, Any] | None:
     (SHARED, part)) where the shared MLP is folded into the fused experts."""
     head, sep, tail = name.partition(".mlp.shared_experts.")
     proj = tail.removesuffix(".weight")
-    if not sep or proj not in SHARED_PARTS or not tail.endswith(".weight"):
+    if not sep or proj not in PARTS or not tail.endswith(".weight"):
         return None
-    part = SHARED_PARTS[proj]
+    part = PARTS[proj]
     return f"{head}.mlp.experts.{'w2' if part == 'w2' else 'w13'}", (SHARED, part)
 
 
