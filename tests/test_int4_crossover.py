@@ -19,8 +19,10 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm
 
 @pytest.fixture(autouse=True)
 def fresh_process_memory(monkeypatch):
-    """Each test starts as a fresh process would: no measurement taken earlier in it."""
+    """Each test starts as a fresh process would: no measurement taken earlier in it, and no
+    crossover pinned (conftest pins one for the rest of the suite)."""
     monkeypatch.setattr(int4_crossover, "_MEASURED_HERE", {})
+    monkeypatch.delenv("KETCH_INT4_CROSSOVER", raising=False)
 
 
 def test_the_crossover_is_the_last_size_of_an_unbroken_run_of_wins():
