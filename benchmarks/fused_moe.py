@@ -12,6 +12,10 @@ bandwidth (every picked expert's w13 + w2 read once).
     python benchmarks/fused_moe.py --shapes qwen3 --batches 1 8 --dtype fp16
     python benchmarks/fused_moe.py --sweep               # a small block-size sweep per shape and
                                                          # batch (CUDA graphs), printed as TUNED entries
+    python benchmarks/fused_moe.py --decode --shapes qwen3 dsv2lite-shared --batches 1 2 4
+                                                         # decode sizes: the grouped path vs
+                                                         # moe_decode.py's (per layer, LAYERS expert
+                                                         # sets a call) and a sweep of its blocks
 
 Block sizes come from ketch.kernels.fused_moe.pick_config (TUNED, then the heuristic); the
 config used is printed per row, for filling TUNED after a sweep.
@@ -63,6 +67,10 @@ DECODE_UP = ((16, 128, 4, 4), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3),
 DECODE_DOWN = ((16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (32, 128, 2, 4), (16, 256, 2, 3),
                (64, 64, 4, 4))
 LAYERS = 8  # --sweep-decode: expert sets per timed call (another layer's experts each, as decode reads them)
+# --decode: moe_decode.DecodeConfig candidates, (block, K step, warps) of the gate|up kernel and of
+# the down + combine kernel; each compiles for sm_90 without spills at bf16
+DECODE_GATE_UP = ((4, 1024, 8), (2, 1024, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (8, 128, 4), (16, 128, 4))
+DECODE_DOWN_COMBINE = ((8, 512, 4), (4, 1024, 4), (8, 1024, 8), (16, 256, 4), (8, 128, 4), (32, 128, 4))
 
 
 def sweep(fm, key: tuple, run, rep: int) -> tuple[float, object]:
@@ -100,6 +108,35 @@ def sweep_decode(fm, key: tuple, run, rep: int) -> tuple[float, object]:
     return best[0] / LAYERS, best[1]
 
 
+def decode_paths(md, fm, sets, w13, w2, extra: dict, rep: int) -> tuple[float, float, float, object]:
+    """µs per layer over the LAYERS expert sets of one call, in CUDA graphs: the grouped path
+    (alignment, two GEMMs, combine), moe_decode.py's at its current config, and the best of a
+    sweep of its blocks (every gate|up candidate with the first down one, then every down one
+    with the best gate|up); the best DecodeConfig last."""
+    import triton.testing
+
+    def run(cfg=None, decode=True):
+        def layers():
+            for xs, ws, ids_j in sets:
+                if decode:
+                    md.fused_experts_decode(xs, w13, w2, ws, ids_j, cfg=cfg, **extra)
+                else:
+                    fm.fused_experts_triton(xs, w13, w2, ws, ids_j, **extra)
+        return triton.testing.do_bench_cudagraph(layers, rep=rep) * 1e3 / LAYERS
+
+    saved, md.DECODE_MAX_TOKENS = md.DECODE_MAX_TOKENS, 0
+    try:
+        grouped = run(decode=False)
+    finally:
+        md.DECODE_MAX_TOKENS = saved
+    current = run(md.pick_decode_config(bool(extra)))
+    fp8_ok = [u for u in DECODE_GATE_UP if not extra or md.FP8_BLOCK % u[1] == 0]
+    downs = [d for d in DECODE_DOWN_COMBINE if not extra or md.FP8_BLOCK % d[1] == 0]
+    up = min(fp8_ok, key=lambda u: run(md.DecodeConfig(*u, *downs[0])))
+    best = min((md.DecodeConfig(*up, *d) for d in downs), key=run)
+    return grouped, current, run(best), best
+
+
 def _time(fm, key: tuple, cfg, run, rep: int) -> float:
     import triton.testing
 
@@ -123,6 +160,9 @@ def main() -> None:
     ap.add_argument("--sweep-decode", action="store_true",
                     help="decode-sized sweep: BLOCK_M 16, narrow column blocks, each call over LAYERS expert sets "
                          "(none in L2 from the call before); prints the current pick's time beside the best")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode sizes: the grouped path vs moe_decode.py's and a sweep of its blocks (µs per layer, "
+                         "LAYERS expert sets a call)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fused_moe.py needs CUDA")
@@ -130,6 +170,7 @@ def main() -> None:
     import triton.testing
 
     import ketch.kernels.fused_moe as fm
+    import ketch.kernels.moe_decode as md
     from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
     from ketch.kernels.moe_align import moe_align, moe_align_ref
     from ketch.kernels.moe_route import softmax_topk_triton
@@ -172,10 +213,17 @@ def main() -> None:
                 def ref(rw13=rw13, rw2=rw2):
                     return fused_experts_ref(x, rw13, rw2, weights, ids)
 
+                # other routed experts per layer (the shared slots stay)
+                sets = [(x, weights, torch.cat(((ids[:, :routed_k] + 7 * j) % routed, ids[:, routed_k:]), 1))
+                        for j in range(LAYERS)]
+                if a.decode:
+                    grouped, current, t, cfg = decode_paths(md, fm, sets, tw13, tw2, extra, rep=min(a.rep, 20))
+                    err = (md.fused_experts_decode(x, tw13, tw2, weights, ids, **extra).float() - ref().float()).abs().max()
+                    print(f"{name:17s} {kind:4s} {tokens:5d} grouped {grouped:6.1f} µs/layer  decode {current:6.1f} "
+                          f"({md.pick_decode_config(bool(extra))})  best {t:6.1f} ({cfg})  "
+                          f"{wbytes / current / 1e3:6.0f} GB/s  max err {err.item():.1e}", flush=True)
+                    continue
                 if a.sweep_decode:
-                    # other routed experts per layer (the shared slots stay)
-                    sets = [(x, weights, torch.cat(((ids[:, :routed_k] + 7 * j) % routed, ids[:, routed_k:]), 1))
-                            for j in range(LAYERS)]
 
                     def layers(tw13=tw13, tw2=tw2, extra=extra, sets=sets):
                         for xs, ws, ids_j in sets:

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from fp8_blocks import dequantize_blocks, quantize_blocks
+from ketch.kernels import moe_decode
 from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
 from ketch.kernels.moe_align import max_padded_rows, moe_align
 from ketch.layers.moe import fused_experts_ref
@@ -81,9 +83,11 @@ def test_align_one_expert_takes_every_row():
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_experts_triton_is_the_reference(tokens, dtype):
+def test_fused_experts_triton_is_the_reference(tokens, dtype, monkeypatch):
     """T < BLOCK_M (1, 5) and several blocks per expert (64 tokens * 2 picks over 7 experts at
-    BLOCK_M 16); expert EMPTY gets no rows."""
+    BLOCK_M 16); expert EMPTY gets no rows. The grouped GEMMs at one token too (that step
+    otherwise takes moe_decode.py's path: tests/test_moe_decode_kernel.py)."""
+    monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 0)
     w13, w2 = experts(dtype)
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(100 + tokens)).to(DEVICE, dtype)
     weights, ids = routed(tokens, seed=tokens)
@@ -120,23 +124,6 @@ def test_no_tokens_and_bad_shapes():
         fused_experts_triton(x, w13, w2[:, :, :-1], *routed(2, seed=1))
     with pytest.raises(ValueError, match="fp8 needs both"):
         fused_experts_triton(x, w13, w2, *routed(2, seed=1), w13_scale=torch.ones(E, 1, 1))
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> fp8 e4m3 weights and fp32 scales [E, ceil(N/128), ceil(K/128)] (absmax per block)."""
-    e, n, k = w.shape
-    pn, pk = -(-n // FP8_BLOCK) * FP8_BLOCK, -(-k // FP8_BLOCK) * FP8_BLOCK
-    padded = torch.zeros(e, pn, pk)
-    padded[:, :n, :k] = w
-    blocks = padded.view(e, pn // FP8_BLOCK, FP8_BLOCK, pk // FP8_BLOCK, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, pn, pk)[:, :n, :k].contiguous()
-    return q, scale
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    full = scale.repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2)
-    return q.float() * full[:, : q.shape[1], : q.shape[2]]
 
 
 @pytest.mark.parametrize("tokens", [12])

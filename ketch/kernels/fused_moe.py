@@ -5,7 +5,9 @@
         tests/test_fused_moe_kernel.py); x [T, H]; w13 [E, 2I, H] = [gate | up] rows per expert;
         w2 [E, H, I]; topk_weights / topk_ids [T, k]
 
-Three launches after the alignment (no host sync anywhere: shapes decide the grids):
+Steps of up to moe_decode.DECODE_MAX_TOKENS tokens (batch-1 decode) take moe_decode.py instead: a
+GEMV per (token, pick) row, no alignment, the combine inside the down kernel. Larger steps:
+three launches after the alignment (no host sync anywhere: shapes decide the grids):
     1. gate|up GEMM with SiLU·mul in its epilogue: one program holds BLOCK_M rows of one expert
        and BLOCK_N intermediate columns, accumulates gate and up (two fp32 accumulators over the
        same A tile: rows n and I + n of w13[e]) and writes silu(gate) * up -> inter [T*k, I],
@@ -43,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ketch.kernels import moe_decode
 from ketch.kernels._common import dot_precision, interpreting, pdl_launch
 from ketch.kernels.moe_align import moe_align
 from ketch.kernels.moe_combine import moe_sum
@@ -229,6 +232,9 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     inter = two_i // 2
     if tokens == 0:
         return x.new_empty(0, hidden)
+    if tokens <= moe_decode.DECODE_MAX_TOKENS:  # by shape (graph-safe): a GEMV per row, no alignment
+        return moe_decode.fused_experts_decode(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                               w2_scale=w2_scale)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = (w if w.stride(-1) == 1 else w.contiguous() for w in (w13, w2))
     cfg = pick_config(tokens, num_experts, hidden, inter, top_k, "fp8" if w13_scale is not None else "16")
