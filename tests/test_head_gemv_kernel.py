@@ -46,3 +46,33 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         head_gemv(x[:1], torch.zeros(HEADS, NOPE + 1, RANK, device=DEVICE))
     assert head_gemv(x[:0], torch.zeros(HEADS, NOPE, RANK, device=DEVICE)).shape == (0, HEADS, RANK)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_the_merged_form_is_the_merge_then_the_product(dtype, splits):
+    """At one row W_UV's product takes split-K attention's partials and log-sum-exps (fp32) and
+    merges them itself: decode_attention's merge kernel then head_gemv, a split that saw no
+    token (lse -inf) and a head whose splits all did (a zero row) included. The same bits in the
+    interpreter (the merge's formulas, reduced over the splits as the merge kernel does)."""
+    from ketch.kernels.decode_attention import merge_splits
+
+    g = torch.Generator().manual_seed(splits)
+    rank = 520  # W_UV's long-K blocks (256), masked
+    parts = torch.randn(1, HEADS, splits, rank, generator=g).to(DEVICE)
+    lse = (torch.randn(1, HEADS, splits, generator=g) * 4).to(DEVICE)
+    if splits > 1:
+        lse[0, 0, 1] = float("-inf")
+    lse[0, 2] = float("-inf")
+    w_uv = (torch.randn(HEADS, V, rank, generator=g) / 8).to(DEVICE, dtype)
+    merged = torch.empty(1, HEADS, rank, dtype=dtype, device=DEVICE)
+    want = head_gemv(merge_splits(parts, lse, merged, splits), w_uv.transpose(1, 2))
+    out = torch.full((3, HEADS, V), 7.0, dtype=dtype, device=DEVICE)
+    head_gemv(parts, w_uv.transpose(1, 2), out=out[:1], lse=lse)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out[:1], want)
+    else:  # compiled, the two kernels may reduce over the splits in other orders
+        torch.testing.assert_close(out[:1].float(), want.float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
+    assert (out[0, 2] == 0).all() and (out[1:] == 7).all()
+    with pytest.raises(ValueError, match="one row"):
+        head_gemv(parts.expand(2, -1, -1, -1), w_uv.transpose(1, 2), out=out[:2], lse=lse.expand(2, -1, -1))

@@ -169,6 +169,9 @@ def test_mla_triton_backend_matches_torch_backend(dtype: torch.dtype, kv_dtype: 
         ],
         [SeqChunk(start=0, num_new=20, page_table=perm[13:15])],  # prefill only, nothing cached
         [SeqChunk(start=34, num_new=1, page_table=perm[6:9]), SeqChunk(start=11, num_new=1, page_table=perm[9:10])],
+        # one decode row (the W_UV product merges the splits itself), with and without an extend
+        [SeqChunk(start=41, num_new=1, page_table=perm[0:3]), SeqChunk(start=5, num_new=4, page_table=perm[15:16])],
+        [SeqChunk(start=42, num_new=1, page_table=perm[0:3])],
     ]
     for seqs in steps:
         batch = ForwardBatch.build(seqs, PAGE)
@@ -227,7 +230,7 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     # parameters before the wait: K step 0's weight tile, mla_prepare's norm weight
-    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv", "mla_prepare"}
+    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv", "head_gemv_uv_merged", "mla_prepare"}
     assert {name for name, _, _ in found} == {"mla_prepare", "mla_store_rows", "mla_decode", "mla_merge", "mla_extend",
                                               *weights_first}, proc.stdout
     assert all(spill == "0" for _, spill, _ in found), proc.stdout

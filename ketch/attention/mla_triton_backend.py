@@ -8,7 +8,8 @@ one int32 host→device copy of lens, slots and page table; decode rows first):
     decode    absorbed form: q_lat = q_nope W_UK_h, `mla_decode` over the latent pages (split-K,
               a block of heads per program sharing each latent row), then W_UV_h on the
               [heads, rank] result; the two per-head products as `head_gemv` launches for steps
-              of a few rows (written in place, no copy), one bmm each above that
+              of a few rows (written in place, no copy), one bmm each above that; at one row the
+              W_UV head_gemv merges the splits itself (`mla_decode_partials`, `lse=`): no merge launch
     extend    expanded form, the existing `extend_attention` kernel (qk dim nope + rope, v dim
               v_head_dim, MHA: kv heads = heads): the new tokens' K/V are up-projected from the
               latents as handed in (full precision); a cached prefix is gathered by whole pages
@@ -34,7 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ketch.attention.triton_backend import ExtendMetadata, TritonAttentionBackend, TritonAttentionMetadata
+from ketch.attention.triton_backend import (
+    DecodeMetadata,
+    ExtendMetadata,
+    TritonAttentionBackend,
+    TritonAttentionMetadata,
+)
 from ketch.cache.kv_pool import KVPool
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
@@ -43,7 +49,7 @@ from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.head_gemv import MAX_ROWS as HEAD_GEMV_MAX_ROWS
 from ketch.kernels.head_gemv import head_gemv
 from ketch.kernels.kv_store import store_rows
-from ketch.kernels.mla_decode import mla_decode, mla_num_splits
+from ketch.kernels.mla_decode import mla_decode, mla_decode_partials, mla_num_splits
 
 
 @dataclass
@@ -122,29 +128,43 @@ class MLATritonBackend(TritonAttentionBackend):
         cache = self.pool.tensor(layer, self.name)
         if not stored:
             store_rows(cache, latent, meta.slots)
-        nope = w_uk.shape[1]
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1])
         if meta.decode is not None:
-            d, nd = meta.decode, meta.num_decode
-            few = nd <= HEAD_GEMV_MAX_ROWS  # a few rows: one launch per product, no copy (kernels/head_gemv.py)
-            q_lat = head_gemv(q[:nd, :, :nope], w_uk) if few else \
-                torch.bmm(q[:nd, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
-            o_lat = mla_decode(q_lat, q[:nd, :, nope:], cache, d.page_table, d.seq_lens, self.scale,
-                               scratch=d.scratch, num_splits=d.num_splits, block_h=self.decode_block_h,
-                               block_n=self.decode_block_n)
-            if few:
-                head_gemv(o_lat, w_uv.transpose(1, 2), out=out[:nd])
-            else:
-                out[:nd] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            self._decode(q[: meta.num_decode], cache, meta.decode, w_uk, w_uv, out[: meta.num_decode])
         if meta.extend is not None:
-            e = meta.extend
-            k, v = expand(latent, w_uk, w_uv)  # decode rows' too (never read): one GEMM, no row offsets
-            if e.prefix_pages is not None:
-                kc, vc = expand(cache.index_select(0, e.prefix_pages).to(q.dtype), w_uk, w_uv)
-                table = e.prefix_table
-            else:  # nothing cached before any chunk: the kernel's prefix loop never runs
-                kc, vc, table = k[:0, None], v[:0, None], e.page_table
-            extend_attention(q, k, v, kc, vc, table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new, self.scale,
-                             out=out, block_m=self.extend_block_m, block_n=self.extend_block_n,
-                             num_warps=self.extend_warps)
+            self._extend(q, latent, cache, meta.extend, w_uk, w_uv, out)
         return out
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor, d: DecodeMetadata, w_uk: torch.Tensor,
+                w_uv: torch.Tensor, out: torch.Tensor) -> None:
+        """The decode rows, absorbed: q_lat = q_nope W_UK, split-K MLA over the latent cache, W_UV."""
+        nd, nope = q.shape[0], w_uk.shape[1]
+        few = nd <= HEAD_GEMV_MAX_ROWS  # a few rows: one launch per product, no copy (kernels/head_gemv.py)
+        q_lat = head_gemv(q[:, :, :nope], w_uk) if few else \
+            torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
+        splits = dict(scratch=d.scratch, num_splits=d.num_splits, block_h=self.decode_block_h,
+                      block_n=self.decode_block_n)
+        if nd == 1:  # the W_UV product merges the splits itself: the merge's launch goes
+            parts, lse = mla_decode_partials(q_lat, q[:, :, nope:], cache, d.page_table, d.seq_lens, self.scale,
+                                             **splits)
+            head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse)
+            return
+        o_lat = mla_decode(q_lat, q[:, :, nope:], cache, d.page_table, d.seq_lens, self.scale, **splits)
+        if few:
+            head_gemv(o_lat, w_uv.transpose(1, 2), out=out)
+        else:
+            out.copy_(torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1))
+
+    def _extend(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, e: ExtendMetadata,
+                w_uk: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor) -> None:
+        """The extend rows (after the decode rows): expanded K / V (the decode rows' too, never
+        read: one GEMM, no row offsets), the extend kernel."""
+        k, v = expand(latent, w_uk, w_uv)
+        if e.prefix_pages is not None:
+            kc, vc = expand(cache.index_select(0, e.prefix_pages).to(q.dtype), w_uk, w_uv)
+            table = e.prefix_table
+        else:  # nothing cached before any chunk: the kernel's prefix loop never runs
+            kc, vc, table = k[:0, None], v[:0, None], e.page_table
+        extend_attention(q, k, v, kc, vc, table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new, self.scale,
+                         out=out, block_m=self.extend_block_m, block_n=self.extend_block_n,
+                         num_warps=self.extend_warps)

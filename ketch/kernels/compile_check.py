@@ -158,13 +158,19 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
                                            **fma.kwargs}, fma.num_warps, fma.num_stages)]
     heads_gemv = [  # the absorbed products at one row, as mla_triton_backend launches them (head_gemv's defaults)
         ("head_gemv_uk", _head_gemv_kernel, {"K": nope, "N": rank, "BLOCK_T": 16, "BLOCK_K": 64, "BLOCK_N": 64,
-                                             "PRECISION": prec}, 4, 3),
+                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 4, 3),
         ("head_gemv_uv", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16,
-                                             "PRECISION": prec}, 2, 3),
+                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 2, 3),
     ]
+    # at one row W_UV's product merges the 16 splits' fp32 partials itself (no merge launch)
+    merged = [("head_gemv_uv_merged", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256,
+                                                          "BLOCK_N": 16, "BLOCK_S": 16, "MERGE": True,
+                                                          "PRECISION": prec}, 2, 3)]
+    ints = {"rows": "i32", "num_splits": "i32"}
     return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl, early)
             + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl, early)
-            + _build(heads_gemv, {"rows": "i32"}, p, arch, pdl, early))
+            + _build(heads_gemv, ints, p, arch, pdl, early)
+            + _build(merged, {**ints, "X": "*fp32", "Lse": "*fp32"}, p, arch, pdl, early))
 
 
 def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[str, str], p: str, arch: int,

@@ -15,6 +15,14 @@ strides say (W_UK is read along its rank, W_UV along its rank too: both are [..,
 
 fp32 accumulation, one rounding to the output dtype: equal to the bmm up to summation order.
 Callers use it for decode steps of at most MAX_ROWS rows (cuBLAS is better for more).
+
+    head_gemv(partials [1, H, S, K] fp32, w, out, lse=[1, H, S])   one row: x is merged first
+
+The merged form takes split-K attention's partial outputs and their log-sum-exps (mla_decode's
+stage 1) instead of x, and merges each head's splits as decode_attention's merge kernel does
+(the same formulas: max, exp2 weights, weighted sum over the splits, divided by their sum,
+rounded to the output dtype) before its product: at batch 1 the merge's own launch, 16 tiny
+programs on the critical path, goes. One row only: a [splits, BLOCK_K] tile per K step.
 """
 from __future__ import annotations
 
@@ -22,18 +30,40 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import dot_precision, pdl_launch
+from ketch.kernels._common import dot_precision, pdl_launch, pow2
 
 MAX_ROWS = 8
 _ROWS_TILE = 16  # tl.dot's smallest tile
 
 
 @triton.jit
+def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
+            dt: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, MERGE: tl.constexpr):
+    """The [BLOCK_T, BLOCK_K] x tile: loaded, or (MERGE, one row) row 0 merged from the splits."""
+    if MERGE:
+        offs_s = tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_splits
+        lse = tl.load(Lse + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, row 0
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, 0)
+        o = tl.load(X + h * stride_xh + offs_s[:, None] * stride_xs + offs_k[None, :],
+                    mask=s_mask[:, None] & k_mask[None, :], other=0.0)
+        merged = (tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)).to(dt)
+        return tl.where(offs_t[:, None] == 0, merged[None, :], tl.zeros([BLOCK_T, 1], dt))
+    # (in the output's dtype: both branches return one type; x and out share it wherever the
+    # tile is loaded as is)
+    return tl.load(x_base + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0).to(dt)
+
+
+@triton.jit
 def _head_gemv_kernel(
-    X, W, Out, rows,
-    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
+    X, W, Out, Lse, rows,
+    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
+    num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,25 +81,40 @@ def _head_gemv_kernel(
     w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x = tl.load(x_base + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+    dt = Out.dtype.element_ty
+    x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
+                dt, BLOCK_T, BLOCK_S, MERGE)
     acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        x = tl.load(x_base + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh,
+                    num_splits, dt, BLOCK_T, BLOCK_S, MERGE)
         acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     out = Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(dt), mask=t_mask[:, None] & n_mask[None, :])
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, block_k: int | None = None,
-              block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, lse: torch.Tensor | None = None,
+              block_k: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
-    out [T, H, N] (any row / head strides, a contiguous last dim; new when None). The block sizes
-    are benchmarks/head_gemv.py's knobs."""
+    out [T, H, N] (any row / head strides, a contiguous last dim; new when None). lse [1, H, S]:
+    x is split-K partials [1, H, S, K] (fp32) merged first (module docstring; `out` then names
+    the dtype). The block sizes are benchmarks/head_gemv.py's knobs."""
+    merge = lse is not None
+    splits = 1
+    if merge:
+        if x.dim() != 4 or x.shape[0] != 1 or tuple(lse.shape) != tuple(x.shape[:3]) or out is None:
+            raise ValueError(f"head_gemv: partials {tuple(x.shape)} and lse {tuple(lse.shape)} do not fit "
+                             "(one row, an out tensor)")
+        splits = x.shape[2]
+        x_split_stride, lse_head_stride = x.stride(2), lse.stride(1)
+        x = x[:, :, 0]  # [1, H, K]: the row and head strides of the partials
+    else:
+        x_split_stride = lse_head_stride = 0
     rows, heads, k = x.shape
     if w.shape[:2] != (heads, k) or rows > MAX_ROWS:
         raise ValueError(f"head_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (at most {MAX_ROWS} rows)")
@@ -87,9 +132,10 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         block_n = block_n or (64 if n >= 512 else 16)  # >= ~128 programs for MLA's shapes (16 heads)
         num_warps = num_warps or (2 if long_k else 4)
         _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
-            x, w, out, rows,
+            x, w, out, lse if merge else x, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
-            num_warps=num_warps, **pdl_launch(),
+            x_split_stride, lse_head_stride, splits,
+            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_S=pow2(splits), MERGE=merge,
+            PRECISION=dot_precision(out.dtype), num_warps=num_warps, **pdl_launch(),
         )
     return out

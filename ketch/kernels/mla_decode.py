@@ -117,17 +117,34 @@ def mla_decode(
     int32; seq_lens [batch] int32 (this step's token included). Returns [batch, heads, rank]
     in q's dtype (into `out` when given). No host syncs."""
     batch, heads, rank = q_lat.shape
+    out = q_lat.new_empty(batch, heads, rank) if out is None else out
+    if batch == 0:
+        return out
+    mid_o, mid_lse = mla_decode_partials(q_lat, q_pe, cache, page_table, seq_lens, scale, scratch=scratch,
+                                         num_splits=num_splits, block_h=block_h, block_n=block_n,
+                                         num_warps=num_warps, num_stages=num_stages)
+    return merge_splits(mid_o, mid_lse, out, num_splits)
+
+
+def mla_decode_partials(
+    q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, *, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_splits: int = 1, block_h: int = 16, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 alone: (partials [batch, heads, splits, rank], lse [batch, heads, splits]), fp32,
+    views of the scratch, for a consumer that merges them itself (head_gemv(lse=): the W_UV
+    product at batch 1, the merge's launch saved)."""
+    batch, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     page_size, width = cache.shape[1], cache.shape[2]
     if width != rank + rope:
         raise ValueError(f"cache: rows of {width}, expected rank {rank} + rope {rope}")
     q_lat, q_pe = last_dim_contiguous(q_lat), last_dim_contiguous(q_pe)
-    out = q_lat.new_empty(batch, heads, rank) if out is None else out
-    if batch == 0:
-        return out
     mid_o, mid_lse = scratch if scratch is not None else decode_scratch(batch, heads, rank, num_splits, q_lat.device)
     if mid_o.shape[0] < batch or mid_o.shape[2] != num_splits or mid_o.shape[3] != rank:
         raise ValueError(f"scratch: shape {tuple(mid_o.shape)} does not fit batch {batch} x {num_splits} splits x {rank}")
+    if batch == 0:
+        return mid_o[:0], mid_lse[:0]
     c = cache.view(-1, width)
     _mla_decode_split_kernel[(batch, triton.cdiv(heads, block_h), num_splits)](
         q_lat, q_pe, c, page_table, seq_lens, mid_o, mid_lse,
@@ -140,7 +157,7 @@ def mla_decode(
         FP16_DOTS=cache.dtype == torch.float8_e4m3fn and q_lat.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(),
     )
-    return merge_splits(mid_o, mid_lse, out, num_splits)
+    return mid_o[:batch], mid_lse[:batch]
 
 
 def mla_decode_ref(
