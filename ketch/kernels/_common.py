@@ -54,13 +54,18 @@ def early_trigger_enabled() -> bool:
     return _early
 
 
-def one_wave(programs: int) -> bool:
-    """Whether `programs` CTAs fit on the GPU's SMs at one CTA each: then the dependents that
-    launch early take only SMs this grid leaves idle."""
+def sm_count() -> int:
+    """The current GPU's SM count (read once)."""
     global _sm_count
     if _sm_count is None:
         _sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return programs <= _sm_count
+    return _sm_count
+
+
+def one_wave(programs: int) -> bool:
+    """Whether `programs` CTAs fit on the GPU's SMs at one CTA each: then the dependents that
+    launch early take only SMs this grid leaves idle."""
+    return programs <= sm_count()
 
 
 def pdl_launch(programs: int | None = None) -> dict[str, bool]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ketch.layers.ops import FirstProduct
 from ketch.layers.q4 import BLOCK, Q4Weight
 from ketch.native import q4 as native_q4
 
@@ -86,6 +87,13 @@ class Linear(nn.Linear):
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         return self.int4.matmul(x)
+
+    def first_product(self) -> FirstProduct | None:
+        """This product as a sublayer's first (LayerOps.add_rms_norm_linear may compute it in the
+        norm's launch); None where it is not the plain dense product (4-bit or fp32-kept weights)."""
+        if self.int4 is not None or self.activation_dtype is not None:
+            return None
+        return FirstProduct(self.weight, self.bias)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T by the dense path, without bias (what calibration times against int4_product)."""

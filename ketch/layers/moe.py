@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ketch.layers.activation import silu_and_mul
-from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.ops import TORCH_OPS, FirstProduct, LayerOps
 from ketch.layers.sharding import load_shard
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -126,13 +126,20 @@ class Router(nn.Module):
         """Whether `select` takes counts= and adds each routed pick to it (in its launch)."""
         return bool(getattr(getattr(self.select, "func", self.select), "counts_picks", False))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_product(self) -> FirstProduct:
+        """The logits' product (fp32 logits from x as it comes: the weight is fp32 then)."""
+        return FirstProduct(self.weight, None, torch.float32 if self.fp32_logits else None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_logits and self.dense_fp32 is not None:
-            logits = self.dense_fp32(x, self.weight.float())
-        elif self.fp32_logits:
-            logits = self.dense(x.float(), self.weight.float(), None)
-        else:
-            logits = self.dense(x, self.weight, None)
+            return self.dense_fp32(x, self.weight.float())
+        if self.fp32_logits:
+            return self.dense(x.float(), self.weight.float(), None)
+        return self.dense(x, self.weight, None)
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: `self.logits(x)`, computed with the norm before (first_product)."""
+        logits = self.logits(x) if logits is None else logits
         kw = {} if self.count_into is None else {"counts": self.count_into()}
         if self.e_score_correction_bias is not None:
             kw["correction_bias"] = self.e_score_correction_bias
@@ -204,7 +211,11 @@ class MoE(nn.Module):
         # projection, no host sync, graph-safe) or the torch reference (the CPU path)
         self.run_experts = ops.fused_experts or torch_experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+    def first_product(self) -> FirstProduct:
+        return self.gate.first_product()
+
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: the router's logits of x, computed with the norm before (normed_input)."""
+        weights, ids = self.gate(x, first)
         y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids)
         return self.parallel.all_reduce(y) if self.reduce else y

@@ -141,7 +141,8 @@ class ExpertParallelMoE(nn.Module):
         # each rank's router saw only its own tokens: the load is summed over ranks (EPLB)
         self.load_is_partial = parallel.ep.dp_attention and self.all_to_all
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: never given (no first_product)."""
         if self.gather:
             counts = rows_per_rank(self.parallel, x.shape[0], x.device)
             start = sum(counts[: self.parallel.rank])

@@ -12,7 +12,8 @@
              softmax top-k routing as one kernel (ketch/kernels/moe_route.py; Mixtral /
              Qwen-MoE, and DeepSeek-V2 routing that masks no group; DeepSeek's grouped top-k
              stays on torch), Qwen3's q / k head norms as one launch, an MLA layer's RoPE and
-             latent norm as one launch
+             latent norm as one launch, and at one decode row each pre-norm together with the
+             sublayer's first product (ketch/kernels/norm_gemv.py)
 
 Both sets have the same numerics contract (ketch/kernels/README.md: they round where torch's
 bf16 ops round), so a model built with either gives the same tokens up to summation order.
@@ -37,6 +38,17 @@ def torch_qk_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     """qk [tokens, q heads + k heads, dim] -> the q heads normed with q_weight, the k heads with
     k_weight (ketch.layers.norm.RMSNorm's formula per head), as a new tensor."""
     return torch.cat((_torch_rms_norm(qk[:, :num_q], q_weight, eps), _torch_rms_norm(qk[:, num_q:], k_weight, eps)), 1)
+
+
+@dataclass(frozen=True)
+class FirstProduct:
+    """What a sublayer computes first from its normed input h: h @ weight^T (+ bias), in out_dtype
+    (None: h's). The layer hands it to LayerOps.add_rms_norm_linear, which may compute it in the
+    norm's launch (`first_product()` of the attention and MLP modules; None where not a plain
+    dense product)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,11 @@ class LayerOps:
     # layer's glue (DeepSeek), the latent also written into the pool when store is given (the
     # backend's latent_sink); None: the model's torch ops
     mla_prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (x, residual or None, norm weight, eps, FirstProduct) -> (h, new residual, first product of
+    # h): a sublayer's pre-norm and its first product, one launch at one decode row
+    # (kernels/norm_gemv.py), the norm op then the product otherwise; None: the model calls the
+    # norm and the sublayer computes its own product
+    add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,6 +108,7 @@ TORCH_OPS = LayerOps("torch", _torch_rms_norm, _torch_add_rms_norm, apply_rotary
 
 def triton_ops() -> LayerOps:
     """Imported on demand: the CPU path never loads Triton."""
+    from ketch.kernels import norm_gemv
     from ketch.kernels.activation import silu_and_mul
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
@@ -122,8 +140,22 @@ def triton_ops() -> LayerOps:
                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return qk_rms_norm(qk, q_weight, k_weight, eps, num_q, rope=(cos, sin))
 
+    def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            first: FirstProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if norm_gemv.fits(x, first.weight):  # one decode row: one launch
+            return norm_gemv.norm_gemv(x, residual, norm_weight, eps, first.weight, first.bias,
+                                       out_dtype=first.out_dtype)
+        if residual is None:
+            h, residual = rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = add_rms_norm(x, residual, norm_weight, eps)
+        if first.out_dtype == torch.float32 and h.dtype != torch.float32:  # fp32 logits (a router)
+            return h, residual, linear_fp32(h, first.weight.float())
+        return h, residual, linear(h, first.weight, first.bias)
+
     return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, linear_fp32,
-                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, qk_norm_rotary, mla_prepare)
+                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, qk_norm_rotary, mla_prepare,
+                    add_rms_norm_linear)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

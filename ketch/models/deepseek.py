@@ -32,12 +32,12 @@ from torch import nn
 from ketch.layers.eplb_runtime import Eplb, ExpertLoad
 from ketch.layers.norm import RMSNorm
 from ketch.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, StackedLinear
-from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.ops import TORCH_OPS, FirstProduct, LayerOps
 from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
 from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekEPMoE, DeepseekMoE, shared_expert_names
-from ketch.models.llama import DecoderStack, LlamaMLP
+from ketch.models.llama import DecoderStack, LlamaMLP, normed_input
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -92,9 +92,14 @@ class DeepseekAttention(nn.Module):
         c = self.ops.rms_norm(ckv[:, :rank], weight, eps)
         return q, torch.cat((c, _rotate(ckv[:, None, rank:], cos, sin, interleave)[:, 0]), -1)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any) -> torch.Tensor:
+    def first_product(self) -> FirstProduct | None:
+        return self.q_kv_a_proj.first_product()
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: Any, meta: Any,
+                first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: q_kv_a_proj(x), computed with the norm before (normed_input)."""
         t = x.shape[0]
-        q, ckv = self.q_kv_a_proj.parts(self.q_kv_a_proj(x))
+        q, ckv = self.q_kv_a_proj.parts(self.q_kv_a_proj(x) if first is None else first)
         q = self._query(q)
         q = q.view(t, self.heads, q.shape[1] // self.heads)  # (not -1: an idle forward has t == 0)
         n = self.kv_a_layernorm
@@ -124,13 +129,10 @@ class DeepseekDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer: returns this layer's MLP output and the residual before it."""
-        if residual is None:
-            h, residual = self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), x
-        else:
-            h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
-        h = self.self_attn(h, rope, attn, meta)
-        h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
-        return self.mlp(h), residual
+        h, residual, first = normed_input(self.ops, x, residual, self.input_layernorm, self.self_attn)
+        h = self.self_attn(h, rope, attn, meta, first=first)
+        h, residual, first = normed_input(self.ops, h, residual, self.post_attention_layernorm, self.mlp)
+        return self.mlp(h, first=first), residual
 
 
 class DeepseekForCausalLM(DecoderStack):

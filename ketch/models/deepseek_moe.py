@@ -162,10 +162,10 @@ class DeepseekMoE(MoE):
         if self.shared_experts is not None:
             self.shared_experts.down_proj.reduce = False  # this rank's partial sum: reduced with the routed one
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
         if self.shared_experts is None:
-            return super().forward(x)
-        weights, ids = self.gate(x)
+            return super().forward(x, first)
+        weights, ids = self.gate(x, first)
         y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids) + self.shared_experts(x)
         return self.parallel.all_reduce(y) if self.reduce else y
 
@@ -182,6 +182,7 @@ class DeepseekEPMoE(ExpertParallelMoE):
         self.shared_experts = LlamaMLP(c, ops, parallel.for_attention(),  # type: ignore[arg-type]
                                        intermediate_size=shared) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: never given (no first_product: the experts' dispatch reads x)."""
         y = super().forward(x)
         return y if self.shared_experts is None else y + self.shared_experts(x)

@@ -24,7 +24,7 @@ from torch import nn
 from ketch.attention.base import AttentionBackend
 from ketch.config import ModelConfig
 from ketch.layers.norm import RMSNorm
-from ketch.layers.ops import TORCH_OPS, LayerOps
+from ketch.layers.ops import TORCH_OPS, FirstProduct, LayerOps
 from ketch.layers.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ketch.layers.q4 import Q4Weight
 from ketch.layers.rotary import RotaryEmbedding
@@ -59,9 +59,13 @@ class LlamaAttention(nn.Module):
         fused = cfg.qk_norm and ops.qk_norm_rotary is not None
         self._position = self._norm_and_rotate if fused else self._rotate
 
+    def first_product(self) -> FirstProduct | None:
+        return self.qkv_proj.first_product()
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend, meta: Any) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+                attn: AttentionBackend, meta: Any, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: qkv_proj(x), computed with the norm before (normed_input)."""
+        qkv = self.qkv_proj(x) if first is None else first
         heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         qk = self._position(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim), rope)
@@ -93,8 +97,27 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, parallel=parallel,
                                            dense=ops.linear, field="intermediate_size")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+    def first_product(self) -> FirstProduct | None:
+        return self.gate_up_proj.first_product()
+
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: gate_up_proj(x), computed with the norm before (normed_input)."""
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x) if first is None else first))
+
+
+def normed_input(ops: LayerOps, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                 sublayer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A sublayer's input h = norm(x + residual) (norm(x) before the first layer, whose residual is
+    x), the new residual, and where the op set fuses them (LayerOps.add_rms_norm_linear: one
+    launch at one decode row, kernels/norm_gemv.py) the sublayer's first product of h, else None
+    (the sublayer computes it). Sublayers that have one declare it: `first_product()`."""
+    first = getattr(sublayer, "first_product", lambda: None)() if ops.add_rms_norm_linear is not None else None
+    if first is not None:
+        return ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, first)
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x, None
+    h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return h, residual, None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,13 +137,10 @@ class LlamaDecoderLayer(nn.Module):
         """x: the previous layer's MLP output, still to be added to `residual` (None before the
         first layer: x is the embedding). Returns this layer's MLP output and the residual stream
         before it; each add is fused into the norm that follows it."""
-        if residual is None:
-            h, residual = self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), x
-        else:
-            h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
-        h = self.self_attn(h, rope, attn, meta)
-        h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
-        return self.mlp(h), residual
+        h, residual, first = normed_input(self.ops, x, residual, self.input_layernorm, self.self_attn)
+        h = self.self_attn(h, rope, attn, meta, first=first)
+        h, residual, first = normed_input(self.ops, h, residual, self.post_attention_layernorm, self.mlp)
+        return self.mlp(h, first=first), residual
 
 
 class DecoderStack(nn.Module):
