@@ -170,6 +170,14 @@ def test_auto_tools_with_a_tool_calling_transcript(client, model):
     none = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="none",
                                           max_tokens=20, temperature=0)
     assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+    # an agent's closing turn: the transcript again, no tools offered (none sent, or "none"); the
+    # call and its result are still in the prompt (they were a 400 inside the template, or dropped)
+    call_dropped = [transcript[0], {"role": "assistant", "content": ""}, transcript[2]]
+    for kw in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        last = client.chat.completions.create(model=model, messages=transcript, max_tokens=5, temperature=0, **kw)
+        assert not last.choices[0].message.tool_calls
+        dropped = client.chat.completions.create(model=model, messages=call_dropped, max_tokens=1, temperature=0, **kw)
+        assert last.usage.prompt_tokens > dropped.usage.prompt_tokens, kw
 
 
 BAD = [

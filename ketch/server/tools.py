@@ -73,6 +73,26 @@ def _named_choice(choice: dict[str, Any], functions: list[dict[str, Any]]) -> di
     raise APIError(400, f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
 
 
+def _has_tool_turns(messages: Any) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and m.get("tool_calls")))
+        for m in messages)
+
+
+def _history_rewritten(plan: ChatPlan, template_src: str | None) -> ChatPlan:
+    """No tools offered this turn (none sent, or tool_choice "none"), but earlier turns may hold
+    calls and their results, as an agent's closing turn does: a template without tool support
+    cannot render them (an assistant turn of null content failed inside it), so they are
+    rewritten as with tools offered (apply_tool_prompt), minus the tools block."""
+    if template_supports_tools(template_src) or not _has_tool_turns(plan.messages):
+        return plan
+    try:
+        plan.messages = apply_tool_prompt(plan.messages, None)
+    except ValueError as e:
+        raise bad_value(e) from None
+    return plan
+
+
 def plan_chat(fields: dict[str, Any], template_src: str | None, tool_parser: str | None,
               reasoning_parser: str | None) -> ChatPlan:
     messages = fields["messages"]
@@ -83,7 +103,7 @@ def plan_chat(fields: dict[str, Any], template_src: str | None, tool_parser: str
     if not tools:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice: needs a non-empty tools list", param="tool_choice")
-        return plan
+        return _history_rewritten(plan, template_src)
     try:
         functions = validate_tools(tools)
     except ValueError as e:
@@ -100,7 +120,7 @@ def plan_chat(fields: dict[str, Any], template_src: str | None, tool_parser: str
         raise APIError(400, f"tool_choice: expected 'none', 'auto', 'required' or a named function, got {choice!r}",
                        param="tool_choice")
     if choice == "none":
-        return plan
+        return _history_rewritten(plan, template_src)
     if forced is not None and any(fields.get(f) is not None for f in ("response_format", "regex", "ebnf")):
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format",
                        param="tool_choice")
