@@ -49,6 +49,10 @@ BAD = [
     (CMPL, {"prompt": [1, "a"]}, 400, "prompt", None),
     (CMPL, {"prompt": "hi", "stop": 5}, 400, "stop", "invalid_type"),
     (CHAT, {"messages": USER, "functions": []}, 400, "functions", "unsupported_field"),
+    (CMPL, {"prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported_value"),  # more samples than n to rank
+    (CHAT, {"messages": USER, "store": True}, 400, "store", "unsupported_value"),
+    (CHAT, {"messages": USER, "service_tier": "flex"}, 400, "service_tier", "unsupported_value"),
+    (CMPL, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "invalid_value"),  # the field sent, not top_logprobs
     (CHAT, {}, 400, "messages", None),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]", None),
@@ -68,6 +72,19 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, pat
     _, base = server
     _assert_error(*post(base, path, body), status, param, code)
     assert health(base) == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    (CMPL, {"prompt": "hi", "suffix": None, "best_of": 1, "store": False, "metadata": {"app": "x"},
+            "service_tier": "auto", "functions": None}),
+    (CHAT, {"messages": USER, "n": 2, "best_of": 2, "store": False, "function_call": None, "reasoning_effort": None}),
+])
+def test_fields_sdks_send_with_values_that_ask_for_nothing_are_accepted(server, path, body):
+    """Official SDKs send optional fields explicitly: null for any field, and store=false,
+    best_of=n, metadata, service_tier auto ask for nothing ketch does differently."""
+    _, base = server
+    status, reply = post(base, path, {**body, "max_tokens": 1})
+    assert status == 200, reply
 
 
 def test_prompt_over_the_context_names_both_numbers(server):

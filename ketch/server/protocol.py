@@ -6,6 +6,7 @@ the single place where value ranges are checked.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ketch.sampling.grammar.spec import GrammarSpec
@@ -53,16 +54,33 @@ DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
 
+# OpenAI fields that SDKs send explicitly, accepted where their value asks for nothing ketch would
+# do differently: (the check, what is accepted)
+_NO_EFFECT: dict[str, tuple[Callable[[Any, dict], bool], str]] = {
+    "store": (lambda v, body: v is False, "only false (nothing is stored)"),
+    "metadata": (lambda v, body: isinstance(v, dict), "an object (tags of stored completions; ignored)"),
+    "service_tier": (lambda v, body: v in ("auto", "default"), "only 'auto' or 'default'"),
+    "best_of": (lambda v, body: type(v) is int and v == (body.get("n") or 1),
+                "only equal to n (no extra samples are drawn to rank)"),
+}
+
+
 def check_fields(body: Any, schema: dict[str, tuple[type, ...]]) -> dict[str, Any]:
-    """The body as a dict of known fields with the right JSON types; null means 'not given'."""
+    """The body as a dict of known fields with the right JSON types; null means 'not given', for
+    any field (SDKs send optional fields as null)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     out = {}
     for key, value in body.items():
-        if key not in schema:
-            raise APIError(400, f"{key}: unsupported field", param=key, code="unsupported_field")
         if value is None:
             continue
+        if key in _NO_EFFECT and key not in schema:
+            accepts, what = _NO_EFFECT[key]
+            if not accepts(value, body):
+                raise APIError(400, f"{key}: {what}, got {value!r}", param=key, code="unsupported_value")
+            continue
+        if key not in schema:
+            raise APIError(400, f"{key}: unsupported field", param=key, code="unsupported_field")
         types = schema[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join(t.__name__ for t in types)
@@ -112,9 +130,12 @@ def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: Gr
         return SamplingParams(**kwargs)
     except ValueError as e:
         error = bad_value(e)
-        if error.param == "max_tokens" and "max_completion_tokens" in fields:  # name the field the client sent
-            error.param = "max_completion_tokens"
-            error.message = error.message.replace("max_tokens", "max_completion_tokens", 1)
+        # name the field the client sent: max_completion_tokens, or completions' logprobs count
+        sent = {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in fields else None,
+                "top_logprobs": "logprobs" if type(logprobs) is int else None}.get(error.param or "")
+        if sent:
+            error.message = error.message.replace(error.param, sent, 1)
+            error.param = sent
         raise error from None
 
 

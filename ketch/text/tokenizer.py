@@ -5,6 +5,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ketch.text.token_bytes import token_bytes
 from ketch.text.tokenizer_cache import load_gguf_tokenizer
 from ketch.weights.source import is_gguf_file, resolve_model_path
 
@@ -36,6 +37,7 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "_tokenizer", None)
         fast = backend is not None and not getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
         self._fast_decode = backend.decode if fast else None
+        self._bytes: dict[int, bytes] = {}  # token_bytes, per id (logprobs ask for the same ids often)
 
     @classmethod
     def load(cls, path: str | None = None) -> "Tokenizer":
@@ -73,6 +75,13 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._hf.convert_ids_to_tokens(list(ids))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, also when it holds only part of a character (token_bytes.py)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = token_bytes(self, token_id)
+        return raw
 
     def token_to_id(self, token: str) -> int | None:
         tid = self._hf.convert_tokens_to_ids(token)
