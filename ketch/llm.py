@@ -7,6 +7,7 @@ detokenization and stop strings. A sample that hits a stop string is aborted in 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -74,6 +75,9 @@ class LLM:
         self.config = getattr(self.engine, "config", self.config)  # "auto" resolved (runner/cpu_dtype.py)
         self._ids = itertools.count()
         self._template: ChatTemplate | None = None
+        # each open request's undelivered outputs: generate() calls and open stream() iterators
+        # step the one engine in turn, and a step's outputs belong to whichever asked (_pump)
+        self._inbox: dict[str, deque[EngineOutput]] = {}
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
@@ -92,7 +96,8 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                generated_token_ids: Sequence[int] = ()) -> Iterator[str]:
         """Text deltas of one prompt's first sample as they are decoded. Bad input raises here,
-        not at the first `next()`. `generated_token_ids` resumes a stream that produced them
+        not at the first `next()`. Open streams and generate() calls of this LLM may interleave
+        (one thread): each gets its own outputs whoever steps the engine. `generated_token_ids` resumes a stream that produced them
         (engine README, "Resuming a stream"): the deltas continue its text."""
         params = params or SamplingParams()
         if params.n != 1:
@@ -102,16 +107,16 @@ class LLM:
         try:
             text = _SampleText(self.tokenizer, ids, params, generated_token_ids)
         except ValueError:
-            self.engine.abort(rid)
+            self._release(rid)
             raise
         return self._stream(rid, text)
 
     def _stream(self, rid: str, text: _SampleText) -> Iterator[str]:
+        box = self._inbox[rid]
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
+                while box:
+                    out = box.popleft()
                     if out.error is not None:
                         raise ValueError(out.error)
                     delta, stopped = text.push(out)
@@ -119,8 +124,9 @@ class LLM:
                         yield delta
                     if stopped is not None or out.finished:
                         return
+                self._pump()
         finally:
-            self.engine.abort(rid)
+            self._release(rid)
 
     def flush_cache(self) -> dict[str, int]:
         """Empty the prefix cache (and the host tier, with the hierarchical cache) so the next
@@ -162,7 +168,26 @@ class LLM:
     def _add(self, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = ()) -> str:
         rid = f"llm-{next(self._ids)}"
         self.engine.add_request(rid, prompt_ids, params, generated)
+        self._inbox[rid] = deque()
         return rid
+
+    def _release(self, rid: str) -> None:
+        self._inbox.pop(rid, None)
+        self.engine.abort(rid)
+
+    def _pump(self) -> set[str]:
+        """One engine step, its outputs put in their requests' inboxes (outputs of requests no
+        longer open are dropped); the ids that got one. A step that runs nothing while a caller
+        still waits would spin forever: that is an error instead."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError("engine: nothing left to run, but a request of this LLM has not finished")
+        got = set()
+        for out in self.engine.step():
+            box = self._inbox.get(out.request_id)
+            if box is not None:
+                box.append(out)
+                got.add(out.request_id)
+        return got
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
         params.validate(self.engine.vocab_size)
@@ -177,21 +202,23 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
             pending = len(results)
             while pending:
-                for out in self.engine.step():
-                    res = results.get(out.request_id)
-                    if res is None or res.outputs[out.index].finish_reason is not None:
-                        continue
-                    before = res.finished
-                    if out.index == 0:
-                        res.num_cached_tokens = out.num_cached_tokens
-                    self._apply(res.outputs[out.index], texts[out.request_id, out.index], out)
-                    if res.finished and not before:
-                        pending -= 1
-                        bar.update(1)
+                for rid in self._pump().intersection(results):
+                    res, box = results[rid], self._inbox[rid]
+                    while box:
+                        out = box.popleft()
+                        if res.outputs[out.index].finish_reason is not None:
+                            continue
+                        before = res.finished
+                        if out.index == 0:
+                            res.num_cached_tokens = out.num_cached_tokens
+                        self._apply(res.outputs[out.index], texts[rid, out.index], out)
+                        if res.finished and not before:
+                            pending -= 1
+                            bar.update(1)
             bar.close()
         finally:
             for rid in results:
-                self.engine.abort(rid)
+                self._release(rid)
         return list(results.values())
 
     def _apply(self, sample: CompletionOutput, text: _SampleText, out: EngineOutput) -> None:

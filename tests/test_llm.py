@@ -7,6 +7,7 @@ itself is under test (then seeded), so every assertion is deterministic.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -123,6 +124,25 @@ def test_stream_closed_early_releases_the_request(llm):
     gen.close()
     assert not llm.engine.requests
     _serves(llm)
+
+
+def test_open_streams_and_generate_calls_interleave(llm):
+    """A stream left open while generate() runs, and two streams read in turn, each get their own
+    text whole (each step's outputs go to the request they belong to, whoever steps the engine;
+    they were swallowed by the other loop, and the stream then spun forever)."""
+    params = greedy(max_tokens=10)
+    [france], [story] = llm.generate(P_FRANCE, params), llm.generate(P_STORY, params)
+    stream = llm.stream(P_FRANCE, params)
+    got = [next(stream)]
+    assert [o.text for o in llm.generate([P_STORY, P_CODE], params)][0] == story.text
+    assert "".join(got + list(stream)) == france.text
+    a, b = llm.stream(P_FRANCE, params), llm.stream(P_STORY, params)
+    texts = ["", ""]
+    for da, db in itertools.zip_longest(a, b, fillvalue=""):
+        texts[0] += da
+        texts[1] += db
+    assert texts == [france.text, story.text]
+    assert_drained(llm.engine)
 
 
 # ---------------------------------------------------------------- n > 1, seeds, top_k
