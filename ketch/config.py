@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -172,6 +173,25 @@ class KVSpec:
         return page_size * self.bytes_per_token(kv_dtype, model_dtype)
 
 
+def _check_count(name: str, value: object) -> None:
+    """An int >= 1 (not a float that would be truncated, nor a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_device(device: object) -> None:
+    """auto | cpu | cuda[:N] (whether CUDA is there is the engine build's check: a config may be
+    made and checked on a machine without it)."""
+    if device == "auto":
+        return
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto|cpu|cuda[:N], got {device!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start; the step loop reads, never branches on, these."""
@@ -277,23 +297,26 @@ class EngineConfig:
     speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
+        _check_device(self.device)
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
+            _check_count(name, getattr(self, name))
+        for name in ("max_model_len", "chunked_prefill_size", "num_threads"):  # None: the default
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name))
+        kv = self.kv_cache_memory
+        if kv is not None and not (isinstance(kv, numbers.Real) and not isinstance(kv, bool) and math.isfinite(kv)
+                                   and kv > 0):
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv!r}")
         check_hicache(self)
         check_speculative(self)
         check_disaggregation(self, DISAGGREGATION_MODES)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         check_expert_parallel(self)
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
         if self.load_format not in ("auto", "gguf", "hf", "dummy"):
             raise ValueError(f"load_format must be auto|gguf|hf|dummy, got {self.load_format!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.quantization not in ("auto", "none"):
             raise ValueError(f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

@@ -164,6 +164,9 @@ def test_bad_requests_leave_the_engine_serving(tiny_config_path):
         eng.add_request("e", [], GREEDY)
     with pytest.raises(ValueError, match="^prompt"):
         eng.add_request("e", [1, 99999], GREEDY)
+    for bad in ([1.7, 2.9], [True, 2], ["a"], [None]):  # not truncated, not a TypeError from inside min()
+        with pytest.raises(ValueError, match="^prompt: token ids must be integers"):
+            eng.add_request("e", bad, GREEDY)
     with pytest.raises(ValueError, match="^max_tokens.*60.*10.*64"):
         eng.add_request("e", prompt(60), SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="^logit_bias"):

@@ -60,11 +60,40 @@ def seeded_row(seed: int, device: str, **kw) -> SamplingRow:
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": "7"}, "seed"),
         ({"seed": 1.5}, "seed"),
+        # wrong types: a ValueError naming the field, not a TypeError from a comparison inside
+        ({"temperature": None}, "temperature"),
+        ({"top_p": "0.9"}, "top_p"),
+        ({"min_p": None}, "min_p"),
+        ({"presence_penalty": None}, "presence_penalty"),
+        ({"temperature": True}, "temperature"),
+        ({"stop": 5}, "stop"),
+        ({"stop": {"a": 1}}, "stop"),  # a dict's keys are not stop strings
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {1.7: 3.0}}, "logit_bias"),  # not token 1
+        ({"logit_bias": {True: 3.0}}, "logit_bias"),  # not token 1
+        ({"logit_bias": {1: True}}, "logit_bias"),
+        # flags: a bool, not anything truthy
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"skip_special_tokens": "x"}, "skip_special_tokens"),
+        ({"logprobs": 5}, "logprobs"),  # vLLM's count is top_logprobs here
+        ({"logprobs": "yes"}, "logprobs"),
     ],
 )
 def test_validation_names_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_what_json_and_numpy_send_is_taken() -> None:
+    """logit_bias keys as JSON's decimal strings (negative ones get the range error), numpy scalars
+    as numbers."""
+    import numpy as np
+
+    assert SamplingParams(logit_bias={"42": -100, np.int64(7): 1}).logit_bias == {42: -100.0, 7: 1.0}
+    assert SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9)).temperature == 0.5
+    with pytest.raises(ValueError, match="^logit_bias token id -1 out of range"):
+        SamplingParams(logit_bias={"-1": 1})
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,8 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     """fake_hub: PD with the fake transport in one process (tests pair a prefill and a decode engine).
     parallel: a DP-attention rank's context (dp_attention.py: the ranks are already joined, and
     each runs an engine of its own); None: TP > 1 starts the other ranks here."""
+    if config.torch_device.type == "cuda" and not torch.cuda.is_available():  # before torch asserts it
+        raise ValueError(f"device: {config.device!r} was asked for, but torch sees no CUDA device here")
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
     config = with_cpu_auto_dtype(config, source)  # bf16 for 4-bit GGUF weights on any vector CPU
     model_config = load_model_config(source)

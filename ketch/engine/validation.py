@@ -2,9 +2,21 @@
 them before a stream starts, so a bad request still gets a 400). Messages start with the field."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from ketch.sampling.params import SamplingParams
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Integers (numpy's too; not bools, floats that would be truncated, or anything else) in
+    [0, vocab_size)."""
+    if not all(type(t) is int for t in ids) and not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        bad = next(t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+        raise ValueError(f"{field}: token ids must be integers, got {bad!r}")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size})")
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -12,8 +24,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
                      eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids") -> None:
     if not prompt_ids:
         raise ValueError(f"{prompt_field}: must not be empty")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise ValueError(f"{prompt_field}: token ids must be in [0, {vocab_size})")
+    check_token_ids(prompt_field, prompt_ids, vocab_size)
     params.validate(vocab_size)
     if len(prompt_ids) >= max_model_len:  # the prompt alone leaves no room for a token
         raise ValueError(f"{prompt_field}: the prompt has {len(prompt_ids)} tokens; the context length is "
@@ -40,8 +51,7 @@ def validate_resume(generated: Sequence[int], params: SamplingParams, *, vocab_s
     if params.n != 1:
         raise ValueError(f"{field}: a stream is resumed one sample at a time (n = 1; sample i of a seeded "
                          f"request is seed + i), got n = {params.n}")
-    if min(generated) < 0 or max(generated) >= vocab_size:
-        raise ValueError(f"{field}: token ids must be in [0, {vocab_size})")
+    check_token_ids(field, generated, vocab_size)
     if len(generated) >= params.max_tokens:
         raise ValueError(f"{field}: {len(generated)} tokens were generated already, and max_tokens "
                          f"({params.max_tokens}) counts them: nothing would be left to generate")

@@ -5,6 +5,7 @@ the server can turn it into an OpenAI-style 400 without parsing.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ketch.sampling.grammar.spec import GrammarSpec
@@ -47,8 +48,12 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
@@ -70,6 +75,13 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Structural checks always; token-id range checks only when vocab_size is known."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            _check_number(name, getattr(self, name))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        if type(self.logprobs) is not bool:
+            hint = " (how many alternatives: top_logprobs)" if type(self.logprobs) is int else ""
+            raise ValueError(f"logprobs must be a bool{hint}, got {self.logprobs!r}")
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
@@ -129,16 +141,33 @@ class SamplingParams:
                 )
 
 
-def _normalize_logit_bias(bias: dict) -> dict[int, float]:
-    """OpenAI JSON sends {"50256": -100}; keys become ints, values floats."""
+def _normalize_logit_bias(bias: object) -> dict[int, float]:
+    """OpenAI JSON sends {"50256": -100}; keys become ints (from ints or decimal strings, never
+    from floats or bools, which would name another token), values floats."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-            out[token_id] = float(value)
-        except (TypeError, ValueError):
+        whole = (isinstance(key, numbers.Integral) and not isinstance(key, bool)) or \
+            (isinstance(key, str) and key.strip().lstrip("-").isdigit())
+        if not whole or not _is_number(value):
             raise ValueError(f"logit_bias must map token ids to numbers, got {key!r}: {value!r}")
+        out[int(key)] = float(value)
     return out
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's scalars too
+
+
+def _check_number(name: str, value: object) -> None:
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be a bool, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:
