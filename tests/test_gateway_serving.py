@@ -54,6 +54,7 @@ def sdk(base: str, key: str = "unused") -> openai.OpenAI:
 def test_models_and_both_generation_routes_stream_and_not(workers_up, gw_rr):
     direct, via = sdk(workers_up[0].url, KEY), sdk(gw_rr)
     assert [m.id for m in via.models.list().data] == [m.id for m in direct.models.list().data] == [MODEL]
+    assert via.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model} relayed
     expected = direct.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
     raw = via.chat.completions.with_raw_response.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
     assert raw.headers["x-ketch-worker"] in {r.url for r in workers_up}  # never the key

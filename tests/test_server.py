@@ -29,6 +29,11 @@ def server():
 def test_models(client, model):
     models = client.models.list().data
     assert [m.id for m in models] == [model] and models[0].object == "model"
+    card = client.models.retrieve(model)  # GET /v1/models/{model}
+    assert card.id == model and card.object == "model" and card.created == models[0].created
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
 
 
 def test_chat_stream_matches_non_stream(client, model):

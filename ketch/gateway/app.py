@@ -2,7 +2,7 @@
 the worker admin routes.
 
     POST /v1/chat/completions, /v1/completions   routed by the policy, relayed (stream or not)
-    GET  /v1/models                              relayed from the least loaded worker
+    GET  /v1/models, /v1/models/{model}          relayed from the least loaded worker
     GET  /health                                 200 while a worker is available, else 503 (no key)
     GET  /metrics                                the gateway's own Prometheus metrics
     GET  /workers                                every worker's state
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 from typing import Any, AsyncIterator
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -102,6 +103,10 @@ def build_app(gw: Gateway) -> FrontDoor:
     @app.get("/v1/models")
     async def models() -> Response:
         return await gw.forwarder.plain("GET", "/v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        return await gw.forwarder.plain("GET", f"/v1/models/{quote(model, safe='')}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -87,13 +87,20 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
                            type="service_unavailable", code="engine_busy")
         return {"object": "flush_cache", "freed_pages": done.device_pages, "freed_host_pages": done.host_pages}
 
+    def model_card() -> dict:
+        ready = state.client.ready
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "ketch",
+                "max_model_len": ready.max_model_len if ready else None}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        ready = state.client.ready
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "ketch",
-            "max_model_len": ready.max_model_len if ready else None,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        """One model's card (the SDKs' models.retrieve); another name is a 404 naming it."""
+        state.check_model(model)
+        return model_card()
 
     @app.post("/v1/completions")
     async def v1_completions(request: Request) -> Response:

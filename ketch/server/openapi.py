@@ -104,6 +104,9 @@ def openapi_schema(title: str, max_n: int, vocab_size: int) -> dict[str, Any]:
             "/tokenize": post(TOKENIZE_FIELDS, [], _object("tokens", "count")),
             "/detokenize": post(DETOKENIZE_FIELDS, ["tokens"], _object("prompt")),
             "/v1/models": get(_object("object", "data")),
+            "/v1/models/{model}": {"get": {
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": _responses(_object("id", "object", "created", "owned_by"), False)}},
         },
         "components": {"schemas": {"Error": {
             "type": "object", "required": ["error"],
