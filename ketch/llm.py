@@ -80,18 +80,22 @@ class LLM:
         self._inbox: dict[str, deque[EngineOutput]] = {}
 
     # ---------------------------------------------------------------- public API
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """params: one for every prompt, or a list with one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._run([self._encode(p) for p in prompts], params or SamplingParams(), use_tqdm)
+        if not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
+        return self._run([self._encode(p) for p in prompts], self._per_prompt(params, len(prompts)), use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = False, chat_template: str | None = None) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.encode_chat(c, chat_template) for c in conversations]
-        return self._run(prompts, params or SamplingParams(), use_tqdm)
+        return self._run(prompts, self._per_prompt(params, len(prompts)), use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                generated_token_ids: Sequence[int] = ()) -> Iterator[str]:
@@ -102,6 +106,9 @@ class LLM:
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n == 1")
+        if self.tokenizer is None:
+            raise ValueError("prompt: stream() yields text and this model has no tokenizer; generate() gives "
+                             "token ids")
         ids = self._encode(prompt)
         rid = self._add(ids, params, generated_token_ids)
         try:
@@ -189,12 +196,22 @@ class LLM:
                 got.add(out.request_id)
         return got
 
-    def _run(self, prompts: list[list[int]], params: SamplingParams, use_tqdm: bool) -> list[RequestOutput]:
-        params.validate(self.engine.vocab_size)
+    @staticmethod
+    def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * count
+        if not isinstance(params, Sequence) or len(params) != count or \
+                not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params: one SamplingParams, or a list of one per prompt ({count}), got {params!r:.80}")
+        return list(params)
+
+    def _run(self, prompts: list[list[int]], all_params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        for params in all_params:
+            params.validate(self.engine.vocab_size)
         results: dict[str, RequestOutput] = {}
         texts: dict[tuple[str, int], _SampleText] = {}
         try:
-            for ids in prompts:
+            for ids, params in zip(prompts, all_params, strict=True):
                 rid = self._add(ids, params)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(params.n)])
                 for i in range(params.n):

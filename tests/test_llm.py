@@ -297,6 +297,34 @@ def test_bad_prompts_and_lengths(llm):
     with pytest.raises(ValueError, match="^n"):
         list(llm.stream(P_FRANCE, greedy(n=2, max_tokens=2)))
     _serves(llm)
+    with pytest.raises(ValueError, match="^prompts"):
+        llm.generate(None)
+    with pytest.raises(ValueError, match="^params: .* one per prompt \\(2\\)"):
+        llm.generate([P_FRANCE, P_STORY], [greedy(max_tokens=2)])
+    _serves(llm)
+
+
+def test_a_params_list_gives_each_prompt_its_own(llm):
+    """vLLM's form: one SamplingParams per prompt; each output as if generated alone."""
+    short, long = greedy(max_tokens=3), greedy(max_tokens=9)
+    both = llm.generate([P_FRANCE, P_STORY], [short, long])
+    assert [len(o.token_ids) for o in both] == [3, 9]
+    assert [o.text for o in both] == [llm.generate(P_FRANCE, short)[0].text, llm.generate(P_STORY, long)[0].text]
+    assert_drained(llm.engine)
+
+
+def test_a_model_without_a_tokenizer_refuses_what_needs_text(tiny_config_path):
+    """Token ids in and out work; stop strings (nothing to match them in) and stream() (it yields
+    text) are refused naming the field, not ignored or silent."""
+    tiny = LLM(tiny_config_path, dtype="float32", load_format="dummy", num_threads=1, kv_cache_memory=2 << 20)
+    assert tiny.tokenizer is None
+    assert len(tiny.generate([[5, 6, 7]], greedy(max_tokens=3))[0].token_ids) == 3
+    with pytest.raises(ValueError, match="^stop: this model has no tokenizer"):
+        tiny.generate([[5, 6, 7]], greedy(max_tokens=3, stop=["x"]))
+    with pytest.raises(ValueError, match="^prompt: stream\\(\\) yields text"):
+        tiny.stream([5, 6, 7], greedy(max_tokens=3))
+    assert not tiny.engine.requests
+    assert tiny.generate([[5, 6, 7]], greedy(max_tokens=2, stop_token_ids=[1]))[0].token_ids
 
 
 def test_missing_model_file():

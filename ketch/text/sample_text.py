@@ -49,6 +49,9 @@ class SampleText:
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SampleTextParams,
                  generated_ids: Sequence[int] = ()) -> None:
+        if tokenizer is None and params.stop:  # there is no text to find them in: not ignored silently
+            raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
+                             "send stop_token_ids")
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
         self.stop = StopChecker(params.stop) if (tokenizer and params.stop) else None
         self.min_tokens = params.min_tokens
