@@ -45,3 +45,12 @@ def test_cuda_without_cuda_is_refused_at_the_build(tiny_config_path):
 
     with pytest.raises(ValueError, match="^device: 'cuda' was asked for"):
         make_tiny_engine(tiny_config_path, device="cuda", cuda_graph=False)
+
+
+def test_a_context_past_the_models_positions_is_refused_at_the_build(tiny_config_path):
+    """The tiny model knows 1024 positions (conftest's TINY_LLAMA): up to there is fine."""
+    from conftest import make_tiny_engine
+
+    assert make_tiny_engine(tiny_config_path, max_model_len=1024).max_model_len == 1024
+    with pytest.raises(ValueError, match="^max_model_len: 1025 is past the model's max_position_embeddings"):
+        make_tiny_engine(tiny_config_path, max_model_len=1025)

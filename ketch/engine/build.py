@@ -84,6 +84,9 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     config = with_cpu_auto_dtype(config, source)  # bf16 for 4-bit GGUF weights on any vector CPU
     model_config = load_model_config(source)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:  # vLLM refuses it too
+        raise ValueError(f"max_model_len: {max_model_len} is past the model's max_position_embeddings "
+                         f"({model_config.max_position_embeddings}): positions it was never trained on")
     eos_ids = tuple(dict.fromkeys(model_config.eos_token_ids + tuple(eos_token_ids)))
     ranks = None
     if config.tensor_parallel_size > 1:
