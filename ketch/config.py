@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from ketch.config_checks import (DISAGGREGATION_MODES, check_disaggregation, check_expert_parallel, check_hicache,
-                                 check_speculative)
+from ketch.config_checks import (DISAGGREGATION_MODES, check_device, check_disaggregation, check_expert_parallel,
+                                 check_hicache, check_sizes, check_speculative)
 from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
                                  HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS)
 
@@ -173,25 +172,6 @@ class KVSpec:
         return page_size * self.bytes_per_token(kv_dtype, model_dtype)
 
 
-def _check_count(name: str, value: object) -> None:
-    """An int >= 1 (not a float that would be truncated, nor a bool)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _check_device(device: object) -> None:
-    """auto | cpu | cuda[:N] (whether CUDA is there is the engine build's check: a config may be
-    made and checked on a machine without it)."""
-    if device == "auto":
-        return
-    try:
-        kind = torch.device(device).type if isinstance(device, str) else None
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto|cpu|cuda[:N], got {device!r}")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start; the step loop reads, never branches on, these."""
@@ -297,16 +277,8 @@ class EngineConfig:
     speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
-        _check_device(self.device)
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs"):
-            _check_count(name, getattr(self, name))
-        for name in ("max_model_len", "chunked_prefill_size", "num_threads"):  # None: the default
-            if getattr(self, name) is not None:
-                _check_count(name, getattr(self, name))
-        kv = self.kv_cache_memory
-        if kv is not None and not (isinstance(kv, numbers.Real) and not isinstance(kv, bool) and math.isfinite(kv)
-                                   and kv > 0):
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv!r}")
+        check_device(self.device)
+        check_sizes(self)
         check_hicache(self)
         check_speculative(self)
         check_disaggregation(self, DISAGGREGATION_MODES)

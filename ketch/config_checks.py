@@ -1,8 +1,10 @@
-"""EngineConfig's checks of its feature groups: the hierarchical cache, expert parallelism (and
-DP attention, EPLB), PD disaggregation and speculative decoding. A leaf below ketch/config.py
+"""EngineConfig's checks of its feature groups: sizes and the device, the hierarchical cache, expert
+parallelism (and DP attention, EPLB), PD disaggregation and speculative decoding. A leaf below ketch/config.py
 (which calls them from `EngineConfig.__post_init__`): it imports nothing of ketch."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
@@ -14,6 +16,37 @@ _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///
                                                   "redis": ("redis://", "redis://host:port[/db]"),
                                                   "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("ngram", "draft", "block")  # SGLang's --speculative-algorithm, lower case
+
+
+def check_sizes(c: Any) -> None:
+    """The counts are ints >= 1 (not floats that would be truncated, nor bools; max_model_len 0
+    was once the model's default, silently), kv_cache_memory a finite number of bytes > 0."""
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
+                 "max_model_len", "chunked_prefill_size", "num_threads"):
+        value = getattr(c, name)
+        optional = name in ("max_model_len", "chunked_prefill_size", "num_threads")  # None: the default
+        if (value is not None or not optional) and (not isinstance(value, int) or isinstance(value, bool)
+                                                    or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    kv = c.kv_cache_memory
+    if kv is not None and not (isinstance(kv, numbers.Real) and not isinstance(kv, bool) and math.isfinite(kv)
+                               and kv > 0):
+        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv!r}")
+
+
+def check_device(device: Any) -> None:
+    """auto | cpu | cuda[:N] (whether CUDA is there is the engine build's check: a config may be
+    made and checked on a machine without it)."""
+    if device == "auto":
+        return
+    import torch  # the one check here that needs it
+
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto|cpu|cuda[:N], got {device!r}")
 
 
 def check_expert_parallel(c: Any) -> None:
