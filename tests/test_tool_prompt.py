@@ -44,6 +44,7 @@ def test_tool_prompt_names_every_tool_and_the_format() -> None:
         ([{"type": "function"}], r"tools\[0\].function"),
         ([{"type": "function", "function": {"name": ""}}], r"tools\[0\].function.name"),
         ([{"type": "function", "function": {"name": "f", "parameters": 3}}], r"tools\[0\].function.parameters"),
+        ([{"type": "function", "function": {"name": "f"}}] * 2, r"tools\[1\].function.name: 'f' names an earlier"),
     ],
 )
 def test_bad_tools_name_the_field(tools: Any, field: str) -> None:

@@ -38,6 +38,8 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.function: expected an object")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"{where}.function.name: expected a non-empty string")
+        if any(f["name"] == fn["name"] for f in functions):  # a call could not say which one it meant
+            raise ValueError(f"{where}.function.name: {fn['name']!r} names an earlier tool too")
         if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
             raise ValueError(f"{where}.function.description: expected a string")
         if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], Mapping):
