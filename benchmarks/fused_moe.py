@@ -218,7 +218,8 @@ def main() -> None:
                         for j in range(LAYERS)]
                 if a.decode:
                     grouped, current, t, cfg = decode_paths(md, fm, sets, tw13, tw2, extra, rep=min(a.rep, 20))
-                    err = (md.fused_experts_decode(x, tw13, tw2, weights, ids, **extra).float() - ref().float()).abs().max()
+                    got = md.fused_experts_decode(x, tw13, tw2, weights, ids, **extra)
+                    err = (got.float() - ref().float()).abs().max()
                     print(f"{name:17s} {kind:4s} {tokens:5d} grouped {grouped:6.1f} µs/layer  decode {current:6.1f} "
                           f"({md.pick_decode_config(bool(extra))})  best {t:6.1f} ({cfg})  "
                           f"{wbytes / current / 1e3:6.0f} GB/s  max err {err.item():.1e}", flush=True)

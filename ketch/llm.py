@@ -101,8 +101,9 @@ class LLM:
                generated_token_ids: Sequence[int] = ()) -> Iterator[str]:
         """Text deltas of one prompt's first sample as they are decoded. Bad input raises here,
         not at the first `next()`. Open streams and generate() calls of this LLM may interleave
-        (one thread): each gets its own outputs whoever steps the engine. `generated_token_ids` resumes a stream that produced them
-        (engine README, "Resuming a stream"): the deltas continue its text."""
+        (one thread): each gets its own outputs whoever steps the engine. `generated_token_ids`
+        resumes a stream that produced them (engine README, "Resuming a stream"): the deltas
+        continue its text."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("n: stream() takes n == 1")

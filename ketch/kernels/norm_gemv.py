@@ -98,9 +98,9 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether norm_gemv takes this step: one row on the GPU (or the interpreter), a plain
     row-major weight of x's dtype or fp32 (a router), K up to MAX_K."""
     on_device = x.is_cuda or interpreting()
-    return (ENABLED and on_device and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.layout == torch.strided
-            and weight.stride(-1) == 1 and weight.device == x.device and weight.dtype in (x.dtype, torch.float32)
-            and 0 < x.shape[1] <= MAX_K and weight.shape[1] == x.shape[1])
+    return (ENABLED and on_device and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2
+            and weight.layout == torch.strided and weight.stride(-1) == 1 and weight.device == x.device
+            and weight.dtype in (x.dtype, torch.float32) and 0 < x.shape[1] <= MAX_K and weight.shape[1] == x.shape[1])
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -109,8 +109,9 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     """(h, new residual, y) as above; x [1, K] (last dim contiguous), the residual likewise or None
     (then the new residual is x itself). The caller checks `fits`."""
     if not fits(x, weight) or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
-        raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {None if residual is None else tuple(residual.shape)}"
-                         f", weight {tuple(weight.shape)} {weight.dtype} do not fit (one row, K <= {MAX_K})")
+        shape = None if residual is None else tuple(residual.shape)
+        raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype} do not fit (one row, K <= {MAX_K})")
     n, k = weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty_like(x)
