@@ -7,11 +7,9 @@ Without CUDA the kernels run in Triton's CPU interpreter (fp32, fp16; fp8 weight
 activations); with CUDA compiled, bf16 too. Shapes with a partial block on every axis: H = 70
 (interpreter K steps of 32, output blocks of 8), I = 42 (feature blocks of 4, K steps of 16).
 """
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -22,6 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from engine_cut import assert_same_tokens, batch_one_on_both_paths, cut_config  # noqa: E402
 from fp8_blocks import dequantize_blocks, quantize_blocks  # noqa: E402
 from ketch.kernels import fused_moe, moe_decode  # noqa: E402
 from ketch.kernels.moe_decode import DecodeConfig, fused_experts_decode  # noqa: E402
@@ -32,7 +31,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 E, H, I = 8, 70, 42
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def routed(tokens: int, top_k: int, seed: int, shared: int = 0, experts: int = E) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,35 +195,7 @@ def test_a_batch_one_engine_on_the_triton_kernels_keeps_the_torch_tokens(name, t
     weights of the config cut small: the Triton layer kernels (the interpreter without CUDA) give
     the torch path's greedy tokens, logprobs within 1e-4; DeepSeek with its shared experts folded
     into the fused MoE."""
-    from conftest import greedy_ids_and_logprobs, make_tiny_engine
-
-    d = json.loads((CONFIGS / name / "config.json").read_text())
-    d.update(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=96,
-             moe_intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-             num_experts=8, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
-    if name.startswith("deepseek"):  # MLA: the latent expands into every query head
-        d["num_key_value_heads"] = d["num_attention_heads"]
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    path = str(tmp_path / "config.json")
-    prompt = [[5, 9, 11, 40, 2]]
-    reference = make_tiny_engine(path, device=DEVICE.type, attention_backend="torch", layer_kernels="torch",
-                                 cuda_graph=False)
-    ids, lps = greedy_ids_and_logprobs(reference, prompt, 6)
-    engine = make_tiny_engine(path, device=DEVICE.type, attention_backend="triton", layer_kernels="triton",
-                              cuda_graph=False)  # eager steps: each call is seen below
-    decoded: list[int] = []
-    real = moe_decode.fused_experts_decode
-
-    def watched(x, *args, **kwargs):
-        decoded.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    moe_decode.fused_experts_decode = watched  # watched, not replaced: it still computes
-    try:
-        got_ids, got_lps = greedy_ids_and_logprobs(engine, prompt, 6)
-    finally:
-        moe_decode.fused_experts_decode = real
-    assert decoded and set(decoded) == {1}, decoded  # the decode steps took this path
-    assert got_ids == ids
-    assert max(abs(a - b) for a, b in zip(got_lps[0], lps[0], strict=True)) < 1e-4
-    engine.check_invariants()
+    want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, moe_decode,
+                                              "fused_experts_decode", 6)
+    assert rows and set(rows) == {1}, rows  # the decode steps took this path
+    assert_same_tokens(want, got)

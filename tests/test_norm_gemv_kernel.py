@@ -5,11 +5,9 @@ engines of each family on the Triton layer kernels keeping the torch path's toke
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32, fp16); with CUDA compiled, bf16 too.
 """
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 
+from engine_cut import assert_same_tokens, batch_one_on_both_paths, cut_config  # noqa: E402
 from ketch.kernels import norm_gemv as ng  # noqa: E402
 from ketch.kernels.rmsnorm import add_rms_norm, rms_norm  # noqa: E402
 from ketch.layers.ops import FirstProduct, triton_ops  # noqa: E402
@@ -28,7 +27,6 @@ from ketch.layers.ops import FirstProduct, triton_ops  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def inputs(k: int, n: int, dtype: torch.dtype, seed: int = 0, weight_dtype: torch.dtype | None = None):
@@ -139,35 +137,6 @@ def test_a_batch_one_engine_on_the_triton_kernels_keeps_the_torch_tokens(name, t
     the attention's first product and the MLP's or the router's), fp32 dummy weights of the config
     cut small: the torch path's greedy tokens, logprobs within 1e-4; every norm of a decode step
     went through the kernel."""
-    from conftest import greedy_ids_and_logprobs, make_tiny_engine
-
-    d = json.loads((CONFIGS / name / "config.json").read_text())
-    d.update(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, intermediate_size=96,
-             moe_intermediate_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-             num_experts=8, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
-    if name.startswith("deepseek"):  # MLA: the latent expands into every query head
-        d["num_key_value_heads"] = d["num_attention_heads"]
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    path = str(tmp_path / "config.json")
-    prompt = [[5, 9, 11, 40, 2]]
-    reference = make_tiny_engine(path, device=DEVICE.type, attention_backend="torch", layer_kernels="torch",
-                                 cuda_graph=False)
-    ids, lps = greedy_ids_and_logprobs(reference, prompt, 5)
-    engine = make_tiny_engine(path, device=DEVICE.type, attention_backend="triton", layer_kernels="triton",
-                              cuda_graph=False)  # eager steps: each call is seen below
-    rows: list[int] = []
-    real = ng.norm_gemv
-
-    def watched(x, *args, **kwargs):
-        rows.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    ng.norm_gemv = watched  # watched, not replaced: it still computes
-    try:
-        got_ids, got_lps = greedy_ids_and_logprobs(engine, prompt, 5)
-    finally:
-        ng.norm_gemv = real
-    assert len(rows) == 2 * 2 * 4  # 2 layers x 2 norms x the 4 decode steps after the prefill
-    assert got_ids == ids
-    assert max(abs(a - b) for a, b in zip(got_lps[0], lps[0], strict=True)) < 1e-4
-    engine.check_invariants()
+    want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, ng, "norm_gemv", 5)
+    assert rows == [1] * (2 * 2 * 4)  # 2 layers x 2 norms x the 4 decode steps after the prefill
+    assert_same_tokens(want, got)
