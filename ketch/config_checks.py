@@ -21,12 +21,13 @@ SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("ngram", "draft", "block")  # SGLang'
 def check_sizes(c: Any) -> None:
     """The counts are ints >= 1 (not floats that would be truncated, nor bools; max_model_len 0
     was once the model's default, silently), kv_cache_memory a finite number of bytes > 0."""
-    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs",
-                 "max_model_len", "chunked_prefill_size", "num_threads"):
+    required = ("page_size", "max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_bs")
+    optional = ("max_model_len", "chunked_prefill_size", "num_threads")  # None: the default
+    for name in required + optional:
         value = getattr(c, name)
-        optional = name in ("max_model_len", "chunked_prefill_size", "num_threads")  # None: the default
-        if (value is not None or not optional) and (not isinstance(value, int) or isinstance(value, bool)
-                                                    or value < 1):
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     kv = c.kv_cache_memory
     if kv is not None and not (isinstance(kv, numbers.Real) and not isinstance(kv, bool) and math.isfinite(kv)

@@ -11,10 +11,10 @@ from ketch.sampling.params import SamplingParams
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
     """Integers (numpy's too; not bools, floats that would be truncated, or anything else) in
     [0, vocab_size)."""
-    if not all(type(t) is int for t in ids) and not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-        bad = next(t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-        raise ValueError(f"{field}: token ids must be integers, got {bad!r}")
+    if not all(type(t) is int for t in ids):  # the common case in one pass; else look closer
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"{field}: token ids must be integers, got {bad[0]!r}")
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise ValueError(f"{field}: token ids must be in [0, {vocab_size})")
 

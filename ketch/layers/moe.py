@@ -130,7 +130,7 @@ class Router(nn.Module):
         """The logits' product (fp32 logits from x as it comes: the weight is fp32 then)."""
         return FirstProduct(self.weight, None, torch.float32 if self.fp32_logits else None)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_logits and self.dense_fp32 is not None:
             return self.dense_fp32(x, self.weight.float())
         if self.fp32_logits:
@@ -138,8 +138,8 @@ class Router(nn.Module):
         return self.dense(x, self.weight, None)
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: `self.logits(x)`, computed with the norm before (first_product)."""
-        logits = self.logits(x) if logits is None else logits
+        """logits: `self._logits(x)`, computed with the norm before (first_product)."""
+        logits = self._logits(x) if logits is None else logits
         kw = {} if self.count_into is None else {"counts": self.count_into()}
         if self.e_score_correction_bias is not None:
             kw["correction_bias"] = self.e_score_correction_bias

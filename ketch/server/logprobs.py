@@ -30,17 +30,17 @@ def chat_logprobs(tok: Tokenizer | None, lps: list[WireLogprob]) -> dict:
 
 
 def completion_logprobs(tok: Tokenizer | None, lps: list[WireLogprob], offset: int) -> dict:
-    offsets = []
+    tokens, top, offsets = [], [], []
     for lp in lps:
+        token = display(_raw(tok, lp.token_id))
+        alternatives = {display(_raw(tok, t)): l for t, l in lp.top}
+        alternatives.setdefault(token, lp.logprob)  # the sampled token, always
+        tokens.append(token)
+        top.append(alternatives)
         offsets.append(offset)
         offset += len(_text(tok, lp.token_id))
-    top = []
-    for lp in lps:
-        alternatives = {display(_raw(tok, t)): l for t, l in lp.top}
-        alternatives.setdefault(display(_raw(tok, lp.token_id)), lp.logprob)  # the sampled token, always
-        top.append(alternatives)
-    return {"tokens": [display(_raw(tok, lp.token_id)) for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": top, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def text_offset_after(tok: Tokenizer | None, token_ids: list[int]) -> int:
