@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ketch.engine.messages import WireLogprob
-from ketch.server.logprobs import chat_logprobs, completion_logprobs
+from ketch.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from ketch.text.token_bytes import BYTE_OF_CHAR, display, token_bytes
 from ketch.text.tokenizer import Tokenizer
 
@@ -45,13 +45,31 @@ def test_completion_keys_stay_distinct_and_hold_the_sampled_token(tok):
     assert len(partial) >= 3
     sampled, *others = partial
     lp = WireLogprob(sampled, -3.0, [(t, -0.1 * n) for n, t in enumerate(others)])  # sampled outside the top
-    out = completion_logprobs(tok, [lp], 0)
+    out = completion_logprobs(tok, [lp], TextOffsets(tok))
     top = out["top_logprobs"][0]
     assert len(top) == len(others) + 1  # every alternative its own key, plus the sampled one
     assert top[out["tokens"][0]] == -3.0 and out["tokens"][0] == display(tok.token_bytes(sampled))
     inside = WireLogprob(sampled, -0.2, [(sampled, -0.2), (others[0], -1.0)])
-    assert completion_logprobs(tok, [inside], 0)["top_logprobs"][0] == {
+    assert completion_logprobs(tok, [inside], TextOffsets(tok))["top_logprobs"][0] == {
         display(tok.token_bytes(sampled)): -0.2, display(tok.token_bytes(others[0])): -1.0}
+
+
+def test_text_offsets_index_the_text(tok):
+    """Each token's text_offset is the index of the character its first byte starts or continues:
+    a character split over three tokens is counted once, not once per piece."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    lps = [WireLogprob(i, -0.5, []) for i in ids]
+    whole = completion_logprobs(tok, lps, TextOffsets(tok))["text_offset"]
+    raw, expected = TEXT.encode(), []
+    for i in ids:  # the complete characters before the token's first byte
+        expected.append(len(raw[:sum(len(tok.token_bytes(t)) for t in ids[:len(expected)])].decode(errors="ignore")))
+    assert whole == expected and len(set(whole)) < len(whole)  # some tokens share a character
+    assert all(TEXT[o:].encode().startswith(tok.token_bytes(i)) for o, i in zip(whole, ids)
+               if "\ufffd" not in tok.decode([i]))
+    # in pieces, after a resumed stream's first tokens: the same offsets
+    offsets = TextOffsets(tok, ids[:3])
+    pieces = [completion_logprobs(tok, lps[k:k + 2], offsets)["text_offset"] for k in range(3, len(ids), 2)]
+    assert [o for p in pieces for o in p] == whole[3:]
 
 
 def test_byte_fallback_vocabularies():

@@ -14,6 +14,8 @@ import pytest
 import torch
 from server_util import health, open_stream, post, running_server
 
+from ketch.text.tokenizer import Tokenizer
+
 MATH = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
 STORY = [{"role": "user", "content": "Tell me a very short story about a cat."}]
 
@@ -91,6 +93,23 @@ def test_completions_stream_and_stop(client, model):
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == full.choices[0].text.split(".")[0]
     assert stopped.choices[0].model_extra["matched_stop"] == "."
+
+
+def test_completion_text_offsets_stream_as_whole(client, model, smollm_path):
+    """text_offset with tokens inside a character (logit_bias forces the pieces of two emoji): the
+    streamed offsets are the whole response's, and stay inside its text."""
+    tok = Tokenizer.load(smollm_path)  # the server's model: its vocabulary
+    pieces = [i for i in tok.encode("🎉🐍", add_special_tokens=False) if "\ufffd" in tok.decode([i])]
+    kw = dict(model=model, prompt="Party:", max_tokens=6, temperature=0, logprobs=1,
+              logit_bias={str(i): 100 for i in pieces})
+    whole = client.completions.create(**kw).choices[0]
+    offsets = whole.logprobs.text_offset
+    assert any(t.startswith("bytes:") for t in whole.logprobs.tokens)  # the case at hand
+    assert offsets[0] == 0 and all(a <= b for a, b in zip(offsets, offsets[1:]))
+    assert offsets[-1] < len(whole.text)
+    streamed = [o for c in client.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == offsets
 
 
 def test_n_and_seed(client, model):

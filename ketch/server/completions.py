@@ -11,7 +11,7 @@ from ketch.server.client import new_request_id
 from ketch.server.errors import APIError
 from ketch.server.generation import Generation, check_context
 from ketch.server.pd import bootstrap_of
-from ketch.server.logprobs import completion_logprobs, text_offset_after
+from ketch.server.logprobs import TextOffsets, completion_logprobs
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
@@ -86,7 +86,7 @@ async def _whole(state: ServerState, gen: Generation, head: dict, echoes: list[s
             c["finish_reason"], c["matched_stop"] = ev.finish_reason, ev.matched_stop
     if params.wants_logprobs:
         for i, c in enumerate(choices):
-            c["logprobs"] = completion_logprobs(state.tokenizer, for_logprobs[i], 0)
+            c["logprobs"] = completion_logprobs(state.tokenizer, for_logprobs[i], TextOffsets(state.tokenizer))
     return JSONResponse({**head, "choices": choices, "usage": gen.usage.as_dict()})
 
 
@@ -94,7 +94,7 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
                   echoes: list[str], with_ids: bool) -> AsyncIterator[dict]:
     # a resumed stream's logprob text offsets go on from the original's (its regenerated ids included)
     resumed = (gen.generated or []) + gen.replay
-    offsets: dict[int, int] = {0: text_offset_after(state.tokenizer, resumed)} if resumed else {}
+    offsets = [TextOffsets(state.tokenizer, resumed if i == 0 else []) for i in range(len(echoes))]
     for i, text in enumerate(echoes):
         if text:
             yield {**head, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}],
@@ -104,8 +104,7 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
             continue  # all of it regenerated (resume.regenerate_last): its client has that text
         logprobs = None
         if gen.params.wants_logprobs:
-            logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets.get(ev.index, 0))
-            offsets[ev.index] = offsets.get(ev.index, 0) + sum(len(t) for t in logprobs["tokens"])
+            logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets[ev.index])
         choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         if with_ids:
             choice["token_ids"] = ev.token_ids

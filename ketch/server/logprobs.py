@@ -3,8 +3,15 @@
 A token that holds only part of a character (an emoji or CJK character split over tokens) has
 its real bytes in chat's `bytes` (token_bytes.py) and shows as "bytes:\\xf0\\x9f" in `token` and
 in completions' tokens / top_logprobs keys, so distinct tokens never share a key. Completions'
-top_logprobs always hold the sampled token too (up to logprobs + 1 entries, as OpenAI's)."""
+top_logprobs always hold the sampled token too (up to logprobs + 1 entries, as OpenAI's).
+
+Completions' `text_offset` is each token's character index in the choice's text. It is counted
+over the tokens' bytes through an incremental UTF-8 decoder, so a character split over tokens
+counts once (every token of it starts at that character); counting each token decoded alone
+counted a U+FFFD for every piece."""
 from __future__ import annotations
+
+import codecs
 
 from ketch.engine.messages import WireLogprob
 from ketch.text.token_bytes import display
@@ -13,11 +20,6 @@ from ketch.text.tokenizer import Tokenizer
 
 def _raw(tok: Tokenizer | None, token_id: int) -> bytes:
     return tok.token_bytes(token_id) if tok else str(token_id).encode()
-
-
-def _text(tok: Tokenizer | None, token_id: int) -> str:
-    """The token decoded alone: what text_offset counts."""
-    return tok.decode([token_id], skip_special_tokens=False) if tok else str(token_id)
 
 
 def chat_logprobs(tok: Tokenizer | None, lps: list[WireLogprob]) -> dict:
@@ -29,21 +31,30 @@ def chat_logprobs(tok: Tokenizer | None, lps: list[WireLogprob]) -> dict:
                         for lp in lps]}
 
 
-def completion_logprobs(tok: Tokenizer | None, lps: list[WireLogprob], offset: int) -> dict:
-    tokens, top, offsets = [], [], []
+class TextOffsets:
+    """The running character count of one choice's text, token by token."""
+
+    def __init__(self, tok: Tokenizer | None, before: list[int] = ()) -> None:
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+        for token_id in before:  # a resumed stream's offsets go on from the original's
+            self.advance(token_id)
+
+    def advance(self, token_id: int) -> int:
+        """The token's offset; counts the characters it completes."""
+        at = self.chars
+        self.chars += len(self._utf8.decode(_raw(self._tok, token_id)))
+        return at
+
+
+def completion_logprobs(tok: Tokenizer | None, lps: list[WireLogprob], offsets: TextOffsets) -> dict:
+    tokens, top = [], []
     for lp in lps:
         token = display(_raw(tok, lp.token_id))
         alternatives = {display(_raw(tok, t)): l for t, l in lp.top}
         alternatives.setdefault(token, lp.logprob)  # the sampled token, always
         tokens.append(token)
         top.append(alternatives)
-        offsets.append(offset)
-        offset += len(_text(tok, lp.token_id))
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
-            "text_offset": offsets}
-
-
-def text_offset_after(tok: Tokenizer | None, token_ids: list[int]) -> int:
-    """The text_offset that follows `token_ids` (a resumed stream's first): offsets add up the
-    tokens' own texts, as completion_logprobs counts them."""
-    return sum(len(_text(tok, t)) for t in token_ids)
+            "text_offset": [offsets.advance(lp.token_id) for lp in lps]}
