@@ -32,7 +32,8 @@ from ketch.kernels.decode_attention import (
 )
 from ketch.kernels.extend_attention import extend_attention, extend_attention_ref
 from ketch.kernels.kv_store import store_kv, store_kv_ref
-from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, qk_rms_norm, qk_rms_norm_ref, rms_norm, rms_norm_ref
+from ketch.kernels.head_position import qk_rms_norm
+from ketch.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref, qk_rms_norm_ref, rms_norm, rms_norm_ref
 from ketch.kernels.rotary import rotary
 from ketch.layers.activation import silu_and_mul as silu_and_mul_ref  # the layer's torch code is the reference
 from ketch.layers.rotary import RotaryEmbedding, apply_rotary
@@ -251,7 +252,7 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     rows = {name: spill for name, spill, _ in found}
     assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm",
-                         "qk_norm_rope", "rotary",
+                         "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
                          "silu_and_mul", "gemv_m1", "gemv_dot", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
     # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
@@ -261,13 +262,14 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
     loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["add_rms_norm"] > 0, proc.stdout
-    assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0, proc.stdout  # their two weights
-    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "silu_and_mul")), proc.stdout
+    assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0 and loads["qk_norm_rope_store"] > 0, proc.stdout
+    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "rope_store",
+                                       "silu_and_mul")), proc.stdout
     assert "trigger first" not in proc.stdout  # the default: dependents launch after the loads
 
 
-EARLY = {"store_kv", "decode_merge", "add_rms_norm", "qk_rms_norm", "qk_norm_rope", "rotary", "silu_and_mul", "mla_prepare",
-         "mla_store_rows", "mla_merge"}  # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY)
+EARLY = {"store_kv", "decode_merge", "add_rms_norm", "qk_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rope_store",
+         "rotary", "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge"}  # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY)
 
 
 @pytest.mark.parametrize("mla", [False, True])

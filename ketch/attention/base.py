@@ -40,9 +40,17 @@ class AttentionBackend(ABC):
         """Build per-step metadata. Decode-like sequences (num_new == 1) come first in the batch."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any) -> torch.Tensor:
-        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] of the new tokens (stored by the
-        backend into the pool). Returns [tokens, heads, dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, metadata: Any,
+                stored: bool = False) -> torch.Tensor:
+        """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] of the new tokens, stored by the
+        backend into the pool unless `stored` (they were written where kv_sink said). Returns
+        [tokens, heads, dim]."""
+
+    def kv_sink(self, layer: int, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where a layer op may write the new k and v itself, in the launch that puts them in
+        position (LayerOps.position_and_store): (k_cache, v_cache, slots), after which forward is
+        called with stored=True; None: forward stores them (this default)."""
+        return None
 
     # ------------------------------------------------------------ decode-graph hooks
     def init_capture(self, sizes: list[int], max_model_len: int) -> list[GraphKey]:

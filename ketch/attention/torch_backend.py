@@ -138,7 +138,10 @@ class TorchAttentionBackend(AttentionBackend):
         zeros = torch.zeros(visible.shape, dtype=self.pool.compute_dtype, device=self.device)
         return zeros.masked_fill_(~visible, float("-inf"))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata,
+                stored: bool = False) -> torch.Tensor:
+        if stored:
+            raise ValueError("stored: this backend gave no kv_sink; it stores k and v itself")
         if self.native_store_decode is not None and not meta.prefills and meta.decode_lens is not None:
             return self.native_store_decode(q, k, v, meta.slots, self.pool.k[layer], self.pool.v[layer],
                                             meta.decode_pages, meta.decode_lens, self.scale)

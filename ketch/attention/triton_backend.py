@@ -150,9 +150,15 @@ class TritonAttentionBackend(AttentionBackend):
         return num_splits_for(batch, self.num_kv_heads, self.decode_splits_len or longest, block_n=self.decode_block_n,
                               target_programs=self.target_programs, max_splits=self.max_splits)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def kv_sink(self, layer: int, meta: TritonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.pool.k[layer], self.pool.v[layer], meta.slots
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata,
+                stored: bool = False) -> torch.Tensor:
+        """stored: k and v are in the pool already (kv_sink)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        store_kv(kc, vc, k, v, meta.slots)
+        if not stored:
+            store_kv(kc, vc, k, v, meta.slots)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             d, nd = meta.decode, meta.num_decode

@@ -35,7 +35,8 @@ from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
 from ketch.kernels.mla_prepare import _mla_prepare_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
-from ketch.kernels.rmsnorm import _qk_rms_norm_kernel, _rms_norm_kernel
+from ketch.kernels.head_position import _qk_rms_norm_kernel
+from ketch.kernels.rmsnorm import _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
 
 
@@ -94,6 +95,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
              "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
+    position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
@@ -110,9 +112,13 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("add_rms_norm", _rms_norm_kernel, {"N": hidden, "BLOCK": pow2(hidden), "HAS_RESIDUAL": True},
          min(16, max(1, pow2(hidden) // 256)), 3),
         ("qk_rms_norm", _qk_rms_norm_kernel,  # Qwen3's q / k head norms
-         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "ROTATE": False}, 1, 3),
+         {**position, "NORM": True, "ROTATE": False, "STORE": False}, 1, 3),
         ("qk_norm_rope", _qk_rms_norm_kernel,  # ... with RoPE in the same launch (LayerOps.qk_norm_rotary)
-         {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "ROTATE": True}, 1, 3),
+         {**position, "NORM": True, "ROTATE": True, "STORE": False}, 1, 3),
+        ("qk_norm_rope_store", _qk_rms_norm_kernel,  # ... and the KV store (LayerOps.position_and_store)
+         {**position, "NORM": True, "ROTATE": True, "STORE": True}, 1, 3),
+        ("rope_store", _qk_rms_norm_kernel,  # Llama's RoPE and KV store (head_position.rotary_store)
+         {**position, "NORM": False, "ROTATE": True, "STORE": True}, 1, 3),
         ("rotary", _rotary_kernel,
          {"HEADS": heads + kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(heads + kv_heads), "BLOCK_D": pow2(head_dim)},
          4 if (heads + kv_heads) * head_dim >= 2048 else 2, 3),

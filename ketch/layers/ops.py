@@ -90,6 +90,11 @@ class LayerOps:
     # (kernels/norm_gemv.py), the norm op then the product otherwise; None: the model calls the
     # norm and the sublayer computes its own product
     add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # (qk [tokens, heads, dim], cos, sin, num_q, v [tokens, kv_heads, dim], sink (k_cache, v_cache,
+    # slots), norm (q_weight, k_weight, eps) or None) -> the q|k heads (normed and) rotated, the k
+    # heads and v also written into the pool where the backend's kv_sink says, in one launch
+    # (kernels/head_position.py); None: rotary / qk_norm_rotary, then the backend stores
+    position_and_store: Callable[..., torch.Tensor] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +119,9 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.gemv import gemv
     from ketch.kernels.mla_prepare import mla_prepare
     from ketch.kernels.moe_route import softmax_topk_triton
-    from ketch.kernels.rmsnorm import add_rms_norm, qk_rms_norm, rms_norm
+    from ketch.kernels import head_position
+    from ketch.kernels.head_position import qk_rms_norm
+    from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
 
     def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -153,9 +160,17 @@ def triton_ops() -> LayerOps:
             return h, residual, linear_fp32(h, first.weight.float())
         return h, residual, linear(h, first.weight, first.bias)
 
+    def position_and_store(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, v: torch.Tensor,
+                           sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                           norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
+        store = head_position.KVStore(*sink, v)
+        if norm is None:
+            return head_position.rotary_store(qk, cos, sin, num_q, store)
+        return head_position.qk_rms_norm(qk, *norm, num_q, rope=(cos, sin), store=store)
+
     return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, linear_fp32,
                     fused_experts_triton, softmax_topk_triton, qk_rms_norm, qk_norm_rotary, mla_prepare,
-                    add_rms_norm_linear)
+                    add_rms_norm_linear, position_and_store)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

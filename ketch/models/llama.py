@@ -68,9 +68,17 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x) if first is None else first
         heads = self.num_heads + self.num_kv_heads
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        qk = self._position(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim), rope)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
+        # the Triton layer ops also write k and v into the pool where the backend says where (one
+        # launch less a layer); the torch ops leave that to the backend
+        sink = attn.kv_sink(self.layer, meta) if self.ops.position_and_store is not None else None
+        if sink is None:
+            qk = self._position(qk, rope)
+        else:
+            norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            qk = self.ops.position_and_store(qk, *rope, self.num_heads, v, sink, norm)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = attn.forward(q, k, v, self.layer, meta)
+        o = attn.forward(q, k, v, self.layer, meta, stored=sink is not None)
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def _rotate(self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

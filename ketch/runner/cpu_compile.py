@@ -71,8 +71,12 @@ torch.library.register_fake("ketch_cpu::decode_attention", lambda q, k, v, layer
 class _OpAttention:
     """What the traced model sees as its attention backend: the op."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any) -> torch.Tensor:
-        return torch.ops.ketch_cpu.decode_attention(q, k, v, layer)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any,
+                stored: bool = False) -> torch.Tensor:
+        return torch.ops.ketch_cpu.decode_attention(q, k, v, layer)  # stored: never (no kv_sink)
+
+    def kv_sink(self, layer: int, meta: Any) -> None:
+        return None  # the op stores k and v
 
 
 class CompiledCPUDecode:

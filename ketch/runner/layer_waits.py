@@ -33,6 +33,13 @@ class LayerWaitingAttention(AttentionBackend):
         self.pending.wait_layer(rest[1] if len(rest) == 5 else rest[2])  # MLA: 5 after q; MHA: 4
         return self.inner.forward(q, *rest, **kw)
 
+    def kv_sink(self, layer: int, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """MHA: where the layer op stores the new k and v, if the backend lets it; as latent_sink."""
+        sink = self.inner.kv_sink(layer, metadata)
+        if sink is not None:
+            self.pending.wait_layer(layer)
+        return sink
+
     def latent_sink(self, layer: int, metadata: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         """MLA: where the layer op stores the new latents, if the backend lets it; that store is
         the layer's first touch of the pool, so the wait comes before it."""
