@@ -268,7 +268,7 @@ def test_the_l3_writer_encodes_what_a_delayed_save_wrote(tmp_path, monkeypatch: 
     assert host.last_save() is not None  # queued before the copy ran
     assert tier.drain(10.0) and tier.stats.written_pages == 3
     for h, d in zip(hashes, device_pages, strict=True):
-        page = decode_page(tier.backend.get(fmt.key(h)), fmt)
+        page = decode_page(tier.backend.get(fmt.key(h)), fmt, key=fmt.key(h))
         for dev, got in zip(pool.layers, page.layers, strict=True):
             for n, t in dev.items():
                 assert torch.equal(got[n].view(torch.uint8), t[d].cpu().view(torch.uint8)), (d, n)

@@ -1,5 +1,5 @@
-"""The storage tier (L3) under faults, through the engine: a flipped byte, a truncated page and a
-page of another model are each refused, counted, recomputed, and the answer is the cold run's; a
+"""The storage tier (L3) under faults, through the engine: a flipped byte, a truncated page, a
+page of another model and two pages swapped between their keys are each refused, counted, recomputed, and the answer is the cold run's; a
 dead or hung Redis costs hits, never requests; a full write queue and a store that cannot write
 drop writes and count them; bad L3 options are refused naming the field. (test_hicache_l3.py:
 the workloads with L3 working.)"""
@@ -44,10 +44,18 @@ def _foreign(eng: Engine, path: Path) -> None:
     """The same key, but a page another model wrote (another fingerprint in its header)."""
     fmt: PageFormat = eng.kv.storage.format  # type: ignore[union-attr]
     other = PageFormat(**{**fmt.__dict__, "fingerprint": "another-model"})
-    path.write_bytes(encode_page(eng.kv.pool.layers, 0, other))
+    path.write_bytes(encode_page(eng.kv.pool.layers, 0, other, key=path.name))  # a file's name is its key
 
 
-@pytest.mark.parametrize("damage,reason", [("flip", "corrupt"), ("truncate", "corrupt"), ("foreign", "foreign")])
+def _swap(path: Path, other: Path) -> None:
+    """Two intact pages of ours, each in the other's file: the KV of other tokens under the key."""
+    a, b = path.read_bytes(), other.read_bytes()
+    path.write_bytes(b)
+    other.write_bytes(a)
+
+
+@pytest.mark.parametrize("damage,reason", [("flip", "corrupt"), ("truncate", "corrupt"), ("foreign", "foreign"),
+                                           ("swap", "corrupt")])
 def test_a_damaged_or_foreign_page_is_refused_counted_and_recomputed(tiny_config_path: str, tmp_path: Path,
                                                                      damage: str, reason: str) -> None:
     root = tmp_path / "kv"
@@ -59,7 +67,8 @@ def test_a_damaged_or_foreign_page_is_refused_counted_and_recomputed(tiny_config
     bad = 6  # pages 0-5 are fine; 6 and everything after it (its descendants) must be recomputed
     second = l3_engine(tiny_config_path, file_url(root))
     path = _page_file(second, root, query, bad)
-    {"flip": _flip, "truncate": _truncate, "foreign": lambda p: _foreign(second, p)}[damage](path)
+    {"flip": _flip, "truncate": _truncate, "foreign": lambda p: _foreign(second, p),
+     "swap": lambda p: _swap(p, _page_file(second, root, query, bad + 1))}[damage](path)
     second.add_request("q", query, PARAMS)
     got = collect(drain(second))[("q", 0)]["ids"]
     s = second.stats()

@@ -54,9 +54,12 @@ def reseal(blob: bytes, **changes) -> bytes:
     return body + struct.pack("<Q", CHECKSUMS.get(fields["algo"], CHECKSUMS[algo])(body))
 
 
-def rejected(blob: bytes, fmt: PageFormat) -> str:
+KEY = "the-key-it-was-written-for"
+
+
+def rejected(blob: bytes, fmt: PageFormat, key: str = KEY) -> str:
     with pytest.raises(PageRejected) as info:
-        decode_page(blob, fmt)
+        decode_page(blob, fmt, key=key)
     return info.value.reason
 
 
@@ -80,15 +83,15 @@ def test_pages_round_trip_through_the_file_backend_byte_identical(tmp_path, dtyp
     store = FileStorage(tmp_path)
     hashes = chain_hashes(ROOT_HASH, list(range(3 * PS)), PS)
     for h, page in zip(hashes, [4, 0, 2]):
-        assert store.set(fmt.key(h), encode_page(src.layers, page, fmt))
+        assert store.set(fmt.key(h), encode_page(src.layers, page, fmt, key=fmt.key(h)))
     assert store.exists_prefix([fmt.key(h) for h in hashes]) == 3
     for h, page, into in zip(hashes, [4, 0, 2], [1, 5, 3]):
-        decoded = decode_page(store.get(fmt.key(h)), fmt)
+        decoded = decode_page(store.get(fmt.key(h)), fmt, key=fmt.key(h))
         assert decoded.tokens == PS
         load_page(dst.layers, into, decoded)
         assert same_page(src, page, dst, into)
     assert not dst.layers[0][fmt.tensors[0].name][0].view(torch.uint8).any()
-    assert len(encode_page(src.layers, 0, fmt)) > fmt.payload_bytes == src.bytes_per_page
+    assert len(encode_page(src.layers, 0, fmt, key=KEY)) > fmt.payload_bytes == src.bytes_per_page
 
 
 def test_exists_prefix_of_page_keys_stops_at_a_missing_middle_page(tmp_path):
@@ -98,7 +101,7 @@ def test_exists_prefix_of_page_keys_stops_at_a_missing_middle_page(tmp_path):
     keys = [fmt.key(h) for h in chain_hashes(ROOT_HASH, list(range(5 * PS)), PS)]
     for i, key in enumerate(keys):
         if i != 2:
-            store.set(key, encode_page(src.layers, i, fmt))
+            store.set(key, encode_page(src.layers, i, fmt, key=key))
     assert store.exists_prefix(keys) == 2
     assert store.exists(keys[3]) and store.exists(keys[4])
 
@@ -126,7 +129,7 @@ def test_keys_name_the_hash_and_the_whole_format():
 def test_a_flipped_byte_is_detected(where):
     src = pool()
     fmt = PageFormat.for_pool(src, FP)
-    blob = bytearray(encode_page(src.layers, 1, fmt))
+    blob = bytearray(encode_page(src.layers, 1, fmt, key=KEY))
     hlen = PREFIX.unpack_from(blob)[3]
     at = {"payload_first": PREFIX.size + hlen, "payload_last": len(blob) - 9, "header": PREFIX.size + 3,
           "checksum": len(blob) - 1, "prefix_algo": 10}[where]
@@ -134,26 +137,28 @@ def test_a_flipped_byte_is_detected(where):
         bad = bytearray(blob)
         bad[at] ^= bit
         assert rejected(bytes(bad), fmt) == ("checksum_algo" if where == "prefix_algo" else "checksum")
-    assert decode_page(bytes(blob), fmt).tokens == PS  # the original still decodes
+    assert decode_page(bytes(blob), fmt, key=KEY).tokens == PS  # the original still decodes
 
 
 def test_truncated_extended_and_foreign_blobs_are_refused():
     src = pool()
     fmt = PageFormat.for_pool(src, FP)
-    blob = encode_page(src.layers, 1, fmt)
+    blob = encode_page(src.layers, 1, fmt, key=KEY)
     for cut in (0, 5, PREFIX.size, len(blob) // 2, len(blob) - 1):
         assert rejected(blob[:cut], fmt) == "truncated"
     assert rejected(blob + b"\x00", fmt) == "length"
     assert rejected(b"PK\x03\x04" + blob[4:], fmt) == "magic"
     assert rejected(reseal(blob, magic=b"KTKVPAGX"), fmt) == "magic"
-    assert rejected(reseal(blob, version=2), fmt) == "version"
+    assert rejected(reseal(blob, version=1), fmt) == "version"  # before pages named their key
+    assert rejected(reseal(blob, version=3), fmt) == "version"
     assert rejected(reseal(blob, algo=99), fmt) == "checksum_algo"
     assert rejected(reseal(blob, header=lambda h: b"{not json"), fmt) == "header"
     assert rejected(reseal(blob, header=lambda h: {"format": h["format"]}), fmt) == "header"
+    assert rejected(reseal(blob, header=lambda h: {k: v for k, v in h.items() if k != "key"}), fmt) == "header"
     assert rejected(reseal(blob, header=lambda h: {**h, "tokens": 0}), fmt) == "tokens"
     assert rejected(reseal(blob, header=lambda h: {**h, "tokens": PS + 1}), fmt) == "tokens"
-    assert decode_page(reseal(blob, header=lambda h: {**h, "tokens": 1}), fmt).tokens == 1
-    assert decode_page(reseal(blob), fmt).tokens == PS  # reseal itself changes nothing
+    assert decode_page(reseal(blob, header=lambda h: {**h, "tokens": 1}), fmt, key=KEY).tokens == 1
+    assert decode_page(reseal(blob), fmt, key=KEY).tokens == PS  # reseal itself changes nothing
 
 
 @pytest.mark.parametrize("reason, other", [
@@ -172,8 +177,8 @@ def test_an_intact_page_of_another_format_is_refused_both_ways(reason, other):
     theirs = other()
     their_pool = pool(dtype_of_fmt(theirs), torch.float32, theirs.page_size,
                       KVSpec(theirs.num_layers, tuple(KVTensorSpec(t.name, t.shape) for t in theirs.tensors)))
-    assert rejected(encode_page(their_pool.layers, 0, theirs), ours) == reason
-    assert rejected(encode_page(pool().layers, 0, ours), theirs) == reason
+    assert rejected(encode_page(their_pool.layers, 0, theirs, key=KEY), ours) == reason
+    assert rejected(encode_page(pool().layers, 0, ours, key=KEY), theirs) == reason
     assert reason in FOREIGN and "checksum" in CORRUPT
 
 
@@ -184,11 +189,11 @@ def dtype_of_fmt(fmt: PageFormat) -> torch.dtype:
 def test_a_pool_that_does_not_match_the_format_is_a_value_error():
     fmt = PageFormat.for_pool(pool(), FP)
     with pytest.raises(ValueError, match="layers"):
-        encode_page(pool(torch.bfloat16, torch.bfloat16).layers, 0, fmt)
+        encode_page(pool(torch.bfloat16, torch.bfloat16).layers, 0, fmt, key=KEY)
     with pytest.raises(ValueError, match="layers"):
-        encode_page(pool(spec=KVSpec.mha(LAYERS + 1, 2, 4)).layers, 0, fmt)
+        encode_page(pool(spec=KVSpec.mha(LAYERS + 1, 2, 4)).layers, 0, fmt, key=KEY)
     with pytest.raises(ValueError, match="tokens"):
-        encode_page(pool().layers, 0, fmt, tokens=PS + 1)
+        encode_page(pool().layers, 0, fmt, tokens=PS + 1, key=KEY)
 
 
 @pytest.mark.parametrize("field, change", [
@@ -218,13 +223,30 @@ def test_a_damaged_file_in_storage_is_refused_with_its_reason(tmp_path):
     fmt = PageFormat.for_pool(src, FP)
     store = FileStorage(tmp_path)
     a, b = (fmt.key(h) for h in chain_hashes(ROOT_HASH, list(range(2 * PS)), PS))
-    store.set(a, encode_page(src.layers, 0, fmt))
-    store.set(b, encode_page(src.layers, 1, fmt))
+    store.set(a, encode_page(src.layers, 0, fmt, key=a))
+    store.set(b, encode_page(src.layers, 1, fmt, key=b))
     path = store.path(a)
     path.write_bytes(path.read_bytes()[:-100])
     data = bytearray(store.path(b).read_bytes())
     data[len(data) // 2] ^= 0x10
     store.path(b).write_bytes(bytes(data))
-    assert rejected(store.get(a), fmt) == "truncated"
-    assert rejected(store.get(b), fmt) == "checksum"
+    assert rejected(store.get(a), fmt, a) == "truncated"
+    assert rejected(store.get(b), fmt, b) == "checksum"
     assert MAGIC == store.get(b)[:8]
+
+
+def test_an_intact_page_under_another_pages_key_is_refused(tmp_path):
+    """Two pages' files swapped on disk (or a store that mixed up its values): each blob is intact
+    and of our format, but holds the KV of other tokens; it is refused, not loaded."""
+    src = pool()
+    fmt = PageFormat.for_pool(src, FP)
+    store = FileStorage(tmp_path)
+    a, b = (fmt.key(h) for h in chain_hashes(ROOT_HASH, list(range(2 * PS)), PS))
+    store.set(a, encode_page(src.layers, 0, fmt, key=a))
+    store.set(b, encode_page(src.layers, 1, fmt, key=b))
+    blob_a, blob_b = store.path(a).read_bytes(), store.path(b).read_bytes()
+    store.path(a).write_bytes(blob_b)
+    store.path(b).write_bytes(blob_a)
+    assert rejected(store.get(a), fmt, a) == "key" and rejected(store.get(b), fmt, b) == "key"
+    assert "key" in CORRUPT
+    assert decode_page(blob_a, fmt, key=a).tokens == PS  # under its own key it still decodes

@@ -1,13 +1,15 @@
 """One KV page as bytes for a storage tier, and back, checked on the way in.
 
     prefix   magic "KTKVPAGE" | u16 version | u16 checksum id | u32 header bytes | u64 payload bytes
-    header   JSON: the PageFormat (model fingerprint, KV dtype, page size, layout, TP rank/size)
-             and the page's token count
+    header   JSON: the PageFormat (model fingerprint, KV dtype, page size, layout, TP rank/size),
+             the page's token count and its storage key
     payload  for each layer, for each tensor in the layout's order: the page's rows, raw bytes
     checksum u64 (little-endian) over prefix + header + payload
 
 `decode` trusts nothing: it checks the structure, the checksum, then that the header names the
-format the caller expects, and raises `PageRejected(reason)` on the first thing wrong. A page
+format the caller expects and the key the caller read it under (an intact page under another
+page's key, e.g. files renamed or a store that mixed up its values, would otherwise be the
+KV of other tokens), and raises `PageRejected(reason)` on the first thing wrong. A page
 that fails here is dropped and its tokens recomputed; it is never partly used.
 
 Checksum: xxh3-64 when the `xxhash` package is installed, else zlib's CRC-32 (in the standard
@@ -32,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None
 
 MAGIC = b"KTKVPAGE"
-VERSION = 1
+VERSION = 2  # 2: the header holds the page's key
 _PREFIX = struct.Struct("<8sHHIQ")
 _CHECKSUM = struct.Struct("<Q")
 
@@ -43,7 +45,7 @@ DEFAULT_CHECKSUM = max(CHECKSUMS)
 
 # Why a page was refused: the first group means damaged bytes, the second a page of another
 # model or configuration (intact, but not ours to use).
-CORRUPT = ("magic", "version", "truncated", "length", "checksum_algo", "checksum", "header", "payload_size")
+CORRUPT = ("magic", "version", "truncated", "length", "checksum_algo", "checksum", "header", "payload_size", "key")
 FOREIGN = ("fingerprint", "kv_dtype", "page_size", "layout", "tp_rank", "tp_size", "tokens")
 
 Layers = Sequence[Mapping[str, torch.Tensor]]  # KVPool.layers / HostPool.layers: [layer][name] -> [pages, page_size, *shape]
@@ -63,28 +65,32 @@ class DecodedPage:
     layers: tuple[dict[str, torch.Tensor], ...]  # [layer][name] -> [page_size, *shape], on the CPU
 
 
-def encode_page(layers: Layers, page: int, fmt: PageFormat, tokens: int | None = None) -> bytes:
-    """Page `page` of every tensor of every layer of a pool (device or host) as one blob."""
+def encode_page(layers: Layers, page: int, fmt: PageFormat, tokens: int | None = None, *, key: str) -> bytes:
+    """Page `page` of every tensor of every layer of a pool (device or host) as one blob, to be
+    stored under `key`."""
     tokens = fmt.page_size if tokens is None else tokens
     if not 1 <= tokens <= fmt.page_size:
         raise ValueError(f"tokens must be in [1, page_size={fmt.page_size}], got {tokens}")
     _check_layers(layers, fmt)
     payload = b"".join(_row_bytes(layers[layer][t.name][page])
                        for layer in range(fmt.num_layers) for t in fmt.tensors)
-    header = json.dumps({"format": fmt.to_json(), "tokens": tokens}, sort_keys=True).encode()
+    header = json.dumps({"format": fmt.to_json(), "tokens": tokens, "key": key}, sort_keys=True).encode()
     body = _PREFIX.pack(MAGIC, VERSION, DEFAULT_CHECKSUM, len(header), len(payload)) + header + payload
     return body + _CHECKSUM.pack(CHECKSUMS[DEFAULT_CHECKSUM](body))
 
 
-def decode_page(data: bytes, fmt: PageFormat) -> DecodedPage:
-    """The page in `data`, if it is intact and of format `fmt`; else PageRejected naming why."""
+def decode_page(data: bytes, fmt: PageFormat, *, key: str) -> DecodedPage:
+    """The page in `data`, read under `key`, if it is intact, of format `fmt` and written for
+    that key; else PageRejected naming why."""
     header, payload = _unwrap(data)
     try:
         fields = json.loads(header)
-        found, tokens = PageFormat.from_json(fields["format"]), fields["tokens"]
+        found, tokens, written_for = PageFormat.from_json(fields["format"]), fields["tokens"], fields["key"]
     except (ValueError, KeyError, TypeError) as e:
         raise PageRejected("header", f"unreadable header ({e})") from None
     _check_same_format(found, fmt)
+    if written_for != key:
+        raise PageRejected("key", f"the page was written for key {written_for!r}, read under {key!r}")
     if not isinstance(tokens, int) or not 1 <= tokens <= fmt.page_size:
         raise PageRejected("tokens", f"{tokens!r} tokens in a page of {fmt.page_size}")
     if len(payload) != fmt.payload_bytes:

@@ -140,7 +140,7 @@ class StorageTier:
                     self.stats.dropped_writes += 1
                     continue
                 key = item.key
-                data = encode_page(snapshot, 0, self.format)
+                data = encode_page(snapshot, 0, self.format, key=key)
                 ok = self.backend.set(key, data)
                 self.stats.write_seconds += time.perf_counter() - t0
                 if ok:
@@ -201,7 +201,7 @@ class StorageTier:
             if data is None:
                 return  # gone since exists_prefix (an LRU store): the run ends here
             try:
-                page = decode_page(data, self.format)
+                page = decode_page(data, self.format, key=key)
             except PageRejected as e:
                 if e.corrupt:
                     self.stats.rejected_corrupt += 1
