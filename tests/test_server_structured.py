@@ -193,16 +193,38 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    # what the grammar would not enforce, or fail on only once the request runs (schema_limits.py)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "object"}}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": []}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": -1}}}, "stream": True}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "allOf": [{"type": "object"}, {"required": ["a"]}]}}}]}, "tools[0].function.parameters"),
 ]
 
 
-@pytest.mark.parametrize("kw, param", BAD, ids=[p for _, p in BAD])
+@pytest.mark.parametrize("kw, param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
 def test_bad_grammars_and_tool_schemas_are_400(server, client, model, kw, param):
+    """Each a 400 naming the field, before anything is generated (a stream too)."""
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **kw)
     error = info.value.body
     assert error["param"] == param and error["message"].startswith(param.split("[")[0]), error
     assert health(server[1]) == 200
+
+
+def test_a_forced_call_of_a_tool_without_parameters_ends(client, model):
+    """An empty arguments object: the grammar once let the model pad it with whitespace until
+    max_tokens, and the arguments never parsed."""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Check the server",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Call the ping tool."}],
+                                       tools=[ping], tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=60, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {}
 
 
 def test_everything_released_after_structured_requests(server, client, model):

@@ -35,15 +35,26 @@ CALL_FORMATS: dict[str, CallFormat] = {
 }
 
 
+# At most one whitespace character in a row inside constrained JSON: the grammar otherwise lets a
+# model pad an object with whitespace until max_tokens (seen with a tool of no parameters:
+# `{\n    \n      ...`, arguments that never parse). response_format's JSON has the same bound
+# through xgrammar's any_whitespace=False; this is the structural tag's spelling of it.
+MAX_WHITESPACE = 1
+
+
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
     return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _json(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def forced_calls(tool_parser: str, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """A structural tag: only calls of `functions` (at least one; one when not `parallel`)."""
     fmt = CALL_FORMATS[tool_parser]
     tags = [{"type": "tag", "begin": fmt.begin + fn["name"] + fmt.infix,
-             "content": {"type": "json_schema", "json_schema": _parameters(fn)}, "end": fmt.end}
+             "content": _json(_parameters(fn)), "end": fmt.end}
             for fn in functions]
     calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                              "at_least_one": True, "stop_after_first": not parallel}
@@ -56,9 +67,9 @@ def forced_calls(tool_parser: str, functions: list[dict[str, Any]], parallel: bo
 def answer_format(kind: str, source: str) -> dict[str, Any]:
     """A structural-tag format for a response_format / regex / EBNF grammar."""
     if kind == "json_object":
-        return {"type": "json_schema", "json_schema": {"type": "object"}}
+        return _json({"type": "object"})
     if kind == "json_schema":
-        return {"type": "json_schema", "json_schema": json.loads(source)}
+        return _json(json.loads(source))
     if kind == "regex":
         return {"type": "regex", "pattern": source}
     if kind == "ebnf":

@@ -1,6 +1,7 @@
 """GrammarBackend on xgrammar: token masks from a compiled grammar, ~tens of µs per row per step."""
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -8,6 +9,7 @@ import torch
 import xgrammar as xgr
 
 from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
+from ketch.sampling.grammar.schema_limits import unsupported_feature
 from ketch.sampling.grammar.spec import GrammarSpec
 
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
@@ -17,7 +19,33 @@ def _reason(e: Exception) -> str:
     return _CPP_PREFIX.sub("", str(e).strip()).strip()
 
 
+def _schemas_in_tag(node: Any):
+    """The JSON Schemas inside a structural tag (tool calls' arguments, a composed answer)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield node["json_schema"]
+        for value in node.values():
+            yield from _schemas_in_tag(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schemas_in_tag(value)
+
+
+def _refuse_unenforced(spec: GrammarSpec) -> None:
+    """ValueError for a schema feature the grammar would silently drop (schema_limits.py)."""
+    if spec.kind == "json_schema":
+        schemas = [json.loads(spec.source)]
+    elif spec.kind == "structural_tag":
+        schemas = list(_schemas_in_tag(json.loads(spec.source)))
+    else:
+        return
+    for schema in schemas:
+        if found := unsupported_feature(schema):
+            raise ValueError(found)
+
+
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
+    _refuse_unenforced(spec)
     if spec.kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
     if spec.kind == "json_schema":
@@ -74,8 +102,10 @@ class XGrammarBackend(GrammarBackend):
 
     @classmethod
     def check(cls, spec: GrammarSpec) -> None:
+        """What compile would refuse, without a tokenizer: the grammar is built, then its EBNF
+        parsed again (a schema like minLength -1 builds, and its EBNF fails only there)."""
         try:
-            _grammar(spec)
+            xgr.Grammar.from_ebnf(str(_grammar(spec)))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
 
