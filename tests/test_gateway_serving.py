@@ -55,6 +55,11 @@ def test_models_and_both_generation_routes_stream_and_not(workers_up, gw_rr):
     direct, via = sdk(workers_up[0].url, KEY), sdk(gw_rr)
     assert [m.id for m in via.models.list().data] == [m.id for m in direct.models.list().data] == [MODEL]
     assert via.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model} relayed
+    for i in range(3):  # names a client picks: one route label, not a metrics series each
+        with pytest.raises(openai.NotFoundError):
+            via.models.retrieve(f"no-such-model-{i}")
+    routes = request(gw_rr, "GET", "/metrics")[2].decode()
+    assert 'route="/v1/models/{model}"' in routes and "no-such-model" not in routes
     expected = direct.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
     raw = via.chat.completions.with_raw_response.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
     assert raw.headers["x-ketch-worker"] in {r.url for r in workers_up}  # never the key
@@ -106,10 +111,12 @@ def test_worker_errors_pass_through_with_status_and_body(workers_up, gw_rr):
 
 
 def test_the_gateways_own_bad_input_gets_openai_errors(gw_rr):
-    for body, code in [(b"{not json", "invalid_json"), (b"[1, 2]", "invalid_json"), (b"\xff\xfe", "invalid_json")]:
-        status, _, answer = request(gw_rr, "POST", "/v1/chat/completions", body)
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # past the parser's recursion limit
+    for path, body in [("/v1/chat/completions", b"{not json"), ("/v1/chat/completions", b"[1, 2]"),
+                       ("/v1/chat/completions", b"\xff\xfe"), ("/v1/completions", deep), ("/workers", deep)]:
+        status, _, answer = request(gw_rr, "POST", path, body)
         error = json.loads(answer)["error"]
-        assert status == 400 and error["code"] == code and error["type"] == "invalid_request_error"
+        assert status == 400 and error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
     status, _, answer = request(gw_rr, "GET", "/v2/nothing")
     assert status == 404 and json.loads(answer)["error"]["code"] == "not_found"
     status, _, answer = request(gw_rr, "GET", "/v1/chat/completions")

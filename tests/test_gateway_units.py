@@ -7,11 +7,15 @@ import random
 
 import pytest
 
+from ketch.gateway.attempt import Attempt
 from ketch.gateway.breaker import BreakerState, CircuitBreaker
-from ketch.gateway.config import BreakerConfig, GatewayConfig, HealthConfig, RetryConfig
+from ketch.gateway.config import BreakerConfig, CacheAwareConfig, GatewayConfig, HealthConfig, RetryConfig
 from ketch.gateway.failover import StreamTranscript
 from ketch.gateway.forward import backoff_seconds
+from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.monitor import queue_length
+from ketch.gateway.policies import make_policy
+from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.sse import event_boundary, lost_event
 from ketch.gateway.routed import CHAT, COMPLETIONS, chat_text, routed_request
 from ketch.gateway.worker import HealthTracker
@@ -42,6 +46,31 @@ def test_breaker_half_open_lets_one_probe_at_a_time_and_closes_after_successes()
     b.dispatched(11)
     b.record_success(12)
     assert b.state(12) is BreakerState.CLOSED and b.allows(12) and b.times_opened == 1
+
+
+def test_a_probe_that_ends_without_an_outcome_gives_its_slot_back():
+    """The half-open probe's client left before the worker answered (the gateway cancels the
+    attempt): nothing is known, and the next request must be let through to probe, or the worker
+    stays shut out (it did, until a gateway restart). A request that was not the probe, closed the
+    same way, leaves the probe's slot alone."""
+    cfg = BreakerConfig(failure_threshold=1, success_threshold=1, timeout_duration_secs=10)
+    registry = WorkerRegistry(cfg, HealthConfig())
+    worker = registry.add(parse_worker_url("http://127.0.0.1:1"))
+    clock = [0.0]
+    metrics = GatewayMetrics(registry, make_policy("round_robin", CacheAwareConfig()), lambda: clock[0])
+    before = Attempt(worker, "/v1/completions", metrics, lambda: clock[0])  # sent while closed
+    worker.breaker.record_failure(0)
+    clock[0] = 10.0
+    probe = Attempt(worker, "/v1/completions", metrics, lambda: clock[0])
+    assert not worker.breaker.allows(10)  # the probe is out
+    before.close()  # the older request's client left: not the probe
+    assert not worker.breaker.allows(10)
+    probe.close()  # cancelled: no answer, no failure
+    assert worker.breaker.state(10) is BreakerState.HALF_OPEN and worker.breaker.allows(10)
+    answered = Attempt(worker, "/v1/completions", metrics, lambda: clock[0])
+    answered.answered(200)
+    answered.close()
+    assert worker.breaker.state(10) is BreakerState.CLOSED and worker.in_flight == 0
 
 
 def test_breaker_half_open_failure_reopens_for_a_full_cool_down():

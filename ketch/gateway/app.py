@@ -102,11 +102,11 @@ def build_app(gw: Gateway) -> FrontDoor:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await gw.forwarder.plain("GET", "/v1/models")
+        return await gw.forwarder.plain("GET", "/v1/models", "/v1/models")
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        return await gw.forwarder.plain("GET", f"/v1/models/{quote(model, safe='')}")
+        return await gw.forwarder.plain("GET", f"/v1/models/{quote(model, safe='')}", "/v1/models/{model}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -15,12 +15,14 @@ from ketch.gateway.worker import Worker
 class Attempt:
     def __init__(self, worker: Worker, route: str, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
         self.worker, self.metrics, self.clock = worker, metrics, clock
-        worker.begin(clock())
+        self._probe = worker.begin(clock())  # the breaker's half-open probe: it must report or give way
         metrics.requests.labels(worker.url, route).inc()
         self._open = True
+        self._reported = False
 
     def answered(self, status: int) -> None:
         """Response headers arrived with `status`."""
+        self._reported = True
         self.metrics.responses.labels(self.worker.url, str(status)).inc()
         if status >= 500:
             self.failed("status_5xx")
@@ -28,6 +30,7 @@ class Attempt:
             self.worker.breaker.record_success(self.clock())
 
     def failed(self, kind: str) -> None:
+        self._reported = True
         self.metrics.worker_errors.labels(self.worker.url, kind).inc()
         self.worker.breaker.record_failure(self.clock())
 
@@ -35,3 +38,5 @@ class Attempt:
         if self._open:
             self._open = False
             self.worker.end()
+            if self._probe and not self._reported:
+                self.worker.breaker.probe_abandoned()

@@ -34,6 +34,8 @@ def parse_object(body: bytes) -> dict[str, Any]:
         parsed = json.loads(body)
     except ValueError as e:  # UnicodeDecodeError is one
         raise GatewayError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    except RecursionError:  # thousands of nested brackets: the workers refuse past 64 levels anyway
+        raise GatewayError(400, "the request body is not valid JSON: nested too deeply", "invalid_json") from None
     if not isinstance(parsed, dict):
         raise GatewayError(400, f"the request body must be a JSON object, got {type(parsed).__name__}",
                            "invalid_json")

@@ -48,10 +48,19 @@ class CircuitBreaker:
         state = self.state(now)
         return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
 
-    def dispatched(self, now: float) -> None:
-        """A request was sent; when half-open it is the probe, and the next waits for its outcome."""
+    def dispatched(self, now: float) -> bool:
+        """A request was sent; when half-open it is the probe, and the next waits for its outcome.
+        True when it is the probe."""
         if self.state(now) is BreakerState.HALF_OPEN:
             self._probing = True
+            return True
+        return False
+
+    def probe_abandoned(self) -> None:
+        """The probe ended with no outcome (its client left before the worker answered): nothing
+        was learned, so the next request probes. Without this the breaker stayed half-open with
+        its one probe slot taken, and the worker was shut out until the gateway restarted."""
+        self._probing = False
 
     def record_success(self, now: float) -> None:
         state = self.state(now)

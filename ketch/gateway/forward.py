@@ -89,10 +89,11 @@ class Forwarder:
             return choice.worker
         return pick
 
-    async def plain(self, method: str, path: str) -> Response:
+    async def plain(self, method: str, path: str, route: str) -> Response:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy
-        state untouched; the answer read whole and passed on."""
-        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, path)
+        state untouched; the answer read whole and passed on. `route`: the metrics label (the
+        route's template, never a client-chosen path: each distinct label is a new series)."""
+        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, route)
         if isinstance(opened, GatewayError):
             return opened.response()
         attempt, answer = opened

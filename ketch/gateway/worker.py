@@ -57,10 +57,11 @@ class Worker:
     def available(self, now: float) -> bool:
         return self.health.healthy and self.breaker.allows(now)
 
-    def begin(self, now: float) -> None:
-        """A request leaves for this worker (paired with one `end`)."""
+    def begin(self, now: float) -> bool:
+        """A request leaves for this worker (paired with one `end`); True when it is the breaker's
+        half-open probe."""
         self.in_flight += 1
-        self.breaker.dispatched(now)
+        return self.breaker.dispatched(now)
 
     def end(self) -> None:
         self.in_flight -= 1
