@@ -185,6 +185,34 @@ def test_a_sender_aborted_before_the_decode_side_registers_refuses_it(pair):
     assert (receiver.poll(), receiver.failure) == (KVPoll.Failed, "peer aborted: prefill preempted")
 
 
+def test_an_address_the_socket_refuses_fails_its_room_only(pair):
+    """A bootstrap address zmq cannot connect to (the engine's validation refuses such hosts
+    first; this is the transport's own guard) fails that receiver; the transport thread lives on
+    and the next room transfers. It once crashed the thread: every later room failed."""
+    prefill, decode = pair
+    bad = decode.receiver(20, "a b:1")
+    bad.init()
+    wait_until(lambda: ended(bad), 5, "the refusal")
+    assert bad.poll() == KVPoll.Failed and bad.failure.startswith("cannot connect to the prefill side at a b:1")
+    sender, receiver = start(prefill, decode, 21, [0, 1], [2, 3])
+    wait_until(lambda: ended(sender) and ended(receiver), 5, "the next room's transfer")
+    assert sender.poll() == receiver.poll() == KVPoll.Success
+
+
+def test_a_second_request_in_an_open_room_is_refused_on_the_prefill_side(pair):
+    """Two prefill requests with one room: the second fails, and the room's decode side gets the
+    first one's rows (the second once replaced the first: its peer got the other prompt's KV)."""
+    prefill, decode = pair
+    first, receiver = start(prefill, decode, 22, [0, 1], [2, 3], send=False)
+    second = prefill.sender(22)
+    second.init(2)
+    wait_until(lambda: ended(second), 5, "the refusal")
+    assert second.failure == "room 22 is open already on this prefill side"
+    first.send([0, 1], Aux(22))
+    wait_until(lambda: ended(first) and ended(receiver), 5, "the first one's transfer")
+    assert first.poll() == receiver.poll() == KVPoll.Success
+
+
 def test_a_page_count_mismatch_fails_both_sides(pair):
     prefill, decode = pair
     sender, receiver = start(prefill, decode, 10, [0, 1, 2], [3, 4])

@@ -256,6 +256,9 @@ def test_bootstrap_checked_against_the_mode(tiny_config_path):
                 eng.add_request("x", prompt(4), GREEDY)
             with pytest.raises(ValueError, match="^bootstrap_room: an int in"):
                 eng.add_request("x", prompt(4), GREEDY, bootstrap=Bootstrap("h", 1, 1 << 63))
+            for host in ("a b", "h/x", "tcp://h", ""):  # not a host name or address
+                with pytest.raises(ValueError, match="^bootstrap_host: the prefill server's bootstrap host"):
+                    eng.add_request("x", prompt(4), GREEDY, bootstrap=Bootstrap(host, 1, 1))
             with pytest.raises(ValueError, match="^n: a PD request has one sample"):
                 eng.add_request("x", prompt(4), SamplingParams(n=2), bootstrap=Bootstrap("h", 1, 1))
             assert not eng.requests

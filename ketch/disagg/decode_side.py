@@ -154,14 +154,22 @@ class DecodeSide(IOLoop, KVTransport):
         if conn is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{addr}")
+            try:
+                sock.connect(f"tcp://{addr}")
+            except zmq.ZMQError:
+                sock.close()
+                raise
             conn = self.conns[addr] = Connection(addr, sock)
             self.by_socket[sock] = conn
             self.poller.register(sock, zmq.POLLIN)
         return conn
 
     def _on_init(self, r: DecodeReceiver) -> None:
-        conn = self._connection(r.addr)
+        try:
+            conn = self._connection(r.addr)
+        except zmq.ZMQError as e:  # an address the socket refuses: this request fails, the transport serves on
+            self._fail(r, f"cannot connect to the prefill side at {r.addr}: {e}", tell=False)
+            return
         if r.room in conn.rooms:
             self._fail(r, f"room {r.room} is open already on this decode side", tell=False)
             return

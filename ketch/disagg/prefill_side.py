@@ -143,6 +143,9 @@ class PrefillSide(IOLoop, KVTransport):
 
     # ------------------------------------------------------------ commands (loop thread)
     def _on_init(self, s: PrefillSender) -> None:
+        if s.room in self.senders:  # a second request in an open room: its KV must not reach the first's peer
+            self._fail(s, f"room {s.room} is open already on this prefill side", tell=None)
+            return
         self.senders[s.room] = s
         refused = self.refused.pop(s.room, None)
         if refused is not None:

@@ -3,6 +3,7 @@ them before a stream starts, so a bad request still gets a 400). Messages start 
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Sequence
 
 from ketch.sampling.params import SamplingParams
@@ -64,6 +65,12 @@ def validate_resume(generated: Sequence[int], params: SamplingParams, *, vocab_s
 ROOM_LIMIT = 1 << 63  # bootstrap_room: 0 <= room < 2^63 (SGLang's range; a signed 64-bit int)
 
 
+# a DNS name (letters, digits, '-', '.') or an IPv4 / IPv6 address (hex digits, ':', '.', a
+# bracketed form): what a tcp:// address can carry. Anything else ("a b", "h/x") once reached the
+# decode side's socket connect and killed its transport thread, failing every PD request after it.
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]{2,45}\]?")
+
+
 def validate_bootstrap(mode: str, host: str | None, port: int | None, room: int | None, params: SamplingParams,
                        generated: Sequence[int] = ()) -> None:
     """A request's PD fields against the server's --disaggregation-mode: required on a prefill or a
@@ -79,8 +86,8 @@ def validate_bootstrap(mode: str, host: str | None, port: int | None, room: int 
     if len(given) < 3:
         missing = next(n for n in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if n not in given)
         raise ValueError(f"{missing}: required on a {mode} server (--disaggregation-mode {mode})")
-    if not isinstance(host, str) or not host:
-        raise ValueError(f"bootstrap_host: the prefill server's bootstrap host name or address, got {host!r}")
+    if not isinstance(host, str) or not _HOST.fullmatch(host):
+        raise ValueError(f"bootstrap_host: the prefill server's bootstrap host name or IP address, got {host!r}")
     if type(port) is not int or not 1 <= port <= 65535:
         raise ValueError(f"bootstrap_port: an int in [1, 65535], got {port!r}")
     if type(room) is not int or not 0 <= room < ROOM_LIMIT:
