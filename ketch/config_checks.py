@@ -91,10 +91,11 @@ def check_hicache(c: Any) -> None:
         raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
     if c.hicache_io_backend not in HICACHE_IO_BACKENDS:
         raise ValueError(f"hicache_io_backend must be {'|'.join(HICACHE_IO_BACKENDS)}, got {c.hicache_io_backend!r}")
-    if not c.hicache_ratio > 1.0:
-        raise ValueError(f"hicache_ratio must be > 1 (the host pool holds what the device evicts), got {c.hicache_ratio}")
-    if c.hicache_size is not None and not c.hicache_size > 0:
-        raise ValueError(f"hicache_size must be > 0 GB, got {c.hicache_size}")
+    if not 1.0 < c.hicache_ratio < math.inf:
+        raise ValueError(f"hicache_ratio must be > 1 and finite (the host pool holds what the device evicts), "
+                         f"got {c.hicache_ratio}")
+    if c.hicache_size is not None and not 0 < c.hicache_size < math.inf:
+        raise ValueError(f"hicache_size must be > 0 GB and finite, got {c.hicache_size}")
     if not c.hicache_prefetch_timeout >= 0:
         raise ValueError(f"hicache_prefetch_timeout must be >= 0 seconds, got {c.hicache_prefetch_timeout}")
     if not isinstance(c.hicache_storage_write_queue, int) or c.hicache_storage_write_queue < 1:

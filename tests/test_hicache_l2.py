@@ -132,6 +132,8 @@ def test_a_hicache_option_without_the_switch_says_to_add_it(kw: dict, field: str
     (dict(hicache_io_backend="kernels"), "hicache_io_backend"),
     (dict(hicache_ratio=1.0), "hicache_ratio"),
     (dict(hicache_size=0.0), "hicache_size"),
+    (dict(hicache_size=float("inf")), "hicache_size"),  # was an OverflowError at startup
+    (dict(hicache_ratio=float("inf")), "hicache_ratio"),
     (dict(enable_prefix_cache=False), "enable_hierarchical_cache"),
     (dict(tensor_parallel_size=2), "enable_hierarchical_cache"),
 ])

@@ -114,6 +114,13 @@ def test_host_pool_size_from_ratio_or_gigabytes() -> None:
     assert host_pages_for(pool, EngineConfig(**on, hicache_ratio=3.5)) == 35
     gb = EngineConfig(**on, hicache_ratio=3.5, hicache_size=pool.bytes_per_page * 7 / 1e9)
     assert host_pages_for(pool, gb) == 7  # the size wins over the ratio
+    # more than the machine has: refused at startup, naming the field that asked (it was accepted,
+    # and the pages filled until the OOM killer came)
+    assert host_pages_for(pool, gb, available=7 * pool.bytes_per_page) == 7
+    with pytest.raises(ValueError, match=r"^hicache_size: the host KV pool would take .* GB, more than the"):
+        host_pages_for(pool, gb, available=7 * pool.bytes_per_page - 1)
+    with pytest.raises(ValueError, match="^hicache_ratio: "):
+        host_pages_for(pool, EngineConfig(**on, hicache_ratio=1e12))  # the machine's own available memory
     with pytest.raises(ValueError, match="hicache_size"):
         HostPool(pool, 0)
 

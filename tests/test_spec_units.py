@@ -151,6 +151,9 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_config_path, tmp_
     other.write_text(json.dumps(dict(TINY_LLAMA, vocab_size=256)))
     with pytest.raises(ValueError, match="speculative_draft_model_path: the draft's vocab_size 256 differs"):
         make_tiny_engine(tiny_config_path, speculative_algorithm="draft", speculative_draft_model_path=str(other))
+    missing = str(tmp_path / "nope.gguf")  # the loader's own error, under the field that named the path
+    with pytest.raises(ValueError, match=f"^speculative_draft_model_path: path '{missing}' does not exist"):
+        make_tiny_engine(tiny_config_path, speculative_algorithm="draft", speculative_draft_model_path=missing)
 
 
 def test_the_draft_model_runs_again_only_what_it_never_ran(tiny_config_path):

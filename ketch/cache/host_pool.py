@@ -200,9 +200,20 @@ class HostPool:
         return self.stats
 
 
-def host_pages_for(device_pool: KVPool, config: EngineConfig) -> int:
+def host_pages_for(device_pool: KVPool, config: EngineConfig, available: int | None = None) -> int:
     """Host pages the config asks for: `hicache_size` GB (10^9 bytes, as SGLang) when given,
-    else `hicache_ratio` × the device pool's pages."""
+    else `hicache_ratio` × the device pool's pages. A ValueError naming the field when they would
+    take more than `available` bytes (default: the machine's available memory): the pool's
+    memory is taken as pages fill, so too large a pool ran until the OOM killer came."""
     if config.hicache_size is not None:
-        return round(config.hicache_size * 1e9) // device_pool.bytes_per_page
-    return int(device_pool.num_pages * config.hicache_ratio)
+        field, pages = "hicache_size", round(config.hicache_size * 1e9) // device_pool.bytes_per_page
+    else:
+        field, pages = "hicache_ratio", int(device_pool.num_pages * config.hicache_ratio)
+    if available is None:
+        from ketch.runner.model_runner import available_memory_bytes  # (runner imports cache: not at load)
+        available = available_memory_bytes()
+    wanted = pages * device_pool.bytes_per_page
+    if wanted > available:
+        raise ValueError(f"{field}: the host KV pool would take {wanted / 1e9:.1f} GB, more than the "
+                         f"{available / 1e9:.1f} GB of memory available on this machine")
+    return pages

@@ -157,9 +157,13 @@ def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> D
                       cuda_graph=config.use_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
                       num_threads=config.num_threads, quantization=config.quantization,
                       attention_backend=config.attention_backend, layer_kernels=config.layer_kernels)
-    source = ModelSource.resolve(dc.model, dc.load_format)
-    dc = with_cpu_auto_dtype(dc, source)  # as the target's: bf16 for a 4-bit GGUF on any vector CPU
-    model_config = load_model_config(source)
+    try:
+        source = ModelSource.resolve(dc.model, dc.load_format)
+        dc = with_cpu_auto_dtype(dc, source)  # as the target's: bf16 for a 4-bit GGUF on any vector CPU
+        model_config = load_model_config(source)
+    except ValueError as e:  # the loader names its own field ("model: path ... does not exist")
+        reason = str(e).removeprefix("model: ")
+        raise ValueError(f"speculative_draft_model_path: {reason}") from None
     if model_config.vocab_size != vocab_size:
         raise ValueError(f"speculative_draft_model_path: the draft's vocab_size {model_config.vocab_size} differs "
                          f"from the target's {vocab_size} (it must share the tokenizer)")
