@@ -217,14 +217,20 @@ def test_a_bad_tensor_layout_is_a_value_error_naming_tensors(name, shape, dtype)
         TensorLayout(name, shape, dtype)
 
 
-def test_a_damaged_file_in_storage_is_refused_with_its_reason(tmp_path):
-    """The path the engine will take: a file truncated or flipped on disk, read back."""
+def two_stored_pages(tmp_path) -> tuple[PageFormat, FileStorage, str, str]:
+    """Two pages of a pool in a file store, each under its own key."""
     src = pool()
     fmt = PageFormat.for_pool(src, FP)
     store = FileStorage(tmp_path)
     a, b = (fmt.key(h) for h in chain_hashes(ROOT_HASH, list(range(2 * PS)), PS))
     store.set(a, encode_page(src.layers, 0, fmt, key=a))
     store.set(b, encode_page(src.layers, 1, fmt, key=b))
+    return fmt, store, a, b
+
+
+def test_a_damaged_file_in_storage_is_refused_with_its_reason(tmp_path):
+    """The path the engine will take: a file truncated or flipped on disk, read back."""
+    fmt, store, a, b = two_stored_pages(tmp_path)
     path = store.path(a)
     path.write_bytes(path.read_bytes()[:-100])
     data = bytearray(store.path(b).read_bytes())
@@ -238,12 +244,7 @@ def test_a_damaged_file_in_storage_is_refused_with_its_reason(tmp_path):
 def test_an_intact_page_under_another_pages_key_is_refused(tmp_path):
     """Two pages' files swapped on disk (or a store that mixed up its values): each blob is intact
     and of our format, but holds the KV of other tokens; it is refused, not loaded."""
-    src = pool()
-    fmt = PageFormat.for_pool(src, FP)
-    store = FileStorage(tmp_path)
-    a, b = (fmt.key(h) for h in chain_hashes(ROOT_HASH, list(range(2 * PS)), PS))
-    store.set(a, encode_page(src.layers, 0, fmt, key=a))
-    store.set(b, encode_page(src.layers, 1, fmt, key=b))
+    fmt, store, a, b = two_stored_pages(tmp_path)
     blob_a, blob_b = store.path(a).read_bytes(), store.path(b).read_bytes()
     store.path(a).write_bytes(blob_b)
     store.path(b).write_bytes(blob_a)
