@@ -12,6 +12,7 @@ counted a U+FFFD for every piece."""
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 
 from ketch.engine.messages import WireLogprob
 from ketch.text.token_bytes import display
@@ -34,7 +35,7 @@ def chat_logprobs(tok: Tokenizer | None, lps: list[WireLogprob]) -> dict:
 class TextOffsets:
     """The running character count of one choice's text, token by token."""
 
-    def __init__(self, tok: Tokenizer | None, before: list[int] = ()) -> None:
+    def __init__(self, tok: Tokenizer | None, before: Sequence[int] = ()) -> None:
         self._tok = tok
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chars = 0
