@@ -24,9 +24,9 @@ from pathlib import Path
 KETCH = Path(__file__).resolve().parent.parent / "ketch"
 
 # What any package from sampling/scheduler upwards may import: formats, text, small helpers.
-LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype", "text", "user_cache", "weights"})
+LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "kv_dtype", "text", "user_cache", "weights"})
 # What the packages at the bottom may import: no file format, no text.
-LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "kv_dtype", "user_cache"})
+LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "kv_dtype", "user_cache"})
 
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, frozenset[str]] = {
@@ -58,6 +58,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "config_checks": frozenset(),
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
+    "host_memory": frozenset(),
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/
     "text": frozenset({"config", "user_cache", "weights"}),  # a tokenizer can come out of a GGUF file
     "user_cache": frozenset(),  # where rebuildable things live (XDG)

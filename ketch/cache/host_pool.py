@@ -37,6 +37,7 @@ from ketch.cache.host_saver import SideStreamSaver
 from ketch.cache.kv_pool import KVPool
 from ketch.cache.layer_loader import SideStreamLoader, as_bytes
 from ketch.config import EngineConfig
+from ketch.host_memory import available_memory_bytes
 
 
 @dataclass
@@ -210,7 +211,6 @@ def host_pages_for(device_pool: KVPool, config: EngineConfig, available: int | N
     else:
         field, pages = "hicache_ratio", int(device_pool.num_pages * config.hicache_ratio)
     if available is None:
-        from ketch.runner.model_runner import available_memory_bytes  # (runner imports cache: not at load)
         available = available_memory_bytes()
     wanted = pages * device_pool.bytes_per_page
     if wanted > available:

@@ -32,6 +32,7 @@ from ketch.cache.kv_pool import KVPool
 from ketch.config import EngineConfig, cpu_has_native_bf16
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
+from ketch.host_memory import available_memory_bytes
 from ketch.layers.int4_crossover import calibrate as calibrate_int4
 from ketch.layers.linear import dense_in_fp32, use_activations
 from ketch.layers.ops import layer_ops
@@ -53,18 +54,6 @@ def kv_budget_bytes(config: EngineConfig) -> int:
     if config.kv_cache_memory:
         return config.kv_cache_memory
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * config.kv_cache_fraction)
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @contextlib.contextmanager
