@@ -4,6 +4,7 @@ checkpoints (transformers `from_config` + `save_pretrained`), with overlap sched
 (on, rank 1 resolves the placeholders from the sampled ids rank 0 broadcasts)."""
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -120,3 +121,27 @@ def test_rank0_failing_at_start_kills_its_workers_and_raises(checkpoint, monkeyp
     assert started and all(not p.is_alive() for p in started)
     monkeypatch.undo()
     assert greedy_ids(checkpoint[0], 2, overlap=False) == checkpoint[1]
+
+
+def test_ranks_are_told_a_port_rank0_already_listens_on(checkpoint, monkeypatch):
+    """Rank 0's store is bound before the ranks start, so the port they are given cannot be taken
+    in between by another connection on the machine (a port picked free, closed and bound only
+    after the spawn was, once: rank 0 failed with EADDRINUSE). At spawn time nobody else can bind it."""
+    import ketch.engine.tp_ranks as tp_ranks
+
+    held: list[bool] = []
+    real = tp_ranks.RankProcesses
+
+    def spawn_after_checking(target, args, n, what):
+        port = args(1)[5]  # run_worker(config, model_config, max_model_len, source, rank, port, parent_pid)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                held.append(False)
+            except OSError:
+                held.append(True)
+        return real(target, args, n, what)
+
+    monkeypatch.setattr(tp_ranks, "RankProcesses", spawn_after_checking)
+    assert greedy_ids(checkpoint[0], 2, overlap=False) == checkpoint[1]
+    assert held == [True]

@@ -33,7 +33,7 @@ from ketch.engine.engine import AUDIT_INTERVAL_S, Engine
 from ketch.engine.messages import Bootstrap
 from ketch.engine.outputs import EngineOutput, EngineStats
 from ketch.engine.rank_procs import RankProcesses
-from ketch.engine.tp_ranks import check_no_group, free_port, init_rank, rank_config
+from ketch.engine.tp_ranks import check_no_group, init_rank, rank0_store, rank_config, rank_store
 from ketch.models import load_model_config
 from ketch.sampling.params import SamplingParams
 from ketch.weights.source import ModelSource
@@ -42,7 +42,7 @@ from ketch.weights.source import ModelSource
 def run_dp_rank(config: EngineConfig, eos_token_ids: tuple[int, ...], rank: int, port: int) -> None:
     """Rank r > 0: its engine serves rank 0's ticks until "shutdown" (or until rank 0 is gone:
     a collective with a closed peer raises, which ends the process)."""
-    parallel = init_rank(config, rank, port)
+    parallel = init_rank(config, rank, rank_store(config, port))
     link = ControlLink()  # right after the model's group, on every rank
     engine = Engine(rank_config(config, rank), eos_token_ids, parallel=parallel)
     while (tick := link.receive()).op != "shutdown":
@@ -57,11 +57,11 @@ class DPAttentionEngine:
         if not getattr(load_model_config(source), "num_experts", 0):
             raise ValueError("enable_dp_attention: the model has no routed experts (DP attention splits a MoE "
                              "model's experts over the ranks); run replicas behind `ketch gateway` instead")
-        n, port = config.tensor_parallel_size, free_port()
-        self._ranks = RankProcesses(run_dp_rank, lambda r: (config, eos_token_ids, r, port), n, "DP-attention")
+        n, store = config.tensor_parallel_size, rank0_store(config)
+        self._ranks = RankProcesses(run_dp_rank, lambda r: (config, eos_token_ids, r, store.port), n, "DP-attention")
         atexit.register(self.close)  # before multiprocessing's exit hook terminates the ranks
         try:
-            parallel = init_rank(config, 0, port)
+            parallel = init_rank(config, 0, store)
             self._link = ControlLink()
             self.local = Engine(rank_config(config, 0), eos_token_ids, parallel=parallel)
         except BaseException:

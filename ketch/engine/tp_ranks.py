@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 from dataclasses import replace
 from datetime import timedelta
 
@@ -38,10 +37,17 @@ from ketch.weights.source import ModelSource
 RANK_WAIT = timedelta(days=365)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank0_store(config: EngineConfig) -> dist.TCPStore:
+    """Rank 0's TCP store, listening before any other rank starts on a port the OS picked while
+    binding it; `.port` tells the ranks where. (A port picked free, closed and bound again later
+    can be taken in between by any connection on the machine: rank 0 once failed with EADDRINUSE.)"""
+    return dist.TCPStore("127.0.0.1", 0, config.tensor_parallel_size, is_master=True, timeout=RANK_WAIT,
+                         wait_for_workers=False)
+
+
+def rank_store(config: EngineConfig, port: int) -> dist.TCPStore:
+    """Rank r > 0's connection to rank 0's store."""
+    return dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=RANK_WAIT)
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -64,15 +70,17 @@ def expert_parallel(config: EngineConfig) -> ExpertParallel:
                           eplb_interval=config.eplb_rebalance_num_iterations if config.enable_eplb else 0)
 
 
-def init_rank(config: EngineConfig, rank: int, port: int) -> ParallelContext:
-    """Join the ranks' group (gloo on the CPU, nccl on CUDA) through rank 0's TCP store."""
+def init_rank(config: EngineConfig, rank: int, store: dist.Store) -> ParallelContext:
+    """Join the ranks' group (gloo on the CPU, nccl on CUDA) through rank 0's TCP store (every rank
+    passes its store object: torch namespaces a store it makes from a URL itself, one passed in
+    not at all, so the ranks must all do the same)."""
     check_no_group()
     device = rank_config(config, rank).torch_device
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=config.tensor_parallel_size, timeout=RANK_WAIT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=config.tensor_parallel_size,
+                            timeout=RANK_WAIT)
     return ParallelContext.from_group(dist.group.WORLD, expert_parallel(config))
 
 
@@ -90,13 +98,13 @@ class TensorParallelRanks:
         if config.ep_size > 1 and not getattr(model_config, "num_experts", 0):
             raise ValueError(f"ep_size: {model_config.architecture} has no routed experts to split")
         self.device = rank_config(config, 0).torch_device
-        port = free_port()
-        self._ranks = RankProcesses(run_worker, lambda r: (config, model_config, max_model_len, source, r, port,
+        store = rank0_store(config)
+        self._ranks = RankProcesses(run_worker, lambda r: (config, model_config, max_model_len, source, r, store.port,
                                                            os.getpid()), config.tensor_parallel_size, "tensor-parallel")
         self.procs = self._ranks.procs
         atexit.register(self.close)  # before multiprocessing's exit hook terminates the workers
         try:
-            self.parallel = init_rank(config, 0, port)
+            self.parallel = init_rank(config, 0, store)
         except BaseException:
             self._ranks.kill()  # they wait for a rank 0 that will not come
             raise

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ketch.config import EngineConfig, ModelConfig
 from ketch.engine import batch_wire as wire
-from ketch.engine.tp_ranks import init_rank, rank_config
+from ketch.engine.tp_ranks import init_rank, rank_config, rank_store
 from ketch.parallel import ParallelContext
 from ketch.runner.model_runner import ModelRunner
 from ketch.weights.source import ModelSource
@@ -24,7 +24,7 @@ from ketch.weights.source import ModelSource
 
 def run_worker(config: EngineConfig, model_config: ModelConfig, max_model_len: int, source: ModelSource, rank: int,
                port: int, parent_pid: int) -> None:
-    parallel = init_rank(config, rank, port)
+    parallel = init_rank(config, rank, rank_store(config, port))
     # built in step with rank 0's runner: the pool size is agreed by a collective inside
     runner = ModelRunner(rank_config(config, rank), model_config, max_model_len, source, parallel)
     try:
