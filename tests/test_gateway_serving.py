@@ -10,13 +10,15 @@ whole module; the gateways are cheap and start per policy.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from urllib.parse import quote
 
 import openai
 import pytest
 from gateway_util import MODEL, replicas, request, running_gateway, workers
-from server_util import connect, free_port, metrics, open_stream, parse_metrics, wait_for
+from server_util import connect, free_port, metrics, open_stream, pages_all_back, parse_metrics, wait_for
 
 KEY = "worker-secret"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -237,3 +239,38 @@ def test_a_client_leaving_before_a_whole_answer_aborts_the_generation(workers_up
     conn.close()
     wait_for(lambda: running() == 0, "the worker to abort", 20)
     wait_for(lambda: all(w["in_flight"] == 0 for w in workers(gw_rr).values()), "the gateway's slots", 20)
+
+
+def test_sigterm_ends_what_is_still_open_at_the_deadline_with_an_answer(workers_up):
+    """SIGTERM with a short stream, a long stream and a long whole answer open through the gateway:
+    the short one finishes; at --shutdown-timeout the long stream ends with a `server_shutdown`
+    error event and [DONE] (not a cut connection), the whole answer is a 503 `server_shutdown`;
+    the gateway exits 0, and the workers abort what it cut (every page back, nothing running)."""
+    timeout = 8
+    long = {"model": MODEL, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}
+
+    def running() -> float:
+        return sum(metrics(r.url, AUTH)["ketch_num_requests_running"] for r in workers_up)
+
+    with running_gateway("--worker-urls", *(r.url for r in workers_up), "--worker-api-key", KEY,
+                         "--shutdown-timeout", str(timeout)) as (proc, base):
+        _, cut_stream = open_stream(base, "/v1/completions", long)
+        whole: list[tuple[int, dict[str, str], bytes]] = []
+        waiting = threading.Thread(target=lambda: whole.append(
+            request(base, "POST", "/v1/completions", long, timeout=timeout + 60)))
+        waiting.start()
+        wait_for(lambda: running() == 2, "both long requests on the workers")
+        _, short = open_stream(base, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
+                                                         "max_tokens": 16, "ignore_eos": True})
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = short.read().decode()
+        assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+        cut = cut_stream.read().decode()
+        assert '"code": "server_shutdown"' in cut and cut.rstrip().endswith("data: [DONE]"), cut[-300:]
+        waiting.join(timeout=timeout + 60)
+        status, _, body = whole[0]
+        assert status == 503 and json.loads(body)["error"]["code"] == "server_shutdown", body
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - started >= timeout - 1
+    wait_for(lambda: all(pages_all_back(metrics(r.url, AUTH)) for r in workers_up), "the workers to abort", 20)

@@ -6,7 +6,7 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
 `ketch`). Each edge must be in ALLOWED or in PENDING_REMOVAL; each pending edge must still exist
 (the list only shrinks); the packages may not import each other in a cycle.
 
-    cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package)
+    cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package but http_shutdown)
          ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache ──────────────────────▶ kernels (page copy)
          │   (parsers)     │ ├──────▶ disagg (PD KV transport)
          │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels, native (C, CPU)
@@ -32,11 +32,13 @@ LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "
 ALLOWED: dict[str, frozenset[str]] = {
     "ketch": frozenset({"llm", "sampling"}),  # the root: `ketch.LLM`, `ketch.SamplingParams`
     "cli": frozenset({"bench", "cli_args", "gateway", "llm", "server"}) | LEAVES,
-    "gateway": frozenset(),  # the router talks to `ketch serve` over HTTP only: no engine, no server code
+    # the router talks to `ketch serve` over HTTP only: no engine, no server code; both stop
+    # uvicorn the same way (http_shutdown: the deadline's answers, exit 0 on SIGTERM)
+    "gateway": frozenset({"http_shutdown"}),
     "cli_args": frozenset({"sampling"}) | LEAVES,  # engine flags, shared by cli and bench
     "bench": frozenset({"cli_args", "engine", "sampling", "server"}) | LEAVES,  # beside cli
     "llm": frozenset({"engine", "sampling"}) | LEAVES,  # the in-process API, beside server
-    "server": frozenset({"engine", "parsers", "sampling"}) | LEAVES,
+    "server": frozenset({"engine", "http_shutdown", "parsers", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
     # models: the config; parallel: the engine starts the TP ranks and hands each its context
     "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler", "spec"}) | LEAVES,
@@ -59,6 +61,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
     "host_memory": frozenset(),
+    "http_shutdown": frozenset(),  # uvicorn's graceful shutdown as `ketch serve` and `ketch gateway` run it
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/
     "text": frozenset({"config", "user_cache", "weights"}),  # a tokenizer can come out of a GGUF file
     "user_cache": frozenset(),  # where rebuildable things live (XDG)

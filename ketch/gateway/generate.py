@@ -13,6 +13,10 @@ The client leaving, at any point after its body arrived, makes the watcher cance
 task: a wait for a worker's answer is given up, a relay stops, and either way the worker's
 connection is closed (in their `finally`), so the worker aborts the generation instead of
 finishing it for nobody. Nothing of that is the worker's fault.
+
+The shutdown deadline (`cut_open`, serve.py) cancels every open request the same way, and each
+then gets an answer a client can tell from a cut connection: a `server_shutdown` error event and
+[DONE] on a stream, a 503 if nothing was sent yet (as `ketch serve` ends its own at its deadline).
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ import asyncio
 from typing import Any, Awaitable, Callable, Protocol
 
 from ketch.gateway.body import ClientGone, Receive, parse_object, read_body
-from ketch.gateway.errors import GatewayError
+from ketch.gateway.errors import GatewayError, unavailable
 from ketch.gateway.routed import CHAT, COMPLETIONS, ROUTE_PATHS, RoutedRequest, routed_request
+from ketch.gateway.sse import DONE, event
 
 GENERATION_ROUTES = {ROUTE_PATHS[CHAT]: CHAT, ROUTE_PATHS[COMPLETIONS]: COMPLETIONS}
 Send = Callable[[dict], Awaitable[None]]
@@ -37,6 +42,14 @@ class Generation:
     def __init__(self, forwarder: Callable[[], Responder], max_request_bytes: int, resumable: bool = True) -> None:
         # the forwarder exists once the gateway started (inside the server's event loop)
         self.forwarder, self.limit, self.resumable = forwarder, max_request_bytes, resumable
+        self.open: set[asyncio.Task] = set()  # the requests being answered
+        self.shut = False  # the shutdown deadline passed: what is still open is cut
+
+    def cut_open(self) -> None:
+        """The shutdown deadline: every request still open ends now, with a `server_shutdown` answer."""
+        self.shut = True
+        for task in self.open:
+            task.cancel()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send, route: str) -> None:
         try:
@@ -59,11 +72,32 @@ class Generation:
             task.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        self.open.add(task)
         try:
             await self.forwarder().respond(request, scope, receive, send)
         except asyncio.CancelledError:
-            if not gone:  # not ours: the server is stopping
+            if not (gone or self.shut):  # not ours: uvicorn's own deadline, past ours
                 raise
             task.uncancel()
+            if not gone:
+                await shutdown_answer(request, scope, receive, send)
         finally:
+            self.open.discard(task)
             watcher.cancel()
+
+
+SHUTDOWN = unavailable("the gateway is shutting down; the request was cut at the shutdown deadline", "server_shutdown")
+
+
+async def shutdown_answer(request: RoutedRequest, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """The end of a request cut at the shutdown deadline; its worker connection is closed already."""
+    cycle = getattr(send, "__self__", None)  # uvicorn's response cycle knows whether it started
+    if not getattr(cycle, "response_started", True):
+        await SHUTDOWN.response()(scope, receive, send)
+        return
+    if request.stream:  # events went out whole (relay.py): one more, then [DONE]
+        await send({"type": "http.response.body", "body": event(SHUTDOWN.body()) + DONE + b"\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    # part of a JSON body went out: nothing can be added to it; left incomplete, the connection is
+    # closed (uvicorn), so the client cannot take the part for the whole

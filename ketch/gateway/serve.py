@@ -1,29 +1,40 @@
 """`ketch gateway`: build the gateway, serve it with uvicorn until SIGTERM / Ctrl-C.
 
 On SIGTERM uvicorn stops accepting connections and gives open requests (streams included)
-`--shutdown-timeout` seconds to finish before it cuts them; then the background loops stop and
-the connection pool closes (the lifespan's exit).
+`--shutdown-timeout` seconds to finish; those still open then end with a `server_shutdown` answer
+(an error event and [DONE] on a stream, a 503 if nothing was sent: generate.py), uvicorn's own
+deadline a little later; then the background loops stop and the connection pool closes (the
+lifespan's exit). The exit code is 0 after such a shutdown, 1 if the gateway never started.
 """
 from __future__ import annotations
 
 import gc
 import logging
 import sys
+from typing import Any
 
-import uvicorn
-
-from ketch.gateway.app import build_app
+from ketch.gateway.app import FrontDoor, build_app
 from ketch.gateway.config import GatewayConfig
 from ketch.gateway.gateway import Gateway
+from ketch.http_shutdown import GracefulServer
+
+
+class _GatewayServer(GracefulServer):
+    def __init__(self, front: FrontDoor, deadline_s: float, **config: Any) -> None:
+        super().__init__(front, deadline_s, **config)
+        self.front = front
+
+    def at_deadline(self) -> None:
+        self.front.generation.cut_open()
 
 
 def run(config: GatewayConfig) -> int:
     gateway = Gateway(config)  # ValueError for a bad worker URL: the CLI prints it, exit 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(gateway), host=config.host, port=config.port, log_level="warning", lifespan="on",
-        http="httptools",  # relay.py writes stream events on its transport directly (client_stream.py)
-        timeout_graceful_shutdown=config.shutdown_timeout))
+    front = build_app(gateway)
+    server = _GatewayServer(
+        front, config.shutdown_timeout, host=config.host, port=config.port, log_level="warning", lifespan="on",
+        http="httptools")  # relay.py writes stream events on its transport directly (client_stream.py)
     workers = (f"PD: {len(config.prefill_workers)} prefill, {len(config.decode_urls)} decode workers"
                if config.pd_disaggregation else f"{len(config.worker_urls)} workers")
     print(f"ketch gateway on http://{config.host}:{config.port} ({config.policy}, {workers})", file=sys.stderr,

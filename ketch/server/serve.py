@@ -15,18 +15,13 @@ uvicorn's own deadline comes a little later, so those answers are written before
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
-from typing import Iterator
-
-import uvicorn
 
 from ketch.config import EngineConfig
+from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
 from ketch.server.api_workers import ApiWorkerError, ApiWorkers, reuseport_socket, shared_metrics_dir
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
@@ -41,38 +36,20 @@ from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
 from ketch.weights.source import ModelSource, default_model_path
 
 
-_ANSWER_GRACE_S = 5.0  # after our deadline, time for the shutdown answers to leave before uvicorn cancels
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT ends in a clean return (exit code 0) instead
-    of being raised again after the graceful shutdown, which would kill the process before the
-    engine is stopped; and that requests still running at our deadline get a proper answer."""
+class _Server(GracefulServer):
+    """Requests still running at our deadline end with `server_shutdown`; new ones are turned
+    away from the signal on (`state.shutting_down`)."""
 
     state: ServerState | None = None
-    deadline_s: float = 30.0
-    # the signals that start the graceful shutdown; the extra API processes take only SIGTERM (from
-    # the first one): a terminal's Ctrl-C reaches the whole process group, and a second signal
-    # would make uvicorn skip the draining
-    signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
     async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
         if self.state is not None:
             self.state.shutting_down = True
-            asyncio.get_running_loop().call_later(self.deadline_s, self.state.client.broadcast, server_shutdown())
         await super().shutdown(sockets)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.signals}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def at_deadline(self) -> None:
+        if self.state is not None:
+            self.state.client.broadcast(server_shutdown())
 
 
 def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
@@ -102,9 +79,8 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
     app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
     connections = None if sc.max_connections is None else -(-sc.max_connections // share)
     protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections)
-    server = _Server(uvicorn.Config(app, host=sc.host, port=sc.port, http=protocol, log_level="warning",
-                                    timeout_graceful_shutdown=sc.shutdown_timeout + _ANSWER_GRACE_S))
-    server.state, server.deadline_s = state, sc.shutdown_timeout
+    server = _Server(app, sc.shutdown_timeout, host=sc.host, port=sc.port, http=protocol, log_level="warning")
+    server.state = state
     client.on_death = lambda: setattr(server, "should_exit", True)
     return server
 
@@ -139,7 +115,7 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         if workers is not None:
-            workers.stop(sc.shutdown_timeout + 2 * _ANSWER_GRACE_S)
+            workers.stop(sc.shutdown_timeout + 2 * ANSWER_GRACE_S)
         failure = client.failure or (workers.failure if workers is not None else None)
         client.close()
         if sock is not None:
