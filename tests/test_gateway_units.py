@@ -2,6 +2,7 @@
 routed text, retry backoff, SSE event boundaries, the /metrics scrape parser, config checks."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -12,6 +13,7 @@ from ketch.gateway.breaker import BreakerState, CircuitBreaker
 from ketch.gateway.config import BreakerConfig, CacheAwareConfig, GatewayConfig, HealthConfig, RetryConfig
 from ketch.gateway.failover import StreamTranscript
 from ketch.gateway.forward import backoff_seconds
+from ketch.gateway.generate import Generation
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.monitor import queue_length
 from ketch.gateway.policies import make_policy
@@ -208,3 +210,27 @@ def test_the_cli_refuses_bad_flags_before_serving(argv: list[str], message: str,
 
     assert main(["gateway", "--port", "0", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_request_whose_body_completes_after_the_shutdown_deadline_gets_a_503():
+    """Past the deadline (`cut_open`) nothing is forwarded any more: the answer is a 503
+    `server_shutdown`, not a request that uvicorn's own deadline would cut a moment later."""
+    class NoWorker:
+        async def respond(self, *args) -> None:
+            raise AssertionError("forwarded after the shutdown deadline")
+
+    generation = Generation(lambda: NoWorker(), max_request_bytes=1 << 20)
+    generation.cut_open()
+    body = json.dumps({"model": "m", "prompt": "Hi", "stream": True}).encode()
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(generation({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                           receive, send, COMPLETIONS))
+    assert sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "server_shutdown"

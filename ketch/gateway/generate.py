@@ -60,6 +60,9 @@ class Generation:
         except GatewayError as e:
             await e.response()(scope, receive, send)
             return
+        if self.shut:  # its body was still coming in at the deadline
+            await SHUTDOWN.response()(scope, receive, send)
+            return
         task = asyncio.current_task()
         assert task is not None
         gone = False
