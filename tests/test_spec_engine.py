@@ -127,6 +127,21 @@ def test_preemption_and_n_samples(tiny_config_path, spec):
     assert_drained(eng1)
 
 
+def test_a_draft_model_with_a_shorter_context_stops_drafting_at_its_end(tmp_path, tiny_config_path):
+    """The draft's context (max_position_embeddings 48) is shorter than the target's (1024): the
+    sequences grow past it, the draft proposes only inside it, and the output is the target's
+    own (before: the draft decoded past its rotary table, an IndexError that ended every request)."""
+    short = tmp_path / "draft48.json"
+    short.write_text(json.dumps({**json.load(open(tiny_config_path)), "max_position_embeddings": 48}))
+    reqs = [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts(3, seed=4))]  # 9-30 tokens, 40 more each
+    plain, _ = run(tiny_config_path, reqs)
+    got, eng = run(tiny_config_path, reqs, speculative_algorithm="draft", speculative_draft_model_path=str(short),
+                   speculative_adaptive=False)
+    assert_same(got, plain)
+    assert_verified(eng)
+    assert_drained(eng)
+
+
 def test_stops_and_length_limits_inside_a_verify(tiny_config_path, spec):
     """EOS, a stop token (also under min_tokens) and max_tokens end a request at the same token
     with speculation as without, though the verify ran drafts past it."""

@@ -167,9 +167,10 @@ def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> D
     if model_config.vocab_size != vocab_size:
         raise ValueError(f"speculative_draft_model_path: the draft's vocab_size {model_config.vocab_size} differs "
                          f"from the target's {vocab_size} (it must share the tokenizer)")
-    runner = ModelRunner(dc, model_config, min(max_model_len, model_config.max_position_embeddings), source)
+    draft_len = min(max_model_len, model_config.max_position_embeddings)
+    runner = ModelRunner(dc, model_config, draft_len, source)
     kv = KVCacheManager(runner.pool)
-    return DraftModelProposer(runner, kv, config.speculative_num_draft_tokens)
+    return DraftModelProposer(runner, kv, config.speculative_num_draft_tokens, draft_len)
 
 
 def _with_transport(parts: EngineParts, fingerprint: str, hub: FakeHub | None) -> EngineParts:

@@ -15,7 +15,9 @@ cached and nothing is recomputed for a partial page). Proposing holds no state b
                    catch-up is only what the draft never ran (the last draft, the target's own
                    token); a rejected branch is an unlocked leaf, evicted (LRU) when room is short
 
-A sequence the draft pool cannot admit gets no draft this step (the target decodes it plainly).
+A sequence the draft pool cannot admit gets no draft this step (the target decodes it plainly),
+nor does one that has outgrown the draft model's context (`max_len`, its max_position_embeddings
+when shorter than the target's): it gets only the drafts whose positions the draft still has.
 Greedy drafts are point guesses (q = 1 at d), which the verify's accept test assumes.
 """
 from __future__ import annotations
@@ -58,8 +60,8 @@ class _Holder:
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, runner: ModelRunner, kv: KVCacheManager, num_draft_tokens: int) -> None:
-        self.runner, self.kv, self.k = runner, kv, num_draft_tokens
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, num_draft_tokens: int, max_len: int) -> None:
+        self.runner, self.kv, self.k, self.max_len = runner, kv, num_draft_tokens, max_len
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[DraftInput]) -> list[list[int]]:
@@ -82,8 +84,9 @@ class DraftModelProposer:
         self.kv.check_idle()
 
     def _admit(self, x: DraftInput) -> _Holder | None:
-        want = min(self.k, x.max_draft)
         ids = x.token_ids.tolist()
+        # the last decode runs d_{want-2} at position len(ids) + want - 2: inside the draft's context
+        want = min(self.k, x.max_draft, self.max_len - len(ids) + 1)
         if want < 1:
             return None
         h = _Holder(ids, len(ids), want=want)
