@@ -127,7 +127,7 @@ class LLM:
                     out = box.popleft()
                     if out.error is not None:
                         raise ValueError(out.error)
-                    delta, stopped = text.push(out)
+                    delta, stopped, _ = text.push(out)
                     if delta:
                         yield delta
                     if stopped is not None or out.finished:
@@ -242,12 +242,12 @@ class LLM:
     def _apply(self, sample: CompletionOutput, text: _SampleText, out: EngineOutput) -> None:
         if out.error is not None:
             raise ValueError(out.error)
-        sample.token_ids.extend(out.new_token_ids)
+        delta, stopped, kept = text.push(out)  # ids past a stop string's token are not output
+        sample.token_ids.extend(out.new_token_ids[:kept])
         if out.new_logprobs is not None:
             if sample.logprobs is None:
                 sample.logprobs = []
-            sample.logprobs.extend(out.new_logprobs)
-        delta, stopped = text.push(out)
+            sample.logprobs.extend(out.new_logprobs[:kept])
         sample.text += delta
         if stopped is not None:
             self.engine.abort(out.request_id, out.index)

@@ -35,7 +35,7 @@ def stream(text: SampleText, ids: list[int]) -> tuple[list[str], str | None]:
     stop string matched (the stream ends there)."""
     deltas: list[str] = []
     for i, token in enumerate(ids):
-        delta, stopped = text.push(Delta([token], finished=i == len(ids) - 1))
+        delta, stopped, _ = text.push(Delta([token], finished=i == len(ids) - 1))
         deltas.append(delta)
         if stopped is not None:
             return deltas, stopped

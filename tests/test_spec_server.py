@@ -26,9 +26,20 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def reference(smollm_path) -> list[str]:
-    llm = LLM(smollm_path, dtype="float32", num_threads=1)
-    return [o.text for o in llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=60))]
+def plain_llm(smollm_path) -> LLM:
+    return LLM(smollm_path, dtype="float32", num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(smollm_path) -> LLM:
+    llm = LLM(smollm_path, dtype="float32", num_threads=1, speculative_algorithm="ngram", speculative_adaptive=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm) -> list[str]:
+    return [o.text for o in plain_llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=60))]
 
 
 def test_greedy_chat_streamed_and_not_equals_no_speculation(server, model, reference):
@@ -58,3 +69,30 @@ def test_bench_serve_reports_the_acceptance_length(server, tmp_path, capsys):
     steps = json.loads(out_file.read_text())["metrics"]["engine"]
     assert steps["spec_accept_length"] >= 1.0 and 0.0 <= steps["spec_acceptance_rate"] <= 1.0
     assert "Speculative decoding: mean acceptance length" in capsys.readouterr().out
+
+
+# a text the n-gram proposer drafts from at once: a verify keeps several tokens per step
+ECHO = "the cat sat on the mat. the dog sat on the log. " * 3 + "the dog"
+STOPS = [dict(stop=["log."]),  # completed inside a verify's kept tokens, with tokens after it
+         dict(stop=["the"], min_tokens=4)]  # a "the" before min_tokens inside a multi-token delta
+
+
+@pytest.mark.parametrize("stop", STOPS, ids=["inside-a-verify", "before-min-tokens"])
+def test_stop_strings_end_the_output_at_the_same_token_as_without_speculation(server, model, plain_llm, spec_llm,
+                                                                             stop):
+    """Stop strings are checked token by token, not per delta: with a verify's several tokens in
+    one delta, text, token ids, logprobs and usage end at the token that completed the stop, as
+    without speculation (before: the delta's later ids stayed, or a "the" before min_tokens counted)."""
+    [want] = plain_llm.generate([ECHO], SamplingParams(temperature=0.0, max_tokens=24, logprobs=True, **stop))
+    assert want.finish_reason == "stop"
+    client = openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0, timeout=300)
+    got = client.completions.create(model=model, prompt=ECHO, temperature=0.0, max_tokens=24, logprobs=1,
+                                    extra_body=stop)
+    choice = got.choices[0]
+    assert (choice.text, choice.finish_reason) == (want.text, "stop")
+    assert len(choice.logprobs.tokens) == got.usage.completion_tokens == len(want.token_ids)
+    accepted = spec_llm.engine.spec.stats.accepted_tokens
+    [offline] = spec_llm.generate([ECHO], SamplingParams(temperature=0.0, max_tokens=24, logprobs=True, **stop))
+    assert spec_llm.engine.spec.stats.accepted_tokens > accepted  # a verify kept drafts: several tokens a delta
+    assert (offline.text, offline.token_ids, offline.finish_reason) == (want.text, want.token_ids, "stop")
+    assert [lp.token_id for lp in offline.logprobs] == want.token_ids

@@ -307,7 +307,7 @@ def _sample_text(tok, prompt: str, deltas: list[EngineOutput], stop: list[str]) 
     text = SampleText(tok, tok.encode(prompt), SamplingParams(stop=stop, max_tokens=64))
     out = ""
     for d in deltas:
-        piece, hit = text.push(d)
+        piece, hit, _ = text.push(d)
         out += piece
         if hit is not None:
             return out, hit  # the caller ends the sample here
@@ -330,3 +330,26 @@ def test_stop_string_completed_by_the_finishing_delta(tok):
     # and when the stop never completes, the finishing delta flushes what was held back
     never = head + [_delta(ids[-1:], True, "length")]
     assert _sample_text(tok, "Once", never, ["end!"]) == (text, None)
+
+
+@pytest.mark.parametrize("stop, min_tokens", [(["mat"], 0), (["the"], 0), (["the"], 4), (["dog sat", "log"], 2),
+                                              (["never there"], 0)])
+def test_a_delta_of_many_ids_stops_where_one_id_a_delta_stops(tok, stop, min_tokens):
+    """A delta's ids are checked one by one: the text, the stop string and how many ids are output
+    (`kept`) are those of one id per delta, for any grouping (a verify's tokens, joined deltas)."""
+    ids = tok.encode(" sat on the mat. the dog sat on the log. the cat")
+    params = SamplingParams(stop=stop, min_tokens=min_tokens, max_tokens=64)
+
+    def run(groups: list[list[int]]) -> tuple[str, str | None, int]:
+        text, out, used = SampleText(tok, tok.encode("Once"), params), "", 0
+        for i, group in enumerate(groups):
+            piece, hit, kept = text.push(_delta(group, finished=i == len(groups) - 1, reason="length"))
+            out, used = out + piece, used + kept
+            if hit is not None:
+                return out, hit, used
+        return out, None, used
+
+    one_each = run([[t] for t in ids])
+    assert one_each[2] < len(ids) if one_each[1] else one_each[2] == len(ids)
+    for size in (2, 3, 5, len(ids)):
+        assert run([ids[i:i + size] for i in range(0, len(ids), size)]) == one_each, size

@@ -227,17 +227,18 @@ class Generation:
             self.usage.cached_tokens += d.num_cached_tokens
         if d.pd_timing is not None:
             self.usage.pd_timing = d.pd_timing
-        if d.new_token_ids:
-            self._observe_tokens(sample, len(d.new_token_ids))
-        sample.num_tokens += len(d.new_token_ids)
-        self.usage.completion_tokens += len(d.new_token_ids)
-        silent, stopped, rest = self._replay(sample, d) if sample.replay else ("", None, d)
-        text = ""
+        silent, stopped, rest, count = self._replay(sample, d) if sample.replay else ("", None, d, 0)
+        text, kept = "", 0
         if rest is not None and stopped is None:
-            text, stopped = sample.text.push(rest)
+            text, stopped, kept = sample.text.push(rest)  # ids past a stop string's token are not output
+        count += kept
+        if count:
+            self._observe_tokens(sample, count)
+        sample.num_tokens += count
+        self.usage.completion_tokens += count
         choice = self._prompt_index[d.request_id] * self.params.n + d.index
-        event = ChoiceEvent(choice, text, list(rest.new_token_ids) if rest else [],
-                            list(rest.new_logprobs or []) if rest else [], silent_text=silent)
+        event = ChoiceEvent(choice, text, list(rest.new_token_ids[:kept]) if rest else [],
+                            list((rest.new_logprobs or [])[:kept]) if rest else [], silent_text=silent)
         if stopped is not None:
             self.client.abort(d.request_id, d.index)
             event.finish_reason, event.matched_stop = "stop", stopped
@@ -248,9 +249,10 @@ class Generation:
         return event
 
     @staticmethod
-    def _replay(sample: _Sample, d: TokenDelta) -> tuple[str, str | None, TokenDelta | None]:
+    def _replay(sample: _Sample, d: TokenDelta) -> tuple[str, str | None, TokenDelta | None, int]:
         """Take the regenerated ids off the front of `d`: their text (silent), a stop string they
-        completed, and the rest of `d` (None when nothing is left: `d`'s finish was pushed too)."""
+        completed, the rest of `d` (None when nothing is left: `d`'s finish was pushed too), and
+        how many of them are output (up to a stop string's token)."""
         n = min(len(sample.replay), len(d.new_token_ids))
         made = list(d.new_token_ids[:n])
         if made != sample.replay[:n]:  # unseeded sampling, or another model: the client's text would fork
@@ -259,11 +261,12 @@ class Generation:
                            code="resume_diverged")
         sample.replay = sample.replay[n:]
         if n == len(d.new_token_ids):
-            silent, stopped = sample.text.push(d)
-            return silent, stopped, None
-        silent, stopped = sample.text.push(ReplayedTokens(made))
+            silent, stopped, kept = sample.text.push(d)
+            return silent, stopped, None, kept
+        silent, stopped, kept = sample.text.push(ReplayedTokens(made))
         logprobs = None if d.new_logprobs is None else d.new_logprobs[n:]
-        return silent, stopped, msgspec.structs.replace(d, new_token_ids=d.new_token_ids[n:], new_logprobs=logprobs)
+        rest = msgspec.structs.replace(d, new_token_ids=d.new_token_ids[n:], new_logprobs=logprobs)
+        return silent, stopped, rest, kept
 
 
 def coalesce(items: list) -> list:

@@ -6,7 +6,7 @@ Shared by the offline `LLM` and the server's API process, which both receive tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 from ketch.text.detokenizer import IncrementalDetokenizer
 from ketch.text.stop import StopChecker
@@ -25,6 +25,12 @@ class SampleTextParams(Protocol):
     skip_special_tokens: bool
 
 
+class Pushed(NamedTuple):
+    text: str  # the text delta to emit
+    stopped: str | None  # the stop string completed, if any: the sample ends here
+    kept: int  # how many of the pushed ids belong to the output: all, or up to the one that completed `stopped`
+
+
 @dataclass
 class ReplayedTokens:
     """Ids pushed as a run of their own (a resumed stream's, a regenerated one's): not a finish."""
@@ -36,12 +42,15 @@ class ReplayedTokens:
 class SampleText:
     """Detokenizer + stop-string watcher for one sample.
 
-    Stop strings count only once `min_tokens` tokens exist (like stop token ids); the text of
-    a stop token (EOS or stop_token_ids) is not part of the output.
+    Stop strings are checked token by token, whatever the deltas' sizes (a verify's several
+    tokens, a server's joined deltas): the sample ends at the token whose text completes one, the
+    ids after it in the same delta are not part of the output (`Pushed.kept`), and the result is
+    that of one token per delta. A stop string counts only from the `min_tokens`-th token on (like
+    stop token ids): the text of the tokens before it is emitted unchecked. The text of a stop
+    token (EOS or stop_token_ids) is not part of the output.
 
     A resumed stream (`generated_ids`: the outputs another worker already streamed, engine
-    README) starts where the original stood after them: they go through first, in the pushes the
-    original made as far as the text is concerned (those before min_tokens, then the rest), so the
+    README) starts where the original stood after them: they go through first, so the
     detokenizer's pending bytes and the stop checker's held text are the original's, a stop string
     spanning the boundary is still caught, and the continuation's text joins exactly.
     `resumed_text` is what the original emitted for them (its client has it).
@@ -59,33 +68,46 @@ class SampleText:
         self.resumed_text = self._replay(list(generated_ids))
 
     def _replay(self, ids: list[int]) -> str:
-        split = min(len(ids), max(0, self.min_tokens - 1))  # the pushes before min_tokens skip the stop check
-        text = ""
-        for part in (ids[:split], ids[split:]):
-            if part:
-                delta, stopped = self.push(ReplayedTokens(part))
-                if stopped is not None:
-                    raise ValueError(f"generated_token_ids: their text contains the stop string {stopped!r}, "
-                                     f"so the stream ended there")
-                text += delta
-        return text
+        if not ids:
+            return ""
+        pushed = self.push(ReplayedTokens(ids))
+        if pushed.stopped is not None:
+            raise ValueError(f"generated_token_ids: their text contains the stop string {pushed.stopped!r}, "
+                             f"so the stream ended there")
+        return pushed.text
 
-    def push(self, out: TokenDeltaLike) -> tuple[str, str | None]:
-        """Text delta for this output, and the stop string it completed (if any)."""
-        if self.detok is None:
-            return "", None
+    def push(self, out: TokenDeltaLike) -> Pushed:
+        """Text delta for this output, the stop string it completed (if any), the ids it keeps."""
         ids = out.new_token_ids
-        self.num_tokens += len(ids)
-        if out.finished and isinstance(out.matched_stop, int) and ids:
-            ids = ids[:-1]  # the stop token itself
-        text = self.detok.push(ids)
-        if out.finished:
-            text += self.detok.flush()
+        if self.detok is None:
+            return Pushed("", None, len(ids))
+        stop_token = out.finished and isinstance(out.matched_stop, int) and len(ids) > 0
+        text_ids = ids[:-1] if stop_token else ids
         if self.stop is None:
-            return text, None
+            self.num_tokens += len(ids)
+            text = self.detok.push(text_ids)
+            return Pushed(text + self.detok.flush() if out.finished else text, None, len(ids))
+        emitted: list[str] = []
+        for i, token in enumerate(text_ids):
+            self.num_tokens += 1
+            matched = self._check(self.detok.push([token]), emitted)
+            if matched is not None:
+                return Pushed("".join(emitted), matched, i + 1)
+        self.num_tokens += len(ids) - len(text_ids)  # the stop token
+        if out.finished:
+            matched = self._check(self.detok.flush(), emitted)  # bytes the detokenizer still held
+            if matched is not None:
+                return Pushed("".join(emitted), matched, len(ids))
+            emitted.append(self.stop.flush())
+        return Pushed("".join(emitted), None, len(ids))
+
+    def _check(self, text: str, emitted: list[str]) -> str | None:
+        """One token's text through the stop checker (unchecked before min_tokens): what may go out
+        is appended to `emitted`; the stop string it completed, if any."""
+        assert self.stop is not None
         if self.num_tokens < self.min_tokens:
-            return self.stop.flush() + text, None
-        emitted, matched = self.stop.feed(text)
-        if matched is None and out.finished:
-            emitted += self.stop.flush()
-        return emitted, matched
+            emitted.append(self.stop.flush() + text)
+            return None
+        safe, matched = self.stop.feed(text)
+        emitted.append(safe)
+        return matched
