@@ -7,6 +7,7 @@ detokenization and stop strings. A sample that hits a stop string is aborted in 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -65,6 +66,29 @@ class RequestOutput:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
+class _TextStream(Iterator[str]):
+    """stream()'s iterator: its deltas, and its request's end when it is closed or dropped. A
+    generator's own `finally` runs only once it has started: a stream dropped unread would leave its
+    request decoding (pages held) inside every later call. Dropped, it is noted (a finalizer may run
+    in the middle of an engine step, so it only notes) and aborted before the LLM's next step."""
+
+    def __init__(self, llm: LLM, rid: str, deltas: Iterator[str]) -> None:
+        self._llm, self._rid, self._deltas = llm, rid, deltas
+        self._dropped = weakref.finalize(self, llm._dropped.append, rid)
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except StopIteration:
+            self._dropped.detach()  # ended: the generator released the request
+            raise
+
+    def close(self) -> None:
+        self._dropped.detach()
+        self._deltas.close()  # type: ignore[attr-defined]
+        self._llm._release(self._rid)
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, dtype=dtype, **engine_args)
@@ -78,6 +102,7 @@ class LLM:
         # each open request's undelivered outputs: generate() calls and open stream() iterators
         # step the one engine in turn, and a step's outputs belong to whichever asked (_pump)
         self._inbox: dict[str, deque[EngineOutput]] = {}
+        self._dropped: list[str] = []  # streams dropped unread (_TextStream): aborted at the next step
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -117,7 +142,7 @@ class LLM:
         except ValueError:
             self._release(rid)
             raise
-        return self._stream(rid, text)
+        return _TextStream(self, rid, self._stream(rid, text))
 
     def _stream(self, rid: str, text: _SampleText) -> Iterator[str]:
         box = self._inbox[rid]
@@ -187,6 +212,8 @@ class LLM:
         """One engine step, its outputs put in their requests' inboxes (outputs of requests no
         longer open are dropped); the ids that got one. A step that runs nothing while a caller
         still waits would spin forever: that is an error instead."""
+        while self._dropped:
+            self._release(self._dropped.pop())
         if not self.engine.has_unfinished():
             raise RuntimeError("engine: nothing left to run, but a request of this LLM has not finished")
         got = set()

@@ -126,6 +126,23 @@ def test_stream_closed_early_releases_the_request(llm):
     _serves(llm)
 
 
+def test_a_stream_dropped_or_closed_unread_releases_its_request(llm):
+    """A stream never iterated has a generator that never started, whose `finally` never runs:
+    dropped, its request is aborted at the LLM's next step instead of decoding inside every later
+    call; closed unread, at once. Either way the later output is its own and every page comes back."""
+    params = greedy(max_tokens=40, ignore_eos=True)
+    [alone] = llm.generate(P_FRANCE, greedy(max_tokens=4))
+    dropped = llm.stream(P_STORY, params)
+    del dropped  # no cycle holds it: finalized here
+    assert llm.generate(P_FRANCE, greedy(max_tokens=4))[0].token_ids == alone.token_ids
+    assert not llm.engine.requests and not llm._inbox
+    assert_drained(llm.engine)
+    closed = llm.stream(P_STORY, params)
+    closed.close()
+    assert not llm.engine.requests and not llm._inbox
+    assert_drained(llm.engine)
+
+
 def test_open_streams_and_generate_calls_interleave(llm):
     """A stream left open while generate() runs, and two streams read in turn, each get their own
     text whole (each step's outputs go to the request they belong to, whoever steps the engine;
