@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from conftest import assert_drained, collect, drain, make_tiny_engine
@@ -160,8 +161,9 @@ def test_bad_sampling_params_name_the_field(params, field):
 
 def test_bad_requests_leave_the_engine_serving(tiny_config_path):
     eng = make_tiny_engine(tiny_config_path, max_model_len=64)
-    with pytest.raises(ValueError, match="^prompt"):
-        eng.add_request("e", [], GREEDY)
+    for empty in ([], np.array([], dtype=np.int64)):  # (an array has no truth value to test)
+        with pytest.raises(ValueError, match="^prompt: must not be empty"):
+            eng.add_request("e", empty, GREEDY)
     with pytest.raises(ValueError, match="^prompt"):
         eng.add_request("e", [1, 99999], GREEDY)
     for bad in ([1.7, 2.9], [True, 2], ["a"], [None]):  # not truncated, not a TypeError from inside min()
@@ -174,8 +176,10 @@ def test_bad_requests_leave_the_engine_serving(tiny_config_path):
     eng.add_request("ok", prompt(8), GREEDY)
     with pytest.raises(ValueError, match="^request_id"):
         eng.add_request("ok", prompt(8), GREEDY)
+    eng.add_request("array", np.array(prompt(8)), GREEDY)  # ids as a numpy array: served as the list is
     res = collect(drain(eng))
-    assert list(res) == [("ok", 0)] and len(res[("ok", 0)]["ids"]) == 8
+    assert sorted(res) == [("array", 0), ("ok", 0)] and len(res[("ok", 0)]["ids"]) == 8
+    assert res[("array", 0)]["ids"] == res[("ok", 0)]["ids"]
     assert_drained(eng)
 
 

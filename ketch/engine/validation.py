@@ -23,7 +23,7 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
 def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                      kv_capacity: int, prompt_field: str = "prompt", generated: Sequence[int] = (),
                      eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids") -> None:
-    if not prompt_ids:
+    if len(prompt_ids) == 0:  # (a numpy array has no truth value)
         raise ValueError(f"{prompt_field}: must not be empty")
     check_token_ids(prompt_field, prompt_ids, vocab_size)
     params.validate(vocab_size)
@@ -41,7 +41,7 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
         raise ValueError(
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({kv_capacity} tokens)"
         )
-    if generated:
+    if len(generated):
         validate_resume(generated, params, vocab_size=vocab_size, eos_ids=eos_ids, field=generated_field)
 
 
@@ -99,5 +99,5 @@ def validate_bootstrap(mode: str, host: str | None, port: int | None, room: int 
         raise ValueError(f"{field}: constrained output is not supported with PD disaggregation yet")
     if params.wants_logprobs:
         raise ValueError("logprobs: not supported with PD disaggregation yet")
-    if generated:
+    if len(generated):
         raise ValueError("generated_token_ids: resuming a stream is not supported with PD disaggregation yet")
