@@ -73,6 +73,11 @@ def seeded_row(seed: int, device: str, **kw) -> SamplingRow:
         ({"logit_bias": {1.7: 3.0}}, "logit_bias"),  # not token 1
         ({"logit_bias": {True: 3.0}}, "logit_bias"),  # not token 1
         ({"logit_bias": {1: True}}, "logit_bias"),
+        # decimal ASCII only: not int()'s error under another name, nor a full-width digit read as 5
+        ({"logit_bias": {"--5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"²": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"-²": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"５": 1.0}}, "logit_bias"),
         # flags: a bool, not anything truthy
         ({"ignore_eos": "no"}, "ignore_eos"),
         ({"skip_special_tokens": "x"}, "skip_special_tokens"),

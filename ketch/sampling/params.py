@@ -6,6 +6,7 @@ the server can turn it into an OpenAI-style 400 without parsing.
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 
 from ketch.sampling.grammar.spec import GrammarSpec
@@ -141,6 +142,11 @@ class SamplingParams:
                 )
 
 
+# one optional minus and ASCII digits (str.isdigit() also takes "²" and "５", which int() refuses
+# or reads as another token; a range error names a negative id later)
+_DECIMAL_ID = re.compile(r"\s*-?[0-9]+\s*")
+
+
 def _normalize_logit_bias(bias: object) -> dict[int, float]:
     """OpenAI JSON sends {"50256": -100}; keys become ints (from ints or decimal strings, never
     from floats or bools, which would name another token), values floats."""
@@ -149,7 +155,7 @@ def _normalize_logit_bias(bias: object) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         whole = (isinstance(key, numbers.Integral) and not isinstance(key, bool)) or \
-            (isinstance(key, str) and key.strip().lstrip("-").isdigit())
+            (isinstance(key, str) and _DECIMAL_ID.fullmatch(key) is not None)
         if not whole or not _is_number(value):
             raise ValueError(f"logit_bias must map token ids to numbers, got {key!r}: {value!r}")
         out[int(key)] = float(value)
