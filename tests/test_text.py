@@ -353,3 +353,26 @@ def test_a_delta_of_many_ids_stops_where_one_id_a_delta_stops(tok, stop, min_tok
     assert one_each[2] < len(ids) if one_each[1] else one_each[2] == len(ids)
     for size in (2, 3, 5, len(ids)):
         assert run([ids[i:i + size] for i in range(0, len(ids), size)]) == one_each, size
+
+
+@pytest.mark.parametrize("stop, min_tokens, want", [
+    ([" 5"], 2, (" 5", 2, "")),  # begun before min_tokens, completed by the min_tokens-th token: it counts
+    ([" 5"], 3, (None, 8, " 5, 6, 7")),  # completed before: it does not, and nothing matches later
+    ([" 5", "5, 6"], 3, ("5, 6", 5, " ")),  # the later one, completed after, does
+    (["5,", " 5"], 3, ("5,", 3, " ")),  # one that ends at the min_tokens-th token counts
+])
+def test_a_stop_string_counts_when_a_token_from_min_tokens_on_completes_it(tok, stop, min_tokens, want):
+    """The tokens " ", "5", ",", " ", "6", ",", " ", "7": a stop string may begin in the text of the
+    tokens before min_tokens (held back as context) but counts only if the min_tokens-th token or a
+    later one completes it, one id per delta or all at once."""
+    ids = tok.encode(" 5, 6, 7")
+    assert len(ids) == 8
+    params = SamplingParams(stop=stop, min_tokens=min_tokens, max_tokens=64)
+    for groups in ([[t] for t in ids], [ids]):
+        text, out, used, hit = SampleText(tok, tok.encode("Count:"), params), "", 0, None
+        for i, group in enumerate(groups):
+            piece, hit, kept = text.push(_delta(group, finished=i == len(groups) - 1, reason="length"))
+            out, used = out + piece, used + kept
+            if hit is not None:
+                break
+        assert (hit, used, out) == want, groups

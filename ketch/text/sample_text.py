@@ -45,8 +45,8 @@ class SampleText:
     Stop strings are checked token by token, whatever the deltas' sizes (a verify's several
     tokens, a server's joined deltas): the sample ends at the token whose text completes one, the
     ids after it in the same delta are not part of the output (`Pushed.kept`), and the result is
-    that of one token per delta. A stop string counts only from the `min_tokens`-th token on (like
-    stop token ids): the text of the tokens before it is emitted unchecked. The text of a stop
+    that of one token per delta. A stop string counts only if the `min_tokens`-th token or a later
+    one completes it (like stop token ids; it may begin in the text before). The text of a stop
     token (EOS or stop_token_ids) is not part of the output.
 
     A resumed stream (`generated_ids`: the outputs another worker already streamed, engine
@@ -102,12 +102,10 @@ class SampleText:
         return Pushed("".join(emitted), None, len(ids))
 
     def _check(self, text: str, emitted: list[str]) -> str | None:
-        """One token's text through the stop checker (unchecked before min_tokens): what may go out
+        """One token's text through the stop checker (before min_tokens as context only: a stop
+        string may begin there but must end at the min_tokens-th token or later): what may go out
         is appended to `emitted`; the stop string it completed, if any."""
         assert self.stop is not None
-        if self.num_tokens < self.min_tokens:
-            emitted.append(self.stop.flush() + text)
-            return None
-        safe, matched = self.stop.feed(text)
+        safe, matched = self.stop.feed(text, match=self.num_tokens >= self.min_tokens)
         emitted.append(safe)
         return matched

@@ -25,15 +25,20 @@ class StopChecker:
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
+    def feed(self, delta: str, match: bool = True) -> tuple[str, str | None]:
         """Feed new text; return (text safe to emit now, the stop string matched or None).
+
+        `match=False`: the text is context only (a sample's tokens before min_tokens): nothing in it
+        matches, but what could start a stop string is held, so a stop string that a later delta
+        completes is caught even if it began here. A match must end inside the delta fed with
+        `match=True` that completes it.
 
         After a match the checker is finished: later calls return ("", None).
         """
         if self.matched is not None:
             return "", None
         text = self._held + delta
-        hit = self._first_match(text)
+        hit = self._first_match(text, len(self._held) + 1) if match and delta else None
         if hit is not None:
             start, stop = hit
             self.matched, self._held = stop, ""
@@ -47,10 +52,11 @@ class StopChecker:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, text: str) -> tuple[int, str] | None:
+    def _first_match(self, text: str, min_end: int) -> tuple[int, str] | None:
+        """The match that ends first at or after `min_end` (then the longer one)."""
         best: tuple[int, int, str] | None = None  # (end, -length, stop)
         for s in self.stop:
-            i = text.find(s)
+            i = text.find(s, max(0, min_end - len(s)))
             if i >= 0 and (best is None or (i + len(s), -len(s)) < best[:2]):
                 best = (i + len(s), -len(s), s)
         return None if best is None else (best[0] - len(best[2]), best[2])
