@@ -108,6 +108,27 @@ def test_bad_grammars_are_value_errors_naming_the_kind(llm):
     _drained(llm)
 
 
+def test_a_grammar_that_matches_nothing_is_an_error_not_an_abort(llm):
+    """`root ::= root` builds and compiles but no text can begin it: refused when compiled, naming
+    the kind. `root ::= "a" x  x ::= x` allows "a" and then nothing: the sample ends there with an
+    error naming the kind, not with the sampler's fallback token and finish_reason "abort". The
+    engine serves on and every page comes back."""
+    params = dict(temperature=0.0, max_tokens=10)
+    with pytest.raises(ValueError, match="^ebnf: invalid: the grammar matches no text"):
+        llm.generate("Say:", SamplingParams(**params, grammar=GrammarSpec("ebnf", "root ::= root")))
+    eng = llm.engine
+    eng.add_request("dead-end", llm.tokenizer.encode("Say:"),
+                    SamplingParams(**params, logprobs=True, grammar=GrammarSpec("ebnf", 'root ::= "a" x\nx ::= x')))
+    outs = drain(eng)
+    [out] = collect(outs).values()
+    assert out["ids"] == llm.tokenizer.encode("a") and len(out["logprobs"]) == 1  # "a", not the refused token
+    [error] = [o.error for o in outs if o.error is not None]
+    assert error.startswith("ebnf: the grammar allows no token after 1 generated tokens"), error
+    assert llm.generate("Say:", SamplingParams(**params, grammar=GrammarSpec("regex", "(yes|no)")))[0].text in (
+        "yes", "no")
+    _drained(llm)
+
+
 def test_min_tokens_does_not_fight_the_grammar(llm):
     """min_tokens bans the stop token; a grammar that is complete allows only the stop token. The
     grammar wins (no all -inf row, no NaN)."""

@@ -290,7 +290,7 @@ class Engine:
             tokens, logprobs = self._take(req, index, result, first, kept, now)
             if tokens is None:
                 continue  # PD prefill: its answer waits for the decode side
-            outputs.append(self._output(req, tokens, logprobs))
+            outputs.append(self._output(req, tokens, logprobs, error=req.error))
             if req.is_finished:
                 self._count_decode(req, now)
                 self._forget(req)
@@ -322,6 +322,10 @@ class Engine:
             tokens.append(token)
             self._check_stop(req, token, index + 1 + j)
             if req.is_finished:
+                if req.error is not None:  # the token its grammar refused is not output
+                    tokens.pop()
+                    if logprobs:
+                        logprobs.pop()
                 return tokens, logprobs
         if kept > 1:
             self.kv.publish(req)  # the kept drafts may have filled pages
@@ -342,11 +346,15 @@ class Engine:
         """`token` is output number `num_output`; later ones may be in flight (overlap)."""
         p = req.params
         if req.grammar is not None:
-            # The mask allowed only what the grammar accepts, so accept() holds (a False would be
-            # a backend bug: the sample ends rather than the engine). Once the grammar is complete
-            # it allows only stop tokens, and accepting one terminates it.
+            # The mask allowed only what the grammar accepts, so accept() fails only when it
+            # allowed nothing (a grammar that dead-ends: `root ::= "a" x  x ::= x`) and the sampler
+            # fell back to some token: that token is not output, and the sample ends with an error
+            # naming the grammar. Once the grammar is complete it allows only stop tokens, and
+            # accepting one terminates it.
             if not req.grammar.accept(token):
-                self._finish(req, num_output, FinishReason.ABORT)
+                req.error = (f"{p.grammar.kind}: the grammar allows no token after {num_output - 1} generated tokens "
+                             f"(no text it matches continues them)")
+                self._finish(req, num_output - 1, FinishReason.ABORT)
                 return
             if req.grammar.is_terminated():
                 self._finish(req, num_output, FinishReason.STOP, token)

@@ -62,6 +62,7 @@ class Request:
     matched_stop: int | str | None = None
     admitted_once: bool = False
     grammar: Any = None  # GrammarMatcher of a constrained sample, set once its grammar compiled
+    error: str | None = None  # why it ended, when that is its request's fault (a grammar that dead-ends)
     gate: Any = None  # the Gate it is parked at while PENDING
     pin: Any = None  # an L3 prefetch pinning its cached prefix until admission (cache/storage_tier.py)
     storage_checked: bool = False  # L3 was asked for its prompt (once, when first about to be admitted)

@@ -111,9 +111,17 @@ class XGrammarBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
-            return self._compiler.compile_grammar(_grammar(spec))
+            compiled = self._compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
+        # A grammar no text can begin (`root ::= root`) builds and compiles; sampled, its first
+        # mask allows nothing. Refused here, once per grammar (compiles are cached), as a 400.
+        mask = self.allocate_mask(1)
+        matcher = xgr.GrammarMatcher(compiled)
+        matcher.fill_next_token_bitmask(mask, 0)
+        if not matcher.is_terminated() and not bool(mask.any()):
+            raise ValueError(f"{spec.kind}: invalid: the grammar matches no text (no token can begin one)")
+        return compiled
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(self, compiled)
