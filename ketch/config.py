@@ -61,6 +61,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the attention window of the layers that have one (Mistral; Qwen2/3 with use_sliding_window):
+    # ketch attends to every earlier token, which is the same only while the context fits in the
+    # window, so the engine caps the context there (engine/build.py)
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -99,7 +103,21 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(d, model_type),
         )
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    """The window of the layers that attend through one (transformers' rules), None if none does."""
+    window = d.get("sliding_window")
+    if not window:
+        return None
+    if d.get("layer_types") is not None:  # transformers 5 writes each layer's kind
+        return window if "sliding_attention" in d["layer_types"] else None
+    if model_type.startswith("qwen"):  # only with use_sliding_window, on layers max_window_layers..
+        layers = d["num_hidden_layers"]
+        return window if d.get("use_sliding_window") and d.get("max_window_layers", layers) < layers else None
+    return window if model_type == "mistral" else None  # Mistral: every layer
 
 
 # How a KV tensor's element type is chosen: "kv" follows EngineConfig.kv_torch_dtype (the model

@@ -56,3 +56,32 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint):
             ref_lp = [torch.log_softmax(l[0], -1)[t].item() for l, t in zip(out.logits, ref, strict=True)]
             assert max(abs(a.logprob - b) for a, b in zip(got["logprobs"], ref_lp, strict=True)) < 1e-4
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("cls_name, extra", [
+    ("MistralConfig", dict(sliding_window=16)),  # every layer
+    ("Qwen2Config", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1)),  # layer 1 on
+], ids=["mistral", "qwen2"])
+def test_a_sliding_window_caps_the_context_where_full_attention_equals_it(cls_name, extra, tmp_path):
+    """ketch attends to every earlier token; a model whose layers attend through a window of 16
+    is that only while the context fits in the window: the context defaults to the window (output
+    = HF's, which windows), and a longer max_model_len is refused, naming it, instead of running
+    full attention past the window (output silently unlike the model's)."""
+    import transformers
+
+    cfg = getattr(transformers, cls_name)(**{**BASE, "tie_word_embeddings": False}, **extra)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^max_model_len: 64 is past the model's sliding window \\(16 tokens\\)"):
+        Engine(EngineConfig(model=str(tmp_path), dtype="float32", max_model_len=64))
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=4 << 20, page_size=8))
+    assert engine.max_model_len == 16
+    prompt = list(range(5, 14))
+    engine.add_request("w", prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
+    got = collect(drain(engine))[("w", 0)]["ids"]
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=7, min_new_tokens=7, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == ref
+    assert_drained(engine)

@@ -19,6 +19,7 @@ abandons them (they wait in a collective rank 0 will never join) before it re-ra
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -83,10 +84,15 @@ def build_engine(config: EngineConfig, eos_token_ids: tuple[int, ...] = (), fake
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer)
     config = with_cpu_auto_dtype(config, source)  # bf16 for 4-bit GGUF weights on any vector CPU
     model_config = load_model_config(source)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    window = getattr(model_config, "sliding_window", None)
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, window or math.inf)
     if max_model_len > model_config.max_position_embeddings:  # vLLM refuses it too
         raise ValueError(f"max_model_len: {max_model_len} is past the model's max_position_embeddings "
                          f"({model_config.max_position_embeddings}): positions it was never trained on")
+    if window and max_model_len > window:
+        raise ValueError(f"max_model_len: {max_model_len} is past the model's sliding window ({window} tokens); "
+                         f"ketch attends to every earlier token, which is the model's attention only within "
+                         f"the window, so its context is at most {window}")
     eos_ids = tuple(dict.fromkeys(model_config.eos_token_ids + tuple(eos_token_ids)))
     ranks = None
     if config.tensor_parallel_size > 1:
