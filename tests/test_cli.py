@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,26 @@ def _serve_that_fails(*flags: str, env: dict | None = None) -> tuple[int, str]:
     # multiprocessing's resource tracker ends on its own once its parent is gone: a short wait
     wait_for(lambda: _group_members(proc.pid) == [], "every process of the server to end", deadline_s=20)
     return proc.returncode, err
+
+
+def test_serve_on_a_port_in_use_exits_2_before_the_model_loads():
+    """The socket is bound before the engine starts: a taken port is an error naming it at once
+    (it was uvicorn's exit 3 after the whole load, with "serving ... on" already printed)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, err = _serve_that_fails("--port", str(taken.getsockname()[1]))
+    assert code == 2, err[-2000:]
+    assert "error: port: cannot bind" in err and "Loading weights" not in err
+
+
+@pytest.mark.parametrize("flags, field", [(["--port", "83736"], "port"), (["--port", "-1"], "port"),
+                                          (["--shutdown-timeout", "nan"], "shutdown_timeout")])
+def test_serve_refuses_a_port_or_deadline_out_of_range(flags, field):
+    """83736 was bound as 18200 (mod 65536) while the log said 83736; a nan deadline crashed the
+    SIGTERM handler."""
+    r = ketch("serve", *flags)
+    assert r.returncode == 2 and f"error: {field}: must be" in r.stderr, r.stderr[-2000:]
 
 
 def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp_path):

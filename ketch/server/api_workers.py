@@ -36,17 +36,21 @@ class ApiWorkerError(RuntimeError):
     pass
 
 
-def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) that other processes of this user may bind too."""
+def bound_socket(host: str, port: int, shared: bool) -> socket.socket:
+    """A TCP socket bound to (host, port), before the model loads: a port in use or a bad host is
+    an error naming `port` at once, not after the load. `shared`: other processes of this user
+    may bind it too (SO_REUSEPORT: the API processes of one server)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"port: cannot bind {host}:{port} ({e.strerror})") from None
+        field = "host" if isinstance(e, socket.gaierror) else "port"  # a name that does not resolve
+        raise ValueError(f"{field}: cannot bind {host}:{port} ({e.strerror})") from None
     return sock
 
 
@@ -137,7 +141,7 @@ async def _serve_worker(config: EngineConfig, sc: ServerConfig, origin: int, wor
     from ketch.server.serve import _load_tokenizer, http_server
 
     try:
-        sock = reuseport_socket(sc.host, port)
+        sock = bound_socket(sc.host, port, shared=True)
         tokenizer = _load_tokenizer(config)
         client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else (), sc.watchdog_timeout,
                               origin=origin, workdir=workdir)

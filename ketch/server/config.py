@@ -28,6 +28,8 @@ class ServerConfig:
     api_server_count: int = 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:  # (the kernel would take 83736 as 18200)
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.max_request_bytes < 1:
@@ -38,8 +40,8 @@ class ServerConfig:
             tool_parser_class(self.tool_call_parser)  # ValueError naming the option if unknown
         if self.reasoning_parser is not None:
             reasoning_parser_class(self.reasoning_parser)
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout: must be >= 0, got {self.shutdown_timeout}")
+        if not 0 <= self.shutdown_timeout < float("inf"):  # (nan passes a `< 0` test)
+            raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
         for name in ("request_timeout", "header_timeout", "body_timeout"):

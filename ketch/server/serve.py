@@ -22,7 +22,7 @@ import tempfile
 
 from ketch.config import EngineConfig
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
-from ketch.server.api_workers import ApiWorkerError, ApiWorkers, reuseport_socket, shared_metrics_dir
+from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
 from ketch.server.config import ServerConfig
@@ -89,8 +89,8 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
     sc = server_config
     many = sc.api_server_count > 1
     workdir = tempfile.mkdtemp(prefix="ketch-") if many else None
-    sock = reuseport_socket(sc.host, sc.port) if many else None  # bound first: port 0 picks one port for all
-    port = sock.getsockname()[1] if sock is not None else sc.port
+    sock = bound_socket(sc.host, sc.port, shared=many)  # bound first: port 0 picks one port for all
+    port = sock.getsockname()[1]
     metrics_dir = shared_metrics_dir(workdir) if workdir else None
     client = EngineClient(config, (), sc.watchdog_timeout, workdir=workdir)
     workers: ApiWorkers | None = None
@@ -112,14 +112,13 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
         name = server.state.model_name
         count = f" ({sc.api_server_count} API processes)" if many else ""
         print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{sc.host}:{port}{count}", flush=True)
-        await server.serve(sockets=[sock] if sock is not None else None)
+        await server.serve(sockets=[sock])
     finally:
         if workers is not None:
             workers.stop(sc.shutdown_timeout + 2 * ANSWER_GRACE_S)
         failure = client.failure or (workers.failure if workers is not None else None)
         client.close()
-        if sock is not None:
-            sock.close()  # (bound before the tokenizer loaded: an error there must not leak it)
+        sock.close()  # (bound before the tokenizer loaded: an error there must not leak it)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:
