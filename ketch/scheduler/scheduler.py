@@ -12,13 +12,13 @@ eviction) is the KVCacheManager's (cache/manager.py); a request is its page hold
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from dataclasses import dataclass, field
 
 from ketch.cache.manager import KVCacheManager
 from ketch.config import EngineConfig
 from ketch.scheduler.gate import Gate
 from ketch.scheduler.request import FinishReason, Request, RequestState
+from ketch.scheduler.request_queue import RequestQueue
 
 LPM_WINDOW = 64  # waiting requests looked at when picking by longest prefix match
 
@@ -56,7 +56,7 @@ class Scheduler:
         self.kv = kv
         self.storage_gate = storage_gate
         self.gates: list[Gate] = []  # where PENDING requests wait (scheduler/gate.py)
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
 
