@@ -61,7 +61,7 @@ def _serve(a: argparse.Namespace) -> int:
         chat_template=read_chat_template(a.chat_template) if a.chat_template else None,
         max_queued_requests=a.max_queued_requests, max_request_bytes=a.max_request_bytes,
         shutdown_timeout=a.shutdown_timeout, tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-        max_n=a.max_n, request_timeout=a.request_timeout, watchdog_timeout=a.watchdog_timeout,
+        max_n=a.max_n, max_request_samples=a.max_request_samples, request_timeout=a.request_timeout, watchdog_timeout=a.watchdog_timeout,
         max_connections=a.max_connections, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
         api_server_count=a.api_server_count,
     )
@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     s.add_argument("--max-n", type=int, default=128, help="the largest n (samples per prompt) a request may ask for")
+    s.add_argument("--max-request-samples", type=int, default=4096,
+                   help="the most samples (prompts x n) one request may carry; more is a 400 before any is queued")
     s.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may run before it is aborted (408; a request's `timeout` field wins)")
     s.add_argument("--watchdog-timeout", type=float, default=300.0,

@@ -235,18 +235,23 @@ def test_a_body_that_never_arrives_is_a_408(server):
 
 # ---------------------------------------------------------------- 2: n is bounded; aborting many samples is cheap
 def test_n_beyond_max_n_is_refused_and_a_huge_n_aborts_in_one_message():
-    with running_server("--max-n", "20000") as (_, base):
+    with running_server("--max-n", "20000", "--max-request-samples", "20000") as (_, base):
         status, body = post(base, CMPL, {"prompt": "Hi", "n": 20001})
         assert_error(status, body, 400, "n")
+        # prompts x n past --max-request-samples: refused before any prompt is encoded or queued
+        status, body = post(base, CMPL, {"prompt": [[1, 2]] * 10_000, "n": 128, "max_tokens": 1})
+        assert_error(status, body, 400, "prompt")
         before = metrics(base)
-        conn, _ = open_stream(base, CMPL, {"prompt": "Hi", "n": 20000, "max_tokens": 1000, "ignore_eos": True})
-        conn.close()  # 20,000 samples to abort: one message, O(1) per sample in the engine
-        # the engine loop answers again promptly (it took ~88 s when each abort scanned all samples)
-        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2}, timeout=30)
-        assert status == 200, body
-        wait_for(lambda: pages_all_back(metrics(base)), "the aborted samples' pages")
+        for body in ({"prompt": "Hi", "n": 20000}, {"prompt": [[5, 7]] * 200, "n": 100}):
+            conn, _ = open_stream(base, CMPL, {**body, "max_tokens": 1000, "ignore_eos": True})
+            conn.close()  # 20,000 samples to abort: one message a prompt, O(1) per sample in the engine
+            # the engine loop answers again promptly (it took ~88 s when each abort scanned all
+            # samples, minutes when each queued sample's removal scanned the queue)
+            status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2}, timeout=30)
+            assert status == 200, body
+            wait_for(lambda: pages_all_back(metrics(base)), "the aborted samples' pages")
         after = metrics(base)
-        assert after["ketch_generation_tokens_total"] - before["ketch_generation_tokens_total"] < 100_000  # not 20,000 × 1,000
+        assert after["ketch_generation_tokens_total"] - before["ketch_generation_tokens_total"] < 200_000  # not 40,000 × 1,000
 
 
 # ---------------------------------------------------------------- 6: a hung engine: the watchdog

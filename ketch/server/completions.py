@@ -47,9 +47,13 @@ async def completions(state: ServerState, body: Any, request: Request):
     generated, replay = resume_token_ids(fields) or (None, None)
     if generated is not None and len(raw) != 1:
         raise APIError(400, f"resume: continues one prompt's stream, got {len(raw)} prompts", param="resume")
-    prompts = [_encode(state, p) for p in raw]
     grammar, _ = grammar_spec(fields)
     params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar, state.max_n)
+    if len(raw) * params.n > state.max_request_samples:  # before any prompt is encoded or sample built
+        raise APIError(400, f"prompt: {len(raw)} prompts x n {params.n} = {len(raw) * params.n} samples; this server "
+                       f"takes at most {state.max_request_samples} per request (--max-request-samples)",
+                       param="prompt")
+    prompts = [_encode(state, p) for p in raw]
     echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     if generated is not None:
         echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already

@@ -18,6 +18,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # hermes | llama3 | mistral | deepseek-v3
     reasoning_parser: str | None = None  # deepseek-r1 | qwen3
     max_n: int = 128  # samples per prompt a request may ask for
+    max_request_samples: int = 4096  # prompts x n one request may carry (checked before any is built)
     request_timeout: float | None = None  # default deadline of a request (its `timeout` field wins)
     watchdog_timeout: float = 300.0  # an engine silent (or stuck in a step) this long is declared hung
     max_connections: int | None = None  # open HTTP connections; more are answered 503 and closed
@@ -44,6 +45,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.max_n < 1:
             raise ValueError(f"max_n: must be >= 1, got {self.max_n}")
+        if self.max_request_samples < 1:
+            raise ValueError(f"max_request_samples: must be >= 1, got {self.max_request_samples}")
         for name in ("request_timeout", "header_timeout", "body_timeout"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):

@@ -74,7 +74,8 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
     limit = None if sc.max_queued_requests is None else -(-(config.max_num_seqs + sc.max_queued_requests) // share)
     state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit),
                         tool_call_parser=sc.tool_call_parser, reasoning_parser=sc.reasoning_parser,
-                        max_n=sc.max_n, request_timeout=sc.request_timeout, metrics=ServerMetrics(metrics_dir))
+                        max_n=sc.max_n, max_request_samples=sc.max_request_samples,
+                        request_timeout=sc.request_timeout, metrics=ServerMetrics(metrics_dir))
     which = ((b"x-ketch-api-process", str(client.origin).encode()),) if share > 1 else ()
     app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
     connections = None if sc.max_connections is None else -(-sc.max_connections // share)

@@ -63,6 +63,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     max_n: int = 128  # --max-n
+    max_request_samples: int = 4096  # --max-request-samples: prompts x n per request
     request_timeout: float | None = None  # --request-timeout: a request's deadline unless it sets one
     shutting_down: bool = False  # SIGTERM received: new generation requests get a 503
 
