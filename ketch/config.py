@@ -13,6 +13,7 @@ from ketch.config_checks import (DISAGGREGATION_MODES, check_device, check_disag
                                  check_hicache, check_sizes, check_speculative)
 from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
                                  HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS)
+from ketch.hf_config import check_hf_fields, sliding_window
 
 # the flags' choices live with their checks (config_checks.py); importers read them from here
 __all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKENDS", "HICACHE_WRITE_POLICIES",
@@ -77,6 +78,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary (transformers 4.x or 5.x layout)."""
+        check_hf_fields(d)
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         model_type = d.get("model_type", "llama")
         heads = d["num_attention_heads"]
@@ -103,21 +105,9 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(d, model_type),
+            sliding_window=sliding_window(d, model_type),
         )
 
-
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    """The window of the layers that attend through one (transformers' rules), None if none does."""
-    window = d.get("sliding_window")
-    if not window:
-        return None
-    if d.get("layer_types") is not None:  # transformers 5 writes each layer's kind
-        return window if "sliding_attention" in d["layer_types"] else None
-    if model_type.startswith("qwen"):  # only with use_sliding_window, on layers max_window_layers..
-        layers = d["num_hidden_layers"]
-        return window if d.get("use_sliding_window") and d.get("max_window_layers", layers) < layers else None
-    return window if model_type == "mistral" else None  # Mistral: every layer
 
 
 # How a KV tensor's element type is chosen: "kv" follows EngineConfig.kv_torch_dtype (the model

@@ -24,7 +24,8 @@ from pathlib import Path
 KETCH = Path(__file__).resolve().parent.parent / "ketch"
 
 # What any package from sampling/scheduler upwards may import: formats, text, small helpers.
-LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "kv_dtype", "text", "user_cache", "weights"})
+LEAVES = frozenset({"config", "forward_batch", "hf_config", "host_copy", "host_memory", "kv_dtype", "text", "user_cache",
+                    "weights"})
 # What the packages at the bottom may import: no file format, no text.
 LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "kv_dtype", "user_cache"})
 
@@ -56,10 +57,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above
     # the leaves themselves
-    "config": frozenset({"config_checks"}),  # EngineConfig's checks of the multi-process fields
+    "config": frozenset({"config_checks", "hf_config"}),  # EngineConfig's checks; config.json's fields
     "config_checks": frozenset(),
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
+    "hf_config": frozenset(),  # a config.json's fields checked, the sliding window derived
     "host_memory": frozenset(),
     "http_shutdown": frozenset(),  # uvicorn's graceful shutdown as `ketch serve` and `ketch gateway` run it
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/

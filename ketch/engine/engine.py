@@ -322,10 +322,8 @@ class Engine:
             tokens.append(token)
             self._check_stop(req, token, index + 1 + j)
             if req.is_finished:
-                if req.error is not None:  # the token its grammar refused is not output
-                    tokens.pop()
-                    if logprobs:
-                        logprobs.pop()
+                if req.error is not None:  # the token its grammar refused (and its logprob) is not output
+                    tokens, logprobs = tokens[:-1], (logprobs[:-1] if logprobs else logprobs)
                 return tokens, logprobs
         if kept > 1:
             self.kv.publish(req)  # the kept drafts may have filled pages
@@ -346,11 +344,9 @@ class Engine:
         """`token` is output number `num_output`; later ones may be in flight (overlap)."""
         p = req.params
         if req.grammar is not None:
-            # The mask allowed only what the grammar accepts, so accept() fails only when it
-            # allowed nothing (a grammar that dead-ends: `root ::= "a" x  x ::= x`) and the sampler
-            # fell back to some token: that token is not output, and the sample ends with an error
-            # naming the grammar. Once the grammar is complete it allows only stop tokens, and
-            # accepting one terminates it.
+            # accept() fails only when the mask allowed nothing (a grammar that dead-ends: `x ::= x`)
+            # and the sampler fell back to a token: not output; the sample ends with an error. A
+            # complete grammar allows only stop tokens, and accepting one terminates it.
             if not req.grammar.accept(token):
                 req.error = (f"{p.grammar.kind}: the grammar allows no token after {num_output - 1} generated tokens "
                              f"(no text it matches continues them)")

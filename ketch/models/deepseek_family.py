@@ -17,6 +17,7 @@ import torch
 from ketch.attention.base import AttentionBackend
 from ketch.attention.mla_backend import MLAAttentionBackend
 from ketch.config import KVSpec, KVTensorSpec
+from ketch.hf_config import check_hf_fields
 from ketch.layers.yarn import YarnScaling
 from ketch.models.deepseek import DeepseekForCausalLM
 from ketch.models.deepseek_moe import FP32_WEIGHTS, moe_fields, moe_shapes
@@ -84,6 +85,10 @@ class DeepseekConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "DeepseekConfig":
+        check_hf_fields(d)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if name in d and not (isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] > 0):
+                raise ValueError(f"{name}: must be a positive integer in config.json, got {d[name]!r}")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias: the DeepSeek family has no MLP biases")
         heads = d["num_attention_heads"]
