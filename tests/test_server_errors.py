@@ -115,6 +115,36 @@ def test_oversized_body_without_content_length_is_413(server):
     conn.close()
 
 
+def test_http_edges_allow_on_405_head_on_health_and_a_client_leaving_mid_body(server):
+    """A 405 says what is allowed; load balancers may probe /health with HEAD; a client that leaves
+    while its body is coming in is an ordinary end (a 400 for nobody), not a logged server error."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from ketch.server.body import read_body
+    from ketch.server.errors import APIError
+
+    _, base = server
+    conn = connect(base)
+    conn.request("PUT", CMPL, "{}", {"content-type": "application/json"})
+    resp = conn.getresponse()
+    _assert_error(resp.status, json.loads(resp.read()), 405)
+    assert "POST" in resp.getheader("allow", "")
+    conn.request("HEAD", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read() == b""
+    conn.close()
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": CMPL, "headers": [(b"content-length", b"100")]}
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(Request(scope, gone), MAX_BODY, 5.0))
+    assert (e.value.status, e.value.code) == (400, "client_disconnected")
+
+
 def test_all_errors_left_every_page_free(server):
     """The bad input above is turned away before the engine; these requests end early inside it:
     a stream whose client goes away (the engine aborts it) and a stop string that ends one. Then

@@ -39,7 +39,9 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail), type="invalid_request_error").response()
+        response = APIError(e.status_code, str(e.detail), type="invalid_request_error").response()
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -64,7 +66,7 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
     async def openapi() -> dict:
         return schema
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> Response:
         problem = state.client.healthy()  # the watchdog's verdict: no round trip through the step loop
         return Response(status_code=200) if problem is None else engine_unavailable(problem).response()

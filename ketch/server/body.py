@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ketch.server.errors import APIError
 
@@ -44,6 +44,9 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout") from None
+    except ClientDisconnect:  # an answer for nobody, but an ordinary one: not logged as a server error
+        raise APIError(400, "the client left before its request body was complete",
+                       code="client_disconnected") from None
 
 
 def _reject_constant(name: str) -> Any:
