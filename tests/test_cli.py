@@ -60,6 +60,18 @@ def test_chat_answers_each_line_until_eof():
     assert "4" in replies[1]
 
 
+def test_generate_into_a_closed_pipe_ends_quietly():
+    """`ketch generate ... | head -c 1`: the reader is gone (here before the first write), so the
+    write fails with EPIPE; the command ends as SIGPIPE would (141), without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "ketch.cli", "generate", "Hello", "--max-tokens", "4",
+                             "--num-threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    proc.stdout.close()  # no reader left
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err[-2000:]
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
+
+
 def test_bad_flag_value_exits_2_naming_the_field():
     r = ketch("generate", "Hello", "--max-tokens", "0")
     assert r.returncode == 2
