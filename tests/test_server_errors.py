@@ -3,6 +3,7 @@ status, the server serving on afterwards; a full queue is a 429; SIGTERM drains 
 within --shutdown-timeout and exits 0; a dead engine means 503."""
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import threading
@@ -143,6 +144,29 @@ def test_http_edges_allow_on_405_head_on_health_and_a_client_leaving_mid_body(se
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(Request(scope, gone), MAX_BODY, 5.0))
     assert (e.value.status, e.value.code) == (400, "client_disconnected")
+
+
+def test_an_answer_given_before_the_body_came_closes_the_connection(server):
+    """A 404 (or 401, 413, 408) given while the announced body has not all come: the server closes
+    the connection. It used to read and drop the rest for as long as the client trickled it, with
+    no deadline left: any client, key or not, could hold a connection slot forever."""
+    import socket
+
+    _, base = server
+    sock = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /nope HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n")
+    sock.settimeout(30)  # a deadline for a broken server, not a synchronisation
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    assert resp.status == 404
+    resp.read()
+    try:  # one more body byte: it used to postpone the keep-alive timeout, and nothing else closed it
+        sock.sendall(b"x")
+        closed = sock.recv(1) == b""
+    except ConnectionResetError:  # the byte met the closed socket
+        closed = True
+    assert closed  # (a server that kept it open fails on the timeout above)
+    sock.close()
 
 
 def test_all_errors_left_every_page_free(server):

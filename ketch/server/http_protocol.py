@@ -4,7 +4,8 @@ uvicorn closes idle keep-alive connections, but a connection that never sends a 
 its headers a byte at a time, is held forever; so is any number of them. Here a connection gets
 `header_timeout` seconds from its first byte (or from being opened) to complete a request's
 headers, and beyond `max_connections` open ones a new connection is answered with a JSON 503 and
-closed before it costs anything. (The body has its own deadline where routes read it: body.py.)
+closed before it costs anything. (The body has its own deadline where routes read it: body.py;
+a request answered before its body had all come closes its connection.)
 """
 from __future__ import annotations
 
@@ -61,6 +62,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        # Answered before its body had all come (a 401, 404, 413, or the body's own deadline, 408):
+        # the rest of that body would be read and dropped for as long as the client trickles it,
+        # every byte postponing the keep-alive timeout, with no deadline left that covers it: a
+        # client without the key could hold a --max-connections slot forever. Closed instead.
+        if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
