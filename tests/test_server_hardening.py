@@ -193,6 +193,29 @@ def test_a_request_past_its_deadline_is_aborted_with_a_408(server):
     wait_for(lambda: pages_all_back(metrics(base, AUTH)), "the timed-out requests' pages")
 
 
+def test_a_stream_whose_client_stops_reading_still_ends_at_its_deadline():
+    """The client never reads (a tiny receive buffer; 16 bf16 samples with 20 logprobs a token fill
+    the socket buffers well before the deadline): the server's sends wait for a drain that never comes. At the
+    deadline the samples end anyway: the engine stops generating for them and their admission
+    slots come back while the socket is still open (they ran on for as long as the client held it)."""
+    with running_server("--max-running-requests", "16", "--dtype", "auto") as (_, base):  # bf16: tokens come faster
+        body = json.dumps({"prompt": ["Once upon a time", "The history of", "In a galaxy", "Recipe for"], "n": 4,
+                           "max_tokens": 3000, "ignore_eos": True, "logprobs": 20, "stream": True,
+                           "timeout": 20}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+        try:
+            sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (CMPL.encode(), len(body), body))
+            wait_for(lambda: metrics(base)["ketch_num_requests_running"] == 16, "the samples to run")
+            wait_for(lambda: (lambda m: m["ketch_num_requests_running"] == 0 and m["ketch_admitted_sequences"] == 0)(
+                metrics(base)), "the deadline to end the samples of the unread stream", deadline_s=90)
+        finally:
+            sock.close()
+        wait_for(lambda: pages_all_back(metrics(base)), "the pages of the stream past its deadline")
+
+
 # ---------------------------------------------------------------- 7: connection limits
 def _closed_by_server(sock: socket.socket, within: float) -> bool:
     sock.settimeout(within)

@@ -120,6 +120,7 @@ class Generation:
         self._started_at = 0.0
         self._admitted = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._expired: APIError | None = None  # the deadline passed (_expire)
         self._open = len(self.samples)  # samples not yet ended
         # joining a sample's queued deltas is exact unless a stop string may end it inside the
         # joined run: its tokens after the stop would then count in usage
@@ -153,10 +154,17 @@ class Generation:
                 raise engine_unavailable(str(e)) from None
             raise
         if self.timeout is not None:
-            self._deadline = asyncio.get_running_loop().call_later(
-                self.timeout, self._queue.put_nowait,
-                APIError(408, f"the request ran past its deadline of {self.timeout:g} s and was aborted",
-                         param="timeout", code="request_timeout"))
+            self._deadline = asyncio.get_running_loop().call_later(self.timeout, self._expire)
+
+    def _expire(self) -> None:
+        """The deadline. The samples end here and now, not when the consumer next reads the queue:
+        a stream whose client stopped reading waits in a send for a drain that never comes, and
+        its samples would go on generating, holding pages and admission slots. The 408 then
+        reaches the consumer, if it ever reads again."""
+        self._expired = APIError(408, f"the request ran past its deadline of {self.timeout:g} s and was aborted",
+                                 param="timeout", code="request_timeout")
+        self.close()
+        self._queue.put_nowait(self._expired)  # wakes a consumer waiting for its next delta
 
     def close(self) -> None:
         """Abort what is unfinished (one message per prompt), release its slots and stop
@@ -213,6 +221,8 @@ class Generation:
                     event = self._apply(item)
                     if event is not None:
                         yield event
+            if self._expired is not None:  # ended by the deadline while the consumer was away
+                raise self._expired
         finally:
             self.close()
 
