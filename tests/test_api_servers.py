@@ -16,7 +16,7 @@ import time
 
 import pytest
 import zmq
-from server_util import connect, gone, open_stream, parse_metrics, running_server, wait_for
+from server_util import connect, gone, open_stream, parse_metrics, post, running_server, wait_for
 
 from ketch.engine import messages as m
 from ketch.engine.outboxes import Outboxes
@@ -205,6 +205,32 @@ def test_sigterm_ends_every_process_cleanly():
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0, server.stdout.read()
         wait_gone(everyone, "an API or engine process")
+
+
+def test_sigterm_stops_every_api_process_at_once():
+    """A stream open on process 0 keeps its drain going (--shutdown-timeout 30); the other process
+    stops accepting at once too, instead of taking new requests until process 0's drain ended
+    (and only then starting its own: two deadlines)."""
+    with running_server("--api-server-count", "2", "--shutdown-timeout", "30") as (server, base):
+        for _ in range(MAX_TRIES):  # a long stream on process 0
+            conn, stream = open_stream(base, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4000,
+                                                                 "ignore_eos": True})
+            if stream.getheader(PROCESS_HEADER) == "0":
+                break
+            conn.close()
+        else:
+            raise AssertionError("process 0 never took the stream")
+        server.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:  # a new request is turned away (503) or finds no listener
+            try:
+                return post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}, timeout=10)[0] == 503
+            except OSError:
+                return True
+
+        wait_for(refused, "every API process to stop taking requests", deadline_s=20)
+        conn.close()
+        assert server.wait(timeout=60) == 0
 
 
 def test_sigterm_to_the_whole_process_group_drains_cleanly():

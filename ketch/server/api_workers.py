@@ -111,12 +111,20 @@ class ApiWorkers:
         if self.on_death is not None:
             self.on_death(self.failure)
 
-    def stop(self, timeout: float) -> None:
-        """SIGTERM every worker (each drains its streams), then kill what is left after `timeout`."""
+    def signal_stop(self) -> None:
+        """SIGTERM every worker once: each stops accepting and drains its streams, alongside the
+        first process's drain (not after it: new requests would land on them meanwhile, and the
+        shutdown would take two deadlines)."""
+        if self._stopping:
+            return
         self._stopping = True
         for proc in self.procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """signal_stop, then kill what is left after `timeout`."""
+        self.signal_stop()
         for proc in self.procs:
             proc.join(timeout=timeout)
             if proc.is_alive():

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Callable
 
 from ketch.config import EngineConfig
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
@@ -41,10 +42,13 @@ class _Server(GracefulServer):
     away from the signal on (`state.shutting_down`)."""
 
     state: ServerState | None = None
+    on_shutdown: Callable[[], None] | None = None  # the other API processes stop alongside (api_workers)
 
     async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
         if self.state is not None:
             self.state.shutting_down = True
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         await super().shutdown(sockets)
 
     def at_deadline(self) -> None:
@@ -110,6 +114,7 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
         server = http_server(config, sc, client, tokenizer, metrics_dir)
         if workers is not None:
             workers.on_death = lambda reason: (setattr(server, "should_exit", True), setattr(workers, "failure", reason))
+            server.on_shutdown = workers.signal_stop
         name = server.state.model_name
         count = f" ({sc.api_server_count} API processes)" if many else ""
         print(f"ketch: serving {name} (context {ready.max_model_len}) on http://{sc.host}:{port}{count}", flush=True)
