@@ -8,6 +8,34 @@ import sys
 
 from ketch.gateway.args import add_gateway_args
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the error names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {value}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers >= 1 (e.g. 1,32), got {text!r}") from None
+
+
+def writable_path(text: str) -> str:
+    """argparse type: a file path whose directory exists and is writable (checked before a run
+    whose results would otherwise be lost at its end)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{folder!r} is not a writable directory")
+    return text
+
+
 # The engine's flags (ketch.cli_args) import ketch.config and with it torch (~1.3 s): they are
 # imported where a command needs them, so `ketch gateway` (a proxy, no torch) starts without it.
 
@@ -153,19 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     off = bsub.add_parser("offline", help="throughput of the in-process engine on random prompts")
-    off.add_argument("--num-prompts", type=int, default=32)
-    off.add_argument("--input-len", type=int, default=128)
-    off.add_argument("--output-len", type=int, default=128)
-    off.add_argument("--batch-sizes", default="1,32", help="comma-separated concurrency levels to measure")
+    off.add_argument("--num-prompts", type=int, default=32,
+                     help="not used: each batch size B runs B prompts (kept for older command lines)")
+    off.add_argument("--input-len", type=positive_int, default=128)
+    off.add_argument("--output-len", type=positive_int, default=128)
+    off.add_argument("--batch-sizes", type=positive_ints, default="1,32",
+                     help="comma-separated concurrency levels to measure")
     off.add_argument("--shared-prefix-len", type=int, default=0,
                      help="tokens every prompt shares (a system prompt); reports the prefix cache hit rate")
-    off.add_argument("--repeat", type=int, default=1, help="runs per batch size; the median (by decode tok/s) is reported")
+    off.add_argument("--repeat", type=positive_int, default=1,
+                     help="runs per batch size; the median (by decode tok/s) is reported")
     off.add_argument("--seed", type=int, default=0)
     off.add_argument("--temperature", type=float, default=0.0,
                      help="> 0: random sampling instead of greedy (what the sampler's draw costs)")
     off.add_argument("--sampling-seed", action="store_true",
                      help="with --temperature: each request carries a seed (the seeded draw)")
-    off.add_argument("--output-file", default=None, help="write results as JSON")
+    off.add_argument("--output-file", type=writable_path, default=None, help="write results as JSON")
     off.add_argument("--profile", default=None, metavar="PREFIX",
                      help="write chrome traces of --profile-windows steps of each batch size's first run")
     off.add_argument("--profile-windows", default="", metavar="A:B[,A:B]",

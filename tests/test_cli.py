@@ -79,6 +79,17 @@ def test_bad_flag_value_exits_2_naming_the_field():
     assert r.stdout == ""
 
 
+@pytest.mark.parametrize("flags, flag", [(["--repeat", "0"], "--repeat"), (["--batch-sizes", "0"], "--batch-sizes"),
+                                         (["--batch-sizes", "1,x"], "--batch-sizes"), (["--input-len", "0"], "--input-len"),
+                                         (["--output-file", "/nonexistent-dir/x.json"], "--output-file")])
+def test_bench_offline_refuses_bad_flags_before_running(flags, flag):
+    """Refused by the parser, naming the flag (they were an IndexError after loading the model, a
+    message naming another field, or a results file lost at the end of the whole run)."""
+    r = ketch("bench", "offline", "--input-len", "8", "--output-len", "2", "--batch-sizes", "1", *flags)
+    assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr[-2000:]
+    assert "Loading weights" not in r.stderr
+
+
 def test_bench_offline_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     r = ketch("bench", "offline", "--input-len", "16", "--output-len", "8", "--batch-sizes", "1,2",

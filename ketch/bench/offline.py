@@ -123,7 +123,7 @@ def _spec(before, after) -> dict:
 
 
 def run_offline(a: argparse.Namespace) -> list[dict]:
-    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    sizes = list(a.batch_sizes)  # parsed by the CLI (positive_ints)
     windows = parse_windows(a.profile_windows) if a.profile else []
     if a.profile and not windows:
         raise ValueError("profile_windows: give at least one start:end window with --profile")
