@@ -87,6 +87,8 @@ def test_cpu_activations_is_validated_naming_the_field():
         EngineConfig(device="cuda", cpu_activations="int8")
     with pytest.raises(ValueError, match="cpu_activations"):
         EngineConfig(device="cpu", quantization="none", cpu_activations="int8")
+    with pytest.raises(ValueError, match="cpu_activations"):  # fp32 dequantizes: no 4-bit product to set
+        EngineConfig(device="cpu", dtype="float32", cpu_activations="int8")
     assert EngineConfig(device="cpu").cpu_activations == "int16"
 
 
