@@ -69,14 +69,33 @@ def _chat(a: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
+        deltas = _fitting_stream(llm, messages, params, keep=1 if a.system else 0)
+        if deltas is None:
+            continue
         reply = ""
-        for delta in llm.stream(llm.encode_chat(messages), params):
+        for delta in deltas:
             reply += delta
             sys.stdout.write(delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _fitting_stream(llm, messages: list[dict], params, keep: int):
+    """The reply's deltas; while the conversation does not fit the context, its oldest exchange
+    after the first `keep` messages (the system prompt) is forgotten. None, and the message
+    dropped, if even the new message alone does not fit (the session goes on)."""
+    while True:
+        try:
+            return llm.stream(llm.encode_chat(messages), params)
+        except ValueError as e:
+            if len(messages) - keep <= 1:
+                print(f"error: {e}", file=sys.stderr)
+                messages.pop()
+                return None
+            del messages[keep:keep + 2]
+            print("(the conversation outgrew the context: its oldest exchange is forgotten)", file=sys.stderr)
 
 
 def _serve(a: argparse.Namespace) -> int:

@@ -72,6 +72,18 @@ def test_generate_into_a_closed_pipe_ends_quietly():
     assert "Traceback" not in err and "BrokenPipeError" not in err, err[-2000:]
 
 
+def test_chat_forgets_its_oldest_exchange_when_the_context_is_full():
+    """With a 96-token context the third message no longer fits with the first two exchanges:
+    the oldest is forgotten and the session goes on (it ended with exit 2 before); a message that
+    cannot fit even alone is an error for that message only."""
+    r = ketch("chat", "--max-tokens", "12", "--max-model-len", "96",
+              stdin="Hi\nWhat is 2+2?\nName a color.\n" + "word " * 200 + "\nName a fruit.\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "oldest exchange is forgotten" in r.stderr and "error: " in r.stderr
+    replies = [line for line in r.stdout.split("\n") if line.strip("> ")]
+    assert len(replies) == 4, r.stdout  # every message but the one too long for the context
+
+
 def test_bad_flag_value_exits_2_naming_the_field():
     r = ketch("generate", "Hello", "--max-tokens", "0")
     assert r.returncode == 2
