@@ -225,7 +225,7 @@ def test_overlap_schedule_with_constrained_rows(llm, smollm_path):
     assert overlapped.engine.overlap and not llm.engine.overlap
     runs = []
     for engine_llm in (llm, overlapped):
-        engine, tok = engine_llm.engine, engine_llm.tokenizer
+        engine = engine_llm.engine
         for i, (messages, p) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", engine_llm.encode_chat(messages), p)
         res = collect(drain(engine))

@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import socket
-import threading
-import time
 
 import pytest
 from server_util import connect, health, metrics, open_stream, pages_all_back, post, running_server, wait_for
