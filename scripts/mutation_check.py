@@ -55,8 +55,9 @@ MUTATIONS = (
     Mutation(
         name="stop-string-unchecked-on-the-finishing-delta",
         path="ketch/text/sample_text.py",
-        old="        emitted, matched = self.stop.feed(text)\n",
-        new="        emitted, matched = (self.stop.flush() + text, None) if out.finished else self.stop.feed(text)\n",
+        old="            matched = self._check(self.detok.push([token]), emitted)\n",
+        new="            matched = (emitted.append(self.stop.flush() + self.detok.push([token])) if out.finished\n"
+            "                       else self._check(self.detok.push([token]), emitted))\n",
         tests=(
             "tests/test_text.py::test_stop_string_completed_by_the_finishing_delta",
             "tests/test_llm_stop.py::test_stop_string_completed_by_the_last_token_at_max_tokens",
