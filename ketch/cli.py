@@ -5,8 +5,13 @@ import argparse
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ketch.gateway.args import add_gateway_args
+
+if TYPE_CHECKING:
+    from ketch.llm import LLM
+
 
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (the error names the flag)."""
@@ -82,7 +87,7 @@ def _chat(a: argparse.Namespace) -> int:
     return 0
 
 
-def _fitting_stream(llm, messages: list[dict], params, keep: int):
+def _fitting_stream(llm: LLM, messages: list[dict], params: Any, keep: int) -> Iterator[str] | None:
     """The reply's deltas; while the conversation does not fit the context, its oldest exchange
     after the first `keep` messages (the system prompt) is forgotten. None, and the message
     dropped, if even the new message alone does not fit (the session goes on)."""
@@ -109,7 +114,8 @@ def _serve(a: argparse.Namespace) -> int:
         chat_template=read_chat_template(a.chat_template) if a.chat_template else None,
         max_queued_requests=a.max_queued_requests, max_request_bytes=a.max_request_bytes,
         shutdown_timeout=a.shutdown_timeout, tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
-        max_n=a.max_n, max_request_samples=a.max_request_samples, request_timeout=a.request_timeout, watchdog_timeout=a.watchdog_timeout,
+        max_n=a.max_n, max_request_samples=a.max_request_samples, request_timeout=a.request_timeout,
+        watchdog_timeout=a.watchdog_timeout,
         max_connections=a.max_connections, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
         api_server_count=a.api_server_count,
     )

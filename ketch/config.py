@@ -311,9 +311,9 @@ class EngineConfig:
             raise ValueError(f"cpu_activations must be {'|'.join(CPU_ACTIVATIONS)}, got {self.cpu_activations!r}")
         if self.cpu_activations != "int16" and (self.torch_device.type != "cpu" or self.quantization == "none"
                                                  or self.dtype == "float32"):  # fp32 dequantizes: no 4-bit product
-            raise ValueError(f"cpu_activations={self.cpu_activations!r} is a setting of the CPU's 4-bit product: it needs "
-                             f"device cpu, quantization auto and a dtype other than float32 (got {self.device!r}, "
-                             f"{self.quantization!r}, {self.dtype!r})")
+            raise ValueError(f"cpu_activations={self.cpu_activations!r} is a setting of the CPU's 4-bit product: it "
+                             f"needs device cpu, quantization auto and a dtype other than float32 (got "
+                             f"{self.device!r}, {self.quantization!r}, {self.dtype!r})")
         for name in ("attention_backend", "layer_kernels"):
             allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
             if getattr(self, name) not in allowed:
