@@ -16,7 +16,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_ref  # noqa: E402
+from ketch.kernels import mla_prepare as mla_prepare_module  # noqa: E402
+from ketch.kernels.head_gemv import head_gemv  # noqa: E402
+from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_absorb, mla_prepare_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -104,6 +106,41 @@ def test_the_reference_is_the_models_torch_glue(name, tmp_path):
     got = attention._prepare(q, ckv, cos, sin, weight, 1e-6, NOPE, attention.interleave)
     want = mla_prepare_ref(q, ckv, cos, sin, weight, 1e-6, NOPE, attention.interleave)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("pool_dtype", [None, torch.float8_e4m3fn])
+def test_the_absorbed_launch_is_prepare_and_the_w_uk_product(dtype, tokens, pool_dtype):
+    """mla_prepare_absorb: q, the latent, the pool rows and q_lat = head_gemv(q_nope, W_UK) as the
+    two launches make them, bit for bit (the same code per program), q_lat from the nope part the
+    prepare leaves alone."""
+    q, ckv, cos, sin, weight = inputs(tokens, dtype, seed=tokens)
+    w_uk = (torch.randn(HEADS, RANK, NOPE, generator=torch.Generator().manual_seed(4)) / 5).to(DEVICE, dtype)
+    w_uk = w_uk.transpose(1, 2)  # [heads, nope, rank] as a strided view, as the model passes it
+    pools = [torch.zeros(4, 2, RANK + ROPE, dtype=pool_dtype or dtype, device=DEVICE) for _ in range(2)]
+    slots = torch.tensor([5, -1, 0][:tokens], device=DEVICE)
+    want_q, want_latent = mla_prepare(q.clone(), ckv, cos, sin, weight, 1e-6, NOPE, True, store=(pools[0], slots))
+    want_q_lat = head_gemv(q[:, :, :NOPE], w_uk)
+    got_q, got_latent, got_q_lat = mla_prepare_absorb(q, ckv, cos, sin, weight, 1e-6, NOPE, True, w_uk,
+                                                      store=(pools[1], slots))
+    assert got_q_lat.shape == (tokens, HEADS, RANK)
+    for got, want in ((got_q, want_q), (got_latent, want_latent), (got_q_lat, want_q_lat)):
+        assert torch.equal(got, want)
+    assert torch.equal(pools[1].float(), pools[0].float()) and pools[1].float().abs().sum() > 0
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        mla_prepare_absorb(*inputs(9, dtype), 1e-6, NOPE, True, w_uk)
+
+
+def test_a_batch_one_deepseek_engine_absorbs_the_query_in_the_prepare_launch(tmp_path):
+    """At batch 1 every MLA layer's decode step makes q_lat in the prepare's launch (each layer
+    and step once) and the tokens stay the torch path's."""
+    from engine_cut import assert_same_tokens, batch_one_on_both_paths, cut_config
+
+    want, got, rows = batch_one_on_both_paths(cut_config("deepseek-v2-lite", tmp_path), DEVICE.type,
+                                              mla_prepare_module, "plan_head_gemv", 5)
+    assert rows == [1] * 2 * 4  # the cut's two MLA layers x the 4 decode steps after the prefill
+    assert_same_tokens(want, got)
 
 
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])

@@ -24,6 +24,9 @@ class IdleAttention:
     def kv_sink(self, layer: int, meta: Any) -> None:
         return None  # MHA: nothing to store
 
+    def absorbs_query(self, meta: Any) -> bool:
+        return False  # MLA: no rows
+
     def forward(self, q: torch.Tensor, *rest: Any, stored: bool = False) -> torch.Tensor:
         """MHA: (q, k, v, layer, metadata) -> [0, heads, v's dim]; MLA (mla_backend.py):
         (q, latent, layer, metadata, w_uk, w_uv) -> [0, heads, w_uv's dim 1]."""

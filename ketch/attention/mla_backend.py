@@ -67,6 +67,11 @@ class MLAAttentionBackend(TorchAttentionBackend):
         mla_prepare, then forward(stored=True)); None: forward stores them (this backend)."""
         return None
 
+    def absorbs_query(self, meta: TorchAttentionMetadata) -> bool:
+        """Whether forward takes the decode rows' q_nope W_UK computed by the layer op (q_lat=):
+        not this backend's (it absorbs in its own einsum)."""
+        return False
+
     # The MHA contract's forward(q, k, v) has no place for a latent and the up-projections; the
     # family's attention layers call this one (the runner only ever calls init_metadata).
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer: int,  # type: ignore[override]

@@ -119,29 +119,38 @@ class MLATritonBackend(TritonAttentionBackend):
         mla_prepare writes them there in its launch, and forward(stored=True) skips store_rows."""
         return self.pool.tensor(layer, self.name), meta.slots
 
+    def absorbs_query(self, meta: TritonAttentionMetadata) -> bool:
+        """Whether forward takes q_lat = q_nope W_UK of the step made by the layer op (the Triton
+        mla_prepare_absorb: the product's programs beside the prepare's, one launch): a step of
+        decode rows only, few enough for head_gemv."""
+        return meta.extend is None and meta.decode is not None and meta.num_decode <= HEAD_GEMV_MAX_ROWS
+
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer: int,  # type: ignore[override]
                 meta: TritonAttentionMetadata, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                stored: bool = False) -> torch.Tensor:
+                stored: bool = False, q_lat: torch.Tensor | None = None) -> torch.Tensor:
         """As MLAAttentionBackend.forward: q [tokens, heads, nope + rope] (q_pe rotated), latent
         [tokens, rank + rope]; w_uk [heads, nope, rank], w_uv [heads, v, rank]. Returns [tokens, heads, v].
-        stored: the latents are in the pool already (latent_sink)."""
+        stored: the latents are in the pool already (latent_sink); q_lat: the decode rows' q_nope
+        W_UK, made already (absorbs_query)."""
         cache = self.pool.tensor(layer, self.name)
         if not stored:
             store_rows(cache, latent, meta.slots)
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1])
         if meta.decode is not None:
-            self._decode(q[: meta.num_decode], cache, meta.decode, w_uk, w_uv, out[: meta.num_decode])
+            self._decode(q[: meta.num_decode], cache, meta.decode, w_uk, w_uv, out[: meta.num_decode], q_lat)
         if meta.extend is not None:
             self._extend(q, latent, cache, meta.extend, w_uk, w_uv, out)
         return out
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor, d: DecodeMetadata, w_uk: torch.Tensor,
-                w_uv: torch.Tensor, out: torch.Tensor) -> None:
-        """The decode rows, absorbed: q_lat = q_nope W_UK, split-K MLA over the latent cache, W_UV."""
+                w_uv: torch.Tensor, out: torch.Tensor, q_lat: torch.Tensor | None) -> None:
+        """The decode rows, absorbed: q_lat = q_nope W_UK (unless given), split-K MLA over the
+        latent cache, W_UV."""
         nd, nope = q.shape[0], w_uk.shape[1]
         few = nd <= HEAD_GEMV_MAX_ROWS  # a few rows: one launch per product, no copy (kernels/head_gemv.py)
-        q_lat = head_gemv(q[:, :, :nope], w_uk) if few else \
-            torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
+        if q_lat is None:
+            q_lat = head_gemv(q[:, :, :nope], w_uk) if few else \
+                torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
         splits = dict(scratch=d.scratch, num_splits=d.num_splits, block_h=self.decode_block_h,
                       block_n=self.decode_block_n)
         if nd == 1:  # the W_UV product merges the splits itself: the merge's launch goes

@@ -33,7 +33,7 @@ from ketch.kernels.gemv import _gemv_kernel
 from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
-from ketch.kernels.mla_prepare import _mla_prepare_kernel
+from ketch.kernels.mla_prepare import _mla_prepare_absorb_kernel, _mla_prepare_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
 from ketch.kernels.head_position import _qk_rms_norm_kernel
 from ketch.kernels.rmsnorm import _rms_norm_kernel
@@ -173,7 +173,12 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
                                                           "BLOCK_N": 16, "BLOCK_S": 16, "MERGE": True,
                                                           "PRECISION": prec}, 2, 3)]
     ints = {"rows": "i32", "num_splits": "i32"}
+    # a few decode rows: the prepare's program beside the W_UK product's (mla_prepare_absorb)
+    absorb = [("mla_prepare_absorb", _mla_prepare_absorb_kernel,
+               {**cases[0][2], **heads_gemv[0][2], "PRODUCT_PROGRAMS": heads * rank // 64, "PRODUCT_BLOCKS": rank // 64},
+               4, 3)]
     return (_build(cases, {**fixed, "KCache": p, "VCache": p}, p, arch, pdl, early)
+            + _build(absorb, {**fixed, **ints}, p, arch, pdl, early)
             + _build(router, {"W": "*fp32", "Y": "*fp32", "Bias": "*fp32"}, p, arch, pdl, early)
             + _build(heads_gemv, ints, p, arch, pdl, early)
             + _build(merged, {**ints, "X": "*fp32", "Lse": "*fp32"}, p, arch, pdl, early))

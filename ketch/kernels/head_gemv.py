@@ -26,6 +26,9 @@ programs on the critical path, goes. One row only: a [splits, BLOCK_K] tile per 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -58,15 +61,17 @@ def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride
 
 
 @triton.jit
-def _head_gemv_kernel(
-    X, W, Out, Lse, rows,
+def head_block(
+    h, block, X, W, Out, Lse, rows,
     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One program's work: BLOCK_N outputs of head h for every row (also mla_prepare's absorbed
+    launch, kernels/mla_prepare.py, runs it for its product programs)."""
+    h = h.to(tl.int64)
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     n_mask = offs_n < N
     t_mask = offs_t < rows
@@ -98,12 +103,35 @@ def _head_gemv_kernel(
     tl.store(out, acc.to(dt), mask=t_mask[:, None] & n_mask[None, :])
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, lse: torch.Tensor | None = None,
-              block_k: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
-    out [T, H, N] (any row / head strides, a contiguous last dim; new when None). lse [1, H, S]:
-    x is split-K partials [1, H, S, K] (fp32) merged first (module docstring; `out` then names
-    the dtype). The block sizes are benchmarks/head_gemv.py's knobs."""
+@triton.jit
+def _head_gemv_kernel(
+    X, W, Out, Lse, rows,
+    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
+    num_splits,
+    K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    head_block(tl.program_id(0), tl.program_id(1), X, W, Out, Lse, rows,
+               stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
+               num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL)
+
+
+@dataclass(frozen=True)
+class HeadGemvLaunch:
+    """A checked head_gemv call, ready to launch: its output, grid and arguments (head_gemv's own
+    launch, and mla_prepare's absorbed one, which runs these programs beside its own)."""
+    out: torch.Tensor
+    heads: int
+    blocks: int  # output blocks per head
+    args: tuple
+    constexprs: dict[str, Any]
+    num_warps: int
+
+
+def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                   lse: torch.Tensor | None = None, block_k: int | None = None, block_n: int | None = None,
+                   num_warps: int | None = None) -> HeadGemvLaunch:
+    """head_gemv's checks and launch arguments (head_gemv's docstring); rows may be 0."""
     merge = lse is not None
     splits = 1
     if merge:
@@ -123,19 +151,28 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         out = torch.empty((rows, heads, n), dtype=x.dtype, device=x.device)
     if x.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("head_gemv: x and out need a contiguous last dimension")
-    if rows:
-        # benchmarks/head_gemv.py on the H200 (V2-Lite's shapes, 1 row): W_UK (K 128, N 512) best at
-        # 64 x 64, 4 warps (2.58 us; bmm 3.13); W_UV^T (K 512, N 128) at 256 x 16, 2 warps (2.87 us;
-        # 64 x 16: 3.94; bmm + its copy 5.10)
-        long_k = k >= 512
-        block_k = block_k or (256 if long_k else 64)
-        block_n = block_n or (64 if n >= 512 else 16)  # >= ~128 programs for MLA's shapes (16 heads)
-        num_warps = num_warps or (2 if long_k else 4)
-        _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
-            x, w, out, lse if merge else x, rows,
+    # benchmarks/head_gemv.py on the H200 (V2-Lite's shapes, 1 row): W_UK (K 128, N 512) best at
+    # 64 x 64, 4 warps (2.58 us; bmm 3.13); W_UV^T (K 512, N 128) at 256 x 16, 2 warps (2.87 us;
+    # 64 x 16: 3.94; bmm + its copy 5.10)
+    long_k = k >= 512
+    block_k = block_k or (256 if long_k else 64)
+    block_n = block_n or (64 if n >= 512 else 16)  # >= ~128 programs for MLA's shapes (16 heads)
+    args = (x, w, out, lse if merge else x, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            x_split_stride, lse_head_stride, splits,
-            K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_S=pow2(splits), MERGE=merge,
-            PRECISION=dot_precision(out.dtype), num_warps=num_warps, **pdl_launch(),
-        )
-    return out
+            x_split_stride, lse_head_stride, splits)
+    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_S=pow2(splits),
+                      MERGE=merge, PRECISION=dot_precision(out.dtype))
+    return HeadGemvLaunch(out, heads, triton.cdiv(n, block_n), args, constexprs, num_warps or (2 if long_k else 4))
+
+
+def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, lse: torch.Tensor | None = None,
+              block_k: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
+    out [T, H, N] (any row / head strides, a contiguous last dim; new when None). lse [1, H, S]:
+    x is split-K partials [1, H, S, K] (fp32) merged first (module docstring; `out` then names
+    the dtype). The block sizes are benchmarks/head_gemv.py's knobs."""
+    plan = plan_head_gemv(x, w, out, lse=lse, block_k=block_k, block_n=block_n, num_warps=num_warps)
+    if plan.args[4]:  # rows
+        _head_gemv_kernel[(plan.heads, plan.blocks)](*plan.args, **plan.constexprs, num_warps=plan.num_warps,
+                                                      **pdl_launch())
+    return plan.out

@@ -19,11 +19,14 @@ result equals `mla_prepare_ref` up to fused multiply-add and summation-order dif
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
+from ketch.kernels.head_gemv import head_block, plan_head_gemv
 from ketch.kernels.kv_store import FP8_MAX
 from ketch.kernels.rotary import rotated
 
@@ -37,14 +40,15 @@ def _gathered(offs, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
-def _mla_prepare_kernel(
-    Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+def prepare_token(
+    t, Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
     stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
     INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
     STORE: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Token t's work (one program)."""
+    t = t.to(tl.int64)
     HALF: tl.constexpr = ROPE // 2
     offs_r = tl.arange(0, BLOCK_ROPE)
     r_mask = offs_r < ROPE
@@ -90,13 +94,53 @@ def _mla_prepare_kernel(
         tl.store(row + RANK + offs_r, k_out.to(Cache.dtype.element_ty), mask=r_mask & (slot >= 0))
 
 
-def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                eps: float, nope: int, interleave: bool, *,
-                store: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [tokens, heads, nope + rope] (its rope part is overwritten), ckv [tokens, rank + rope],
-    cos / sin [tokens, 1, rope] or [tokens, rope], weight [rank] -> (q, latent [tokens, rank + rope]).
-    store = (cache [pages, page_size, rank + rope] contiguous, slots [tokens] int32 / int64, < 0:
-    padding): the latent also goes into the pool (as store_rows(cache, latent, slots))."""
+
+@triton.jit
+def _mla_prepare_kernel(
+    Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+    stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
+    HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    STORE: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
+):
+    prepare_token(tl.program_id(0), Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+                  stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
+                  HEADS, NOPE, ROPE, RANK, INTERLEAVE, BLOCK_H, BLOCK_ROPE, BLOCK_RANK, STORE, TO_FP8, USE_PDL,
+                  EARLY_TRIGGER)
+
+
+@triton.jit
+def _mla_prepare_absorb_kernel(
+    Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+    stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
+    X, W, Out, Lse, rows,
+    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
+    num_splits,
+    HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    STORE: tl.constexpr, TO_FP8: tl.constexpr,
+    K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
+    PRODUCT_PROGRAMS: tl.constexpr, PRODUCT_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """The first PRODUCT_PROGRAMS programs: head_gemv's (q_nope W_UK, one head and output block
+    each); the rest: one token's prepare each. Independent work (the product reads q's nope part,
+    prepare writes its rope part and the latent), both after the projection before."""
+    pid = tl.program_id(0)
+    if pid < PRODUCT_PROGRAMS:
+        head_block(pid // PRODUCT_BLOCKS, pid % PRODUCT_BLOCKS, X, W, Out, Lse, rows,
+                   stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
+                   num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL)
+    else:
+        prepare_token(pid - PRODUCT_PROGRAMS, Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
+                      stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
+                      HEADS, NOPE, ROPE, RANK, INTERLEAVE, BLOCK_H, BLOCK_ROPE, BLOCK_RANK, STORE, TO_FP8, USE_PDL,
+                      False)
+
+def _plan(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+          eps: float, nope: int, interleave: bool,
+          store: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple, dict[str, Any]]:
+    """mla_prepare's checks: (latent, the kernel's arguments, its constexprs but the PDL ones)."""
     tokens, heads, head_dim = q.shape
     rope = head_dim - nope
     rank = ckv.shape[1] - rope
@@ -111,16 +155,46 @@ def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torc
     if store is not None and (slots.shape != (tokens,) or not cache.is_contiguous()):
         raise ValueError(f"mla_prepare: store needs a contiguous pool of rows {rank + rope} wide and a slot per token, "
                          f"got {tuple(store[0].shape)} and slots {tuple(slots.shape)}")
-    if tokens:
-        _mla_prepare_kernel[(tokens,)](
-            q, ckv, cos, sin, weight, latent, cache, slots,
+    args = (q, ckv, cos, sin, weight, latent, cache, slots,
             q.stride(0), q.stride(1), ckv.stride(0), cos.stride(0), sin.stride(0), latent.stride(0), cache.stride(0),
-            eps, HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
-            BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), STORE=store is not None,
-            TO_FP8=cache.dtype == torch.float8_e4m3fn and latent.dtype != cache.dtype, num_warps=4,
-            **pdl_launch(tokens),
-        )
+            eps)
+    constexprs = dict(HEADS=heads, NOPE=nope, ROPE=rope, RANK=rank, INTERLEAVE=interleave, BLOCK_H=pow2(heads),
+                      BLOCK_ROPE=pow2(rope), BLOCK_RANK=pow2(rank), STORE=store is not None,
+                      TO_FP8=cache.dtype == torch.float8_e4m3fn and latent.dtype != cache.dtype)
+    return latent, args, constexprs
+
+
+def mla_prepare(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                eps: float, nope: int, interleave: bool, *,
+                store: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, nope + rope] (its rope part is overwritten), ckv [tokens, rank + rope],
+    cos / sin [tokens, 1, rope] or [tokens, rope], weight [rank] -> (q, latent [tokens, rank + rope]).
+    store = (cache [pages, page_size, rank + rope] contiguous, slots [tokens] int32 / int64, < 0:
+    padding): the latent also goes into the pool (as store_rows(cache, latent, slots))."""
+    latent, args, constexprs = _plan(q, ckv, cos, sin, weight, eps, nope, interleave, store)
+    tokens = q.shape[0]
+    if tokens:
+        _mla_prepare_kernel[(tokens,)](*args, **constexprs, num_warps=4, **pdl_launch(tokens))
     return q, latent
+
+
+def mla_prepare_absorb(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       weight: torch.Tensor, eps: float, nope: int, interleave: bool, w_uk: torch.Tensor, *,
+                       store: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mla_prepare, and the absorbed query q_lat = head_gemv(q[..., :nope], w_uk) [tokens, heads,
+    rank] of decode rows (at most head_gemv.MAX_ROWS), in one launch: (q, latent, q_lat), the same
+    bits as the two calls. At batch 1 the prepare's one program runs beside the product's instead
+    of in a launch of its own on the critical path (docs/performance.md, issue 19)."""
+    latent, args, constexprs = _plan(q, ckv, cos, sin, weight, eps, nope, interleave, store)
+    product = plan_head_gemv(q[:, :, :nope], w_uk)
+    tokens = q.shape[0]
+    if tokens:
+        programs = product.heads * product.blocks
+        _mla_prepare_absorb_kernel[(programs + tokens,)](
+            *args, *product.args, **constexprs, **product.constexprs, PRODUCT_PROGRAMS=programs,
+            PRODUCT_BLOCKS=product.blocks, num_warps=product.num_warps, **pdl_launch())
+    return q, latent, product.out
 
 
 def mla_prepare_ref(q: torch.Tensor, ckv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,

@@ -112,6 +112,10 @@ class LayerOps:
     # heads and v also written into the pool where the backend's kv_sink says, in one launch
     # (kernels/head_position.py); None: rotary / qk_norm_rotary, then the backend stores
     position_and_store: Callable[..., torch.Tensor] | None = None
+    # mla_prepare's arguments and w_uk [heads, nope, rank] after interleave[, store=] -> (q, latent,
+    # q_lat = q_nope W_UK [tokens, heads, rank]) in one launch, for a step of a few decode rows
+    # (the backend's absorbs_query); None: mla_prepare, and the backend makes q_lat
+    mla_prepare_absorb: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,7 +138,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.activation import silu_and_mul
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
-    from ketch.kernels.mla_prepare import mla_prepare
+    from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_absorb
     from ketch.kernels.moe_route import softmax_route, softmax_topk_triton
     from ketch.kernels import head_position
     from ketch.kernels.head_position import qk_rms_norm
@@ -193,9 +197,11 @@ def triton_ops() -> LayerOps:
             return head_position.rotary_store(qk, cos, sin, num_q, store)
         return head_position.qk_rms_norm(qk, *norm, num_q, rope=(cos, sin), store=store)
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear, linear_fp32,
-                    fused_experts_triton, softmax_topk_triton, qk_rms_norm, qk_norm_rotary, mla_prepare,
-                    add_rms_norm_linear, position_and_store)
+    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear=linear,
+                    linear_fp32=linear_fp32, fused_experts=fused_experts_triton, softmax_topk=softmax_topk_triton,
+                    qk_norm=qk_rms_norm, qk_norm_rotary=qk_norm_rotary, mla_prepare=mla_prepare,
+                    add_rms_norm_linear=add_rms_norm_linear, position_and_store=position_and_store,
+                    mla_prepare_absorb=mla_prepare_absorb)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -106,9 +106,16 @@ class DeepseekAttention(nn.Module):
         # the layer ops' prepare (Triton) also writes the latents into the pool where the
         # backend says where (one launch less); the torch glue leaves that to the backend
         sink = attn.latent_sink(self.layer, meta) if self.ops.mla_prepare is not None else None
-        q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave, store=sink)
         w = self.kv_b_proj.weight.view(self.heads, -1, self.rank)  # [heads, nope + v, rank]
-        o = attn.forward(q, latent, self.layer, meta, w[:, : self.nope], w[:, self.nope :], stored=sink is not None)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        if sink is not None and self.ops.mla_prepare_absorb is not None and attn.absorbs_query(meta):
+            # a few decode rows: q_nope W_UK in the prepare's launch (kernels/mla_prepare.py)
+            q, latent, q_lat = self.ops.mla_prepare_absorb(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave,
+                                                           w_uk, store=sink)
+            o = attn.forward(q, latent, self.layer, meta, w_uk, w_uv, stored=True, q_lat=q_lat)
+        else:
+            q, latent = self._prepare(q, ckv, *rope, n.weight, n.eps, self.nope, self.interleave, store=sink)
+            o = attn.forward(q, latent, self.layer, meta, w_uk, w_uv, stored=sink is not None)
         return self.o_proj(o.flatten(1))
 
 

@@ -47,3 +47,7 @@ class LayerWaitingAttention(AttentionBackend):
         if sink is not None:
             self.pending.wait_layer(layer)
         return sink
+
+    def absorbs_query(self, metadata: Any) -> bool:
+        """MLA: whether forward takes the decode rows' absorbed query (q_lat=) made by the layer op."""
+        return self.inner.absorbs_query(metadata)  # type: ignore[attr-defined]
