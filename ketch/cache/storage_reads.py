@@ -47,9 +47,11 @@ class StorageReads:
         moves down onto it. It stays until the request is admitted (`admit` unpins: the request
         goes back to the head of the queue, so that is the next step) or ends (`unpin`).
         Returns tokens adopted."""
-        adopted = self._adopt(job)
+        adopted, end = self._adopt(job)
         if adopted and job in self.pins:  # (make_room may have dropped the pin meanwhile)
-            deeper = self.tree.match(job.tokens[: job.first_page * self.page_size + adopted]).node
+            # down to the end of what was inserted: the tree may have grown past first_page while
+            # the read was in flight, so the pages adopted start after that, not at first_page
+            deeper = self.tree.match(job.tokens[:end]).node
             self.tree.lock(deeper)
             self.tree.unlock(job.node)
             job.node = deeper
@@ -61,19 +63,20 @@ class StorageReads:
             self.tree.unlock(job.node)
             self.pins.remove(job)
 
-    def _adopt(self, job: Prefetch) -> int:
+    def _adopt(self, job: Prefetch) -> tuple[int, int]:
         """Put the pages a prefetch brought into the host tier as host-only nodes after the
         prompt's cached prefix (pinned, so at least as long as when the read began; pages it
-        has since covered are skipped). Host room is made by host LRU; returns tokens adopted."""
+        has since covered are skipped). Host room is made by host LRU; returns (tokens adopted,
+        the prompt tokens the tree holds through them)."""
         ps, arrived = self.page_size, list(job.pages)
         if not arrived:
-            return 0
+            return 0, 0
         assert isinstance(self.tree, HiRadixCache) and self.host_pool is not None
         m = self.tree.match(job.tokens[: (job.first_page + len(arrived)) * ps])
         have = m.length // ps
         use = arrived[have - job.first_page:] if have >= job.first_page else []  # a gap: unusable
         if not use:
-            return 0
+            return 0, 0
         self.tree.lock(m.node)
         try:
             short = len(use) - self.host_pool.num_free
@@ -89,7 +92,7 @@ class StorageReads:
             self.tree.unlock(m.node)
         assert self.storage is not None
         self.storage.stats.hit_tokens += n * ps
-        return n * ps
+        return n * ps, (have + n) * ps
 
     def storage_stats(self) -> dict[str, int | float | bool]:
         """The L3 tier's counters as EngineStats fields ({} without it)."""

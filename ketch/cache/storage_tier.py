@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class StorageTierStats:
     prefetch_timeouts: int = 0  # ... and were let in by the deadline, with what had arrived
     prefetch_wait_seconds: float = 0.0
     fetch_failures: int = 0  # a read that raised (a bug: logged with its traceback)
+    write_failures: int = 0  # a write that raised (a bug, not a backend's I/O failure: logged)
     hit_tokens: int = 0  # prompt tokens adopted from storage (then served through the host tier)
     read_seconds: float = 0.0  # fetch threads: get + decode of the pages read (bytes / seconds: GB/s)
     write_seconds: float = 0.0  # writer thread: encode + set
@@ -103,6 +105,9 @@ class StorageTier:
         self._writer = threading.Thread(target=self._write_loop, name="ketch-l3-writer", daemon=True)
         self._writer.start()
         self._fetch = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ketch-l3-fetch")
+        # close(), or at interpreter exit for an engine never closed (an LLM script that just ends):
+        # the queued pages land and the writer stops before the interpreter tears the threads down
+        self._closer = weakref.finalize(self, _stop, self._queue, self._writer, self._fetch, CLOSE_DRAIN_S)
 
     # ---------------------------------------------------------------- writes
     def save(self, hashes: Sequence[bytes], host_pages: Sequence[int]) -> None:
@@ -148,19 +153,16 @@ class StorageTier:
                     self.stats.written_bytes += len(data)
                 else:
                     self.stats.dropped_writes += 1
+            except Exception:  # the writer must outlive a bad page: say so, write on
+                self.stats.write_failures += 1
+                self.stats.dropped_writes += 1
+                traceback.print_exc()
             finally:
                 self._queue.task_done()
 
     def drain(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the queued writes to land (shutdown, tests); True when they did."""
-        deadline = time.monotonic() + timeout
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._queue.all_tasks_done.wait(left)
-        return True
+        return _drain(self._queue, timeout)
 
     # ---------------------------------------------------------------- reads
     def prefetch(self, prompt_pages: list[int], cached_tokens: int) -> Prefetch | None:
@@ -213,11 +215,33 @@ class StorageTier:
             self.stats.read_bytes += len(data)
             job.pages.append(page)
 
-    def close(self, drain_timeout: float = 5.0) -> None:
-        """Let queued writes land (up to `drain_timeout` s), then stop the threads."""
-        self.drain(drain_timeout)
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass  # the writer is stuck on a dead store: it is a daemon thread and dies with the process
-        self._fetch.shutdown(wait=False, cancel_futures=True)
+    def close(self) -> None:
+        """Let queued writes land (up to CLOSE_DRAIN_S), then stop the threads; once."""
+        self._closer()
+
+
+CLOSE_DRAIN_S = 5.0  # how long closing waits for queued writes (a dead store: its pages are dropped)
+
+
+def _drain(writes: queue.Queue, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    with writes.all_tasks_done:
+        while writes.unfinished_tasks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            writes.all_tasks_done.wait(left)
+    return True
+
+
+def _stop(writes: queue.Queue, writer: threading.Thread, fetch: ThreadPoolExecutor, timeout: float) -> None:
+    """StorageTier.close's work (no reference to the tier: weakref.finalize runs it at exit too)."""
+    _drain(writes, timeout)
+    try:
+        writes.put_nowait(None)
+    except queue.Full:
+        pass  # the writer is stuck on a dead store: it is a daemon thread and dies with the process
+    else:
+        writer.join(timeout)  # out of its last set() before the interpreter finalizes
+    fetch.shutdown(wait=False, cancel_futures=True)
+

@@ -26,6 +26,8 @@ class FileStorage:
         """root: the directory; created on the first write (not here: a bad path must not stop
         the engine from starting, its writes are dropped and counted instead)."""
         self.root = Path(root)
+        if "\x00" in str(root):
+            raise ValueError(f"hicache_storage_url: the file backend's directory has a NUL byte: {root!r}")
         if not self.root.is_absolute():
             raise ValueError(f"hicache_storage_url: the file backend needs an absolute directory, got {root!r}")
         self.stats = StorageStats()
@@ -60,7 +62,13 @@ class FileStorage:
         return True
 
     def exists(self, key: str) -> bool:
-        return self.path(key).is_file()
+        """A stat, on the engine thread: any OSError other than "not there" (permissions, I/O,
+        a stale NFS handle: is_file() raises those) is a miss, counted, never an exception."""
+        try:
+            return self.path(key).is_file()
+        except OSError:
+            self.stats.read_errors += 1
+            return False
 
     def exists_prefix(self, keys: Sequence[str]) -> int:
         for i, key in enumerate(keys):
@@ -69,12 +77,32 @@ class FileStorage:
         return len(keys)
 
 
+def _umask_file_mode() -> int:
+    """0o666 less the process umask; read from /proc (Linux), else by setting it and putting it
+    back (a moment in which another thread's files would get umask 0: only where /proc lacks it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_FILE_MODE = _umask_file_mode()
+
+
 def _write_atomic(path: Path, value: bytes) -> None:
     """Write `value` to `path` through a temp file in the same folder (a rename is atomic only
     within one file system); the temp file is removed when anything fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
+        # mkstemp makes 0600 files; a shared store's other engines (other users) must read them:
+        # the mode a plain open() would give under this process's umask
+        os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(value)
         os.replace(tmp, path)
