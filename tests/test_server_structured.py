@@ -202,6 +202,11 @@ BAD = [
         "type": "string", "minLength": -1}}}, "stream": True}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "allOf": [{"type": "object"}, {"required": ["a"]}]}}}]}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "required": ["city"]}}}}, "response_format"),  # a required name it does not define
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "^[a-z]{1,15000}$"}}}}, "response_format"),  # seconds to build: refused
+    ({"extra_body": {"ebnf": "root ::= x\nx ::= x"}, "stream": True}, "ebnf"),  # no text: a 400, not an event
 ]
 
 

@@ -4,6 +4,7 @@ a value the schema forbids. A version of xgrammar that learns one fails here, an
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import xgrammar as xgr
@@ -24,6 +25,10 @@ DROPPED = {
                           "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
     "allOf": ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "null"),
     "type": ({"type": []}, "null"),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    "uniqueItems": ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, '["a", "a"]'),
+    "required": ({"type": "object", "required": ["city"]}, "{}"),  # a required name properties lacks
+    "$ref": ({"$ref": "http://example.com/s.json"}, '"anything"'),  # only '#/...' references are followed
 }
 
 
@@ -32,7 +37,7 @@ def test_each_refused_feature_is_one_xgrammar_drops(feature):
     schema, forbidden = DROPPED[feature]
     grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     assert accepts(grammar, forbidden)  # the grammar lets through what the schema forbids
-    with pytest.raises(ValueError, match=f"schema.{feature}"):
+    with pytest.raises(ValueError, match=re.escape(f"schema.{feature}")):
         XGrammarBackend.check(GrammarSpec.json_schema(schema))
 
 
@@ -55,10 +60,45 @@ def test_nested_and_unsatisfiable_schemas_are_refused_naming_the_place(schema, w
         XGrammarBackend.check(GrammarSpec.json_schema(schema))
 
 
+def test_a_huge_pattern_bound_is_refused_before_it_is_built():
+    """xgrammar's schema converter is quadratic in a pattern's repetition bound (seconds of the API
+    process at 10,000): refused past MAX_PATTERN_REPEAT, the bound named; the same bound within
+    the limit, and escaped braces, build."""
+    big = {"type": "string", "pattern": "^[a-z]{1,15000}$"}
+    assert unsupported_feature(big).startswith("schema.pattern: a repetition bound of 15000")
+    with pytest.raises(ValueError, match="repetition bound of 15000"):
+        XGrammarBackend.check(GrammarSpec.json_schema(big))
+    XGrammarBackend.check(GrammarSpec.json_schema({"type": "string", "pattern": "^[a-z]{1,1000}$"}))
+    assert unsupported_feature({"type": "string", "pattern": r"^a\{1,15000\}$"}) is None
+
+
+def test_json_object_is_an_object():
+    """OpenAI's JSON mode: a top-level array or scalar is refused by the grammar (xgrammar's
+    builtin JSON grammar takes any value)."""
+    grammar = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    assert accepts(grammar, '{"a": [1, 2]}') and not accepts(grammar, "[1, 2]") and not accepts(grammar, "3")
+    assert not accepts(xgr.Grammar.from_ebnf(_json_object_ebnf()), "[1, 2]")
+
+
+def _json_object_ebnf() -> str:
+    from ketch.sampling.grammar.xgrammar_backend import _grammar
+
+    return str(_grammar(GrammarSpec("json_object")))
+
+
+def test_a_grammar_no_text_can_begin_is_refused_by_the_check():
+    """The API process's check (no model tokenizer) finds it, so a stream gets a 400 too."""
+    with pytest.raises(ValueError, match="matches no text"):
+        XGrammarBackend.check(GrammarSpec("ebnf", "root ::= x\nx ::= x"))
+    XGrammarBackend.check(GrammarSpec("ebnf", 'root ::= "a" | ""'))  # the empty text is a text
+
+
 @pytest.mark.parametrize("schema", [
     {"type": "integer", "multipleOf": 7},  # enforced (a modular automaton)
     {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "integer"}}},  # one schema: pydantic's wrapper
     {"type": "object", "properties": {"a": {"type": "string", "minLength": 0, "maxLength": 3}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},  # enforced
+    {"type": "array", "items": {"type": "string"}, "uniqueItems": False},
     True,
 ])
 def test_what_xgrammar_enforces_passes(schema):

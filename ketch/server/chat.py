@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from ketch.sampling.grammar.spec import GrammarSpec
 from ketch.server.client import new_request_id
 from ketch.server.errors import APIError, bad_value
 from ketch.server.generation import Generation, check_context
@@ -23,7 +24,7 @@ from ketch.server.protocol import CHAT_FIELDS, check_fields, resume_token_ids, s
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
-from ketch.server.structured import grammar_spec
+from ketch.server.structured import grammar_spec, off_the_loop
 from ketch.server.tools import ChatPlan, plan_chat
 
 
@@ -46,10 +47,12 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
     state.check_model(fields.get("model"))
     if "messages" not in fields:
         raise APIError(400, "messages: required", param="messages")
-    plan = plan_chat(fields, state.chat_template.source if state.chat_template else None,
-                     state.tool_call_parser, state.reasoning_parser)
-    answer, field = grammar_spec(fields)
-    grammar = plan.grammar(answer, field)
+    def planned() -> tuple[ChatPlan, GrammarSpec | None]:
+        plan = plan_chat(fields, state.chat_template.source if state.chat_template else None,
+                         state.tool_call_parser, state.reasoning_parser)
+        return plan, plan.grammar(*grammar_spec(fields))
+
+    plan, grammar = await off_the_loop(fields, planned)
     prompt_ids = encode_messages(state, plan.messages, **plan.template_kwargs)
     ready = state.client.ready
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar,

@@ -16,7 +16,7 @@ from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_pr
 from ketch.server.disconnect import unless_disconnected
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
-from ketch.server.structured import grammar_spec
+from ketch.server.structured import grammar_spec, off_the_loop
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -47,7 +47,7 @@ async def completions(state: ServerState, body: Any, request: Request):
     generated, replay = resume_token_ids(fields) or (None, None)
     if generated is not None and len(raw) != 1:
         raise APIError(400, f"resume: continues one prompt's stream, got {len(raw)} prompts", param="resume")
-    grammar, _ = grammar_spec(fields)
+    grammar, _ = await off_the_loop(fields, lambda: grammar_spec(fields))
     params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar, state.max_n)
     if len(raw) * params.n > state.max_request_samples:  # before any prompt is encoded or sample built
         raise APIError(400, f"prompt: {len(raw)} prompts x n {params.n} = {len(raw) * params.n} samples; this server "

@@ -6,12 +6,22 @@ is a 400 naming the field, even for a stream).
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from ketch.sampling.grammar.spec import GrammarSpec
 from ketch.server.errors import APIError
 
 GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
+# Building a grammar to check it can take seconds of CPU (a large schema); on the event loop that
+# would stall every other request, stream and /health probe of this API process. Checks run on
+# these threads instead, and one that takes longer than this is refused (its thread runs on to the
+# end, off the loop: two at most, so a flood of slow ones costs two cores' worth, not the loop).
+GRAMMAR_CHECK_S = 10.0
+_checks = ThreadPoolExecutor(2, thread_name_prefix="ketch-grammar-check")
+T = TypeVar("T")
 
 
 def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
@@ -61,3 +71,16 @@ def check_grammar(spec: GrammarSpec, field: str) -> None:
     except ValueError as e:
         message = str(e) if str(e).startswith(field) else f"{field}: {e}"
         raise APIError(400, message, param=field, code="invalid_grammar") from None
+
+
+async def off_the_loop(fields: dict[str, Any], prepare: Callable[[], T]) -> T:
+    """prepare() (which builds and checks the request's grammars: structured output, tools) on a
+    check thread when the request has any of them, else here; a 400 past GRAMMAR_CHECK_S."""
+    if not fields.get("tools") and all(fields.get(f) is None for f in GRAMMAR_FIELDS):
+        return prepare()
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_checks, prepare), GRAMMAR_CHECK_S)
+    except TimeoutError:
+        field = next((f for f in GRAMMAR_FIELDS if fields.get(f) is not None), "tools")
+        raise APIError(400, f"{field}: building its grammar took over {GRAMMAR_CHECK_S:g} s; make it simpler",
+                       param=field, code="invalid_grammar") from None

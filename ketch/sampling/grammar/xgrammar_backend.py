@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
 import torch
@@ -47,7 +48,9 @@ def _refuse_unenforced(spec: GrammarSpec) -> None:
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     _refuse_unenforced(spec)
     if spec.kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+        # an object, as OpenAI's JSON mode promises (the builtin JSON grammar takes any value: a
+        # top-level array too), with json_schema's bounded whitespace
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if spec.kind == "json_schema":
         return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
     if spec.kind == "regex":
@@ -55,6 +58,30 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     if spec.kind == "ebnf":
         return xgr.Grammar.from_ebnf(spec.source)
     return xgr.Grammar.from_structural_tag(spec.source)
+
+
+_BYTES = 256
+_byte_compilers: list[xgr.GrammarCompiler] = []
+_byte_lock = threading.Lock()  # the API process checks grammars on worker threads (server/structured.py)
+
+
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler over a vocabulary of the 256 single bytes (and a stop token): the API
+    process's checks have no model tokenizer, and any text begins with a byte."""
+    if not _byte_compilers:
+        info = xgr.TokenizerInfo([bytes([b]) for b in range(_BYTES)], xgr.VocabType.RAW, vocab_size=_BYTES + 1,
+                                 stop_token_ids=[_BYTES])
+        _byte_compilers.append(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
+    return _byte_compilers[0]
+
+
+def _refuse_empty(spec: GrammarSpec, compiled: xgr.CompiledGrammar, mask: torch.Tensor) -> None:
+    """A grammar no text can begin (`root ::= root`) builds and compiles; sampled, its first mask
+    allows nothing. ValueError (a 400)."""
+    matcher = xgr.GrammarMatcher(compiled)
+    matcher.fill_next_token_bitmask(mask, 0)
+    if not matcher.is_terminated() and not bool(mask.any()):
+        raise ValueError(f"{spec.kind}: invalid: the grammar matches no text (no token can begin one)")
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -102,25 +129,25 @@ class XGrammarBackend(GrammarBackend):
 
     @classmethod
     def check(cls, spec: GrammarSpec) -> None:
-        """What compile would refuse, without a tokenizer: the grammar is built, then its EBNF
-        parsed again (a schema like minLength -1 builds, and its EBNF fails only there)."""
+        """What compile would refuse, without the model's tokenizer: the grammar is built, its
+        EBNF parsed again (a schema like minLength -1 builds, and its EBNF fails only there), and
+        compiled against a vocabulary of the 256 bytes to see that some text can begin (the
+        engine's compile finds a grammar like `root ::= root` only when a stream has started)."""
         try:
-            xgr.Grammar.from_ebnf(str(_grammar(spec)))
+            grammar = _grammar(spec)
+            xgr.Grammar.from_ebnf(str(grammar))
+            with _byte_lock:
+                compiled = _byte_compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
+        _refuse_empty(spec, compiled, xgr.allocate_token_bitmask(1, _BYTES + 1))
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
             compiled = self._compiler.compile_grammar(_grammar(spec))
         except (RuntimeError, ValueError, TypeError) as e:
             raise ValueError(f"{spec.kind}: invalid: {_reason(e)}") from None
-        # A grammar no text can begin (`root ::= root`) builds and compiles; sampled, its first
-        # mask allows nothing. Refused here, once per grammar (compiles are cached), as a 400.
-        mask = self.allocate_mask(1)
-        matcher = xgr.GrammarMatcher(compiled)
-        matcher.fill_next_token_bitmask(mask, 0)
-        if not matcher.is_terminated() and not bool(mask.any()):
-            raise ValueError(f"{spec.kind}: invalid: the grammar matches no text (no token can begin one)")
+        _refuse_empty(spec, compiled, self.allocate_mask(1))  # once per grammar: compiles are cached
         return compiled
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
