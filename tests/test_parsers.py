@@ -1,6 +1,7 @@
 """Reasoning and tool-call parsers: final messages, stream shape, and independence from chunking."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Any
@@ -343,3 +344,27 @@ def test_openai_sdk_accumulates_the_stream_into_the_final_message(case: Case) ->
         (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
     ]
     assert (got.content or None) == msg["content"]
+
+
+# --- max_calls (parallel_tool_calls: false) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [c for c in GOOD if len(c.calls) > 1], ids=lambda c: c.id)
+def test_max_calls_keeps_the_first_call_alike_streamed_and_whole(case: Case) -> None:
+    """The answer ends with the first call: the later ones are never announced on the stream, so
+    the stream and the whole answer agree, and a max_tokens cut after it does not make it "length"."""
+    kwargs = {**case.kwargs, "max_calls": 1}
+    whole = ChatOutputParser(**kwargs)
+    whole.feed(case.text)
+    whole.finish()
+    msg = whole.message()
+    check_expected(dataclasses.replace(case, calls=case.calls[:1]), msg)
+    for seed in SEEDS:
+        deltas, streamed = run(kwargs, random_chunks(case.text, seed))
+        check_stream(case, deltas, streamed)
+        assert len(accumulate(deltas)["calls"]) == 1 and comparable(streamed) == comparable(msg)
+    assert whole.finish_reason("length") == "tool_calls" and whole.finish_reason("stop") == "tool_calls"
+    unlimited = ChatOutputParser(**case.kwargs)
+    unlimited.feed(case.text)
+    unlimited.finish()
+    assert len(unlimited.message()["tool_calls"]) == len(case.calls) and unlimited.finish_reason("length") == "length"

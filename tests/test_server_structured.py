@@ -115,18 +115,19 @@ def test_forced_tool_call_always_valid(client, model, choice):
 
 
 def test_call_cut_by_max_tokens_is_the_same_streamed_and_whole(client, model):
-    # Asked for two cities with parallel calls allowed, the model calls on until max_tokens cuts it.
     kw = dict(model=model, messages=[{"role": "user", "content": "What's the weather in Paris and in London?"}],
               tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=True, temperature=0)
-    # Greedy output depends only on the prompt: read its tokens once, then cut it in the second call's arguments.
+    # Greedy output depends only on the prompt: read its tokens once, then cut it in the last call's arguments
+    # (the parallel calls before it stay whole; tests/test_parsers.py cuts the second of two calls too).
     probe = client.chat.completions.create(**kw, max_tokens=100, logprobs=True)
+    assert probe.choices[0].finish_reason == "tool_calls"  # the calls end (they once went on until max_tokens)
     tokens = [t.token for t in probe.choices[0].logprobs.content]
     text = "".join(tokens)
     heads = [m.end() for m in re.finditer(r'<tool_call>\s*\{"name": "\w+", "arguments": ', text)]
-    assert len(heads) >= 2 and "</tool_call>" in text[heads[1]:], text  # a whole second call to cut in
-    middle = (heads[1] + text.index("</tool_call>", heads[1])) // 2
+    assert heads and "</tool_call>" in text[heads[-1]:], text  # a whole last call to cut in
+    middle = (heads[-1] + text.index("</tool_call>", heads[-1])) // 2
     cut = next(n for n in range(len(tokens)) if len("".join(tokens[:n])) > middle)
-    args = "".join(tokens[:cut])[heads[1]:]  # the second call's arguments up to the cut: unfinished JSON
+    args = "".join(tokens[:cut])[heads[-1]:]  # the last call's arguments up to the cut: unfinished JSON
 
     whole = client.chat.completions.create(**kw, max_tokens=cut)
     msg = whole.choices[0].message
@@ -145,8 +146,9 @@ def test_call_cut_by_max_tokens_is_the_same_streamed_and_whole(client, model):
 
     assert whole.usage.completion_tokens == cut and whole.choices[0].finish_reason == "length" and finish == "length"
     assert got_whole == got_stream and msg.content is None and content == ""
-    assert len(got_whole) == 2 and got_whole[1][1] == args and args.startswith("{")
-    json.loads(got_whole[0][1])  # the first call is whole
+    assert len(got_whole) == len(heads) and got_whole[-1][1] == args and args.startswith("{")
+    for _, whole_args in got_whole[:-1]:
+        json.loads(whole_args)  # the calls before it are whole
     with pytest.raises(json.JSONDecodeError):
         json.loads(args)
 

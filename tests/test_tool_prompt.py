@@ -15,7 +15,7 @@ from ketch.parsers import (
     template_supports_tools,
     validate_tools,
 )
-from ketch.text import ChatTemplate, Tokenizer
+from ketch.text import ChatTemplate, Tokenizer, validate_messages
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,27 @@ def test_tool_prompt_names_every_tool_and_the_format() -> None:
         ([{"type": "function", "function": {"name": ""}}], r"tools\[0\].function.name"),
         ([{"type": "function", "function": {"name": "f", "parameters": 3}}], r"tools\[0\].function.parameters"),
         ([{"type": "function", "function": {"name": "f"}}] * 2, r"tools\[1\].function.name: 'f' names an earlier"),
+        # OpenAI's ^[a-zA-Z0-9_-]{1,64}$: a quote or backslash once broke a forced call's JSON
+        *[([{"type": "function", "function": {"name": name}}], r"tools\[0\].function.name: .* is not 1 to 64")
+          for name in ('get"weather', "get\\weather", "get\nweather", "get weather", "x" * 65, "get_weather\n", "é")],
+        # a call's arguments are an object: the parsers read nothing else back
+        *[([{"type": "function", "function": {"name": "f", "parameters": schema}}],
+           r"tools\[0\].function.parameters: must be an object schema")
+          for schema in ({"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": ["object", "null"]},
+                         {"anyOf": [{"type": "object"}, {"type": "string"}]})],
     ],
 )
 def test_bad_tools_name_the_field(tools: Any, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         validate_tools(tools)
+
+
+@pytest.mark.parametrize("fn", [
+    {"name": "x" * 64}, {"name": "Get-Weather_2"}, {"name": "f", "parameters": None}, {"name": "f", "parameters": {}},
+    {"name": "f", "parameters": {"type": "object"}}, {"name": "f", "parameters": {"properties": {"a": {}}}},
+])
+def test_good_tools_pass(fn: dict[str, Any]) -> None:
+    assert validate_tools([{"type": "function", "function": fn}]) == [fn]
 
 
 def test_tool_conversation_renders_with_a_template_without_tools(tokenizer: Tokenizer) -> None:
@@ -80,3 +96,28 @@ def test_tool_conversation_renders_with_a_template_without_tools(tokenizer: Toke
     # An existing system prompt is kept, with the tools block after it.
     kept = apply_tool_prompt([{"role": "system", "content": "Be brief."}, *messages[:1]], TOOLS)
     assert kept[0]["content"].startswith("Be brief.\n\n# Tools")
+
+
+def test_openai_history_shapes_are_accepted(tokenizer: Tokenizer) -> None:
+    """An assistant turn with tool_calls may leave `content` out (OpenAI: content is required
+    unless tool_calls is given), and an assistant turn may hold a refusal part, rendered as text."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't share that."}]},
+        {"role": "user", "content": "Fine."},
+    ]
+    checked = validate_messages(messages)
+    assert checked[1]["content"] is None and checked[3]["content"] == "I can't share that."
+    adapted = apply_tool_prompt(messages, TOOLS)
+    assert adapted[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                          '{"city": "Paris"}}\n</tool_call>'}
+    prompt = ChatTemplate(tokenizer.chat_template).render(adapted)
+    assert "I can't share that." in prompt and "<tool_response>\n18 C" in prompt
+    # still refused: no content and no calls; a refusal part where no model wrote one
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: missing"):
+        validate_messages([{"role": "assistant", "tool_calls": []}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: only .* not 'refusal'"):
+        validate_messages([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])

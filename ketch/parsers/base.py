@@ -35,6 +35,18 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+def merge_call_deltas(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
+    """One delta per call per feed: its first piece keeps id and name, argument pieces are joined."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index:
+            last = out[-1]
+            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + d.arguments)
+        else:
+            out.append(d)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ToolDelta:
     """What one feed (or finish) of a tool parser produced."""
@@ -53,6 +65,8 @@ class ToolResult:
     # The output ended inside the last call's arguments: they are an unfinished JSON prefix
     # (possibly empty), exactly as streamed.
     truncated: bool = False
+    # The parser's max_calls was reached: the answer ended with the last call, whatever followed.
+    limit_reached: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,9 +125,12 @@ class ToolParser(abc.ABC):
     were given, a call cut by the end of the output before its name was read) is released as plain
     content. A call cut by the end after it was announced stays a call (see ToolResult.truncated)."""
 
-    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
+    def __init__(self, tool_names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
         # None: any name is accepted (no tool list to check against).
         self.tool_names = tool_names
+        # At most this many calls (None: any number); the output after the last one is dropped,
+        # calls and content alike (`parallel_tool_calls: false`).
+        self.max_calls = max_calls
 
     @abc.abstractmethod
     def feed(self, text: str) -> ToolDelta: ...

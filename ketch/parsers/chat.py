@@ -39,14 +39,18 @@ class ChatOutputParser:
         tool_parser: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         enable_thinking: bool = True,
+        max_calls: int | None = None,
     ) -> None:
         """reasoning_parser / tool_parser: registry names or None (no such parsing). tools: the
         request's tool list (calls to other names stay content). enable_thinking=False: the request
-        turned thinking off, so there is no reasoning part."""
+        turned thinking off, so there is no reasoning part. max_calls: the answer ends with that
+        many calls, the rest of the output is dropped (1 for `parallel_tool_calls: false`)."""
         self._reasoning: ReasoningParser | None = (
             reasoning_parser_class(reasoning_parser)(enable_thinking=enable_thinking) if reasoning_parser else None
         )
-        self._tools: ToolParser | None = tool_parser_class(tool_parser)(tool_names(tools)) if tool_parser else None
+        self._tools: ToolParser | None = (
+            tool_parser_class(tool_parser)(tool_names(tools), max_calls) if tool_parser else None
+        )
         self._content: list[str] = []
         self._reasoning_text: list[str] = []
         self._finished = False
@@ -123,9 +127,14 @@ class ChatOutputParser:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """The choice's finish reason from the engine's ("stop", "length", ...): "tool_calls" when it
-        stopped on its own after whole calls. A cut keeps the engine's reason ("length" for
-        max_tokens, as OpenAI reports it), so a client knows the last arguments are unfinished."""
-        if engine_reason == "stop" and self.tool_calls and not self.truncated:
+        stopped on its own after whole calls, or when max_calls whole calls ended the answer (what the
+        model wrote after them, cut by max_tokens or not, is not part of it). A cut keeps the
+        engine's reason ("length" for max_tokens, as OpenAI reports it), so a client knows the last
+        arguments are unfinished."""
+        if not self.tool_calls or self.truncated:
+            return engine_reason
+        limit_reached = self._tools is not None and self._tools.result().limit_reached
+        if engine_reason == "stop" or (engine_reason == "length" and limit_reached):
             return "tool_calls"
         return engine_reason
 

@@ -12,6 +12,7 @@ the text runs out. Events deeper than the root's members are not reported: nobod
 """
 from __future__ import annotations
 
+import json
 import re
 
 # Events returned by JsonScanner.scan.
@@ -223,3 +224,10 @@ class JsonScanner:
             else:  # _END: nothing may follow the root value inside the scanner
                 return ERROR, pos
         return NEED_MORE, pos
+
+
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting, still just bad output
+        return False

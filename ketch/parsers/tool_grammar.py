@@ -6,8 +6,8 @@
 - `after_reasoning`: a grammar for the answer that lets the reasoning (`<think>…</think>`) run
   free first; the constraint applies to what follows it.
 
-Formats are described here as (begin, between name and arguments, end, separator); they must
-agree with the parsers beside this file.
+Formats are described here as (begin, between name and arguments, end, separator, layout); they
+must agree with the parsers beside this file.
 """
 from __future__ import annotations
 
@@ -24,14 +24,21 @@ class CallFormat:
     separator: str  # between two calls
     prefix: str = ""  # once before all calls
     suffix: str = ""  # once after all calls
+    # Whitespace a model trained on the format may write after any call, the last one too (the
+    # parsers drop it as layout). It belongs to the call, never to the separator: a separator that
+    # begins with a newline made the newline after the last `</tool_call>` a promise of another call.
+    layout: str = ""
+    json_name: bool = False  # the name sits inside a JSON string: it is written JSON-escaped
 
 
 CALL_FORMATS: dict[str, CallFormat] = {
-    "hermes": CallFormat('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"),
-    "llama3": CallFormat('{"name": "', '", "parameters": ', "}", "; "),
+    "hermes": CallFormat('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "", layout="\n",
+                         json_name=True),
+    # No such trap: a model writes the `;` that begins this separator only to start another call.
+    "llama3": CallFormat('{"name": "', '", "parameters": ', "}", "; ", json_name=True),
     "mistral": CallFormat("[TOOL_CALLS]", "[ARGS]", "", ""),
     "deepseek-v3": CallFormat("<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n", "\n```<｜tool▁call▁end｜>",
-                              "\n", prefix="<｜tool▁calls▁begin｜>", suffix="<｜tool▁calls▁end｜>"),
+                              "", prefix="<｜tool▁calls▁begin｜>", suffix="<｜tool▁calls▁end｜>", layout="\n"),
 }
 
 
@@ -50,11 +57,23 @@ def _json(schema: dict[str, Any] | bool) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
-def forced_calls(tool_parser: str, functions: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A structural tag: only calls of `functions` (at least one; one when not `parallel`)."""
+def _name(fmt: CallFormat, name: str) -> str:
+    # validate_tools admits only names that need no escaping; this keeps the JSON valid regardless.
+    return json.dumps(name, ensure_ascii=False)[1:-1] if fmt.json_name else name
+
+
+def forced_calls(tool_parser: str, functions: list[dict[str, Any]], parallel: bool,
+                 layout: bool = True) -> dict[str, Any]:
+    """A structural tag: only calls of `functions` (at least one; one when not `parallel`).
+
+    layout=False: no whitespace after a call, so calls come back to back, then the end. For a model
+    that learned the format only from ketch's tool prompt: it writes a newline after
+    `</tool_call>` out of habit, and once that is written it goes on with another call rather than
+    end its turn (SmolLM2: `<` over the stop token after the newline), until max_tokens."""
     fmt = CALL_FORMATS[tool_parser]
-    tags = [{"type": "tag", "begin": fmt.begin + fn["name"] + fmt.infix,
-             "content": _json(_parameters(fn)), "end": fmt.end}
+    end: str | list[str] = [fmt.end, fmt.end + fmt.layout] if fmt.layout and layout else fmt.end
+    tags = [{"type": "tag", "begin": fmt.begin + _name(fmt, fn["name"]) + fmt.infix,
+             "content": _json(_parameters(fn)), "end": end}
             for fn in functions]
     calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
                              "at_least_one": True, "stop_after_first": not parallel}

@@ -17,11 +17,22 @@ from typing import Any
 from ketch.text.chat_template import validate_messages
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
+# OpenAI's rule for function names. Other characters broke calls: a quote or backslash pasted into
+# a forced call's JSON made it unreadable, and the forced call came back as content.
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def template_supports_tools(template: str | None) -> bool:
     """Whether a jinja chat template renders the request's tools (it mentions `tools`)."""
     return bool(template) and _TOOLS_VARIABLE.search(template) is not None
+
+
+def _object_schema(schema: Mapping[str, Any]) -> bool:
+    """Whether a schema only admits objects: a call's arguments are an object (OpenAI's rule too);
+    the parsers read nothing else back, so a forced call of any other type came back as content."""
+    if "type" in schema:
+        return schema["type"] == "object"
+    return "properties" in schema  # no type: its keywords make it one (xgrammar reads it so too)
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
@@ -38,12 +49,19 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.function: expected an object")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"{where}.function.name: expected a non-empty string")
+        if not _TOOL_NAME.fullmatch(fn["name"]):
+            raise ValueError(f"{where}.function.name: {fn['name']!r} is not 1 to 64 letters, digits, '_' or '-'")
         if any(f["name"] == fn["name"] for f in functions):  # a call could not say which one it meant
             raise ValueError(f"{where}.function.name: {fn['name']!r} names an earlier tool too")
         if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
             raise ValueError(f"{where}.function.description: expected a string")
         if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], Mapping):
             raise ValueError(f"{where}.function.parameters: expected a JSON Schema object")
+        if fn.get("parameters") and not _object_schema(fn["parameters"]):
+            kind = fn["parameters"].get("type")
+            got = f"type {kind!r}" if "type" in fn["parameters"] else "no type and no properties"
+            raise ValueError(f"{where}.function.parameters: must be an object schema ({{'type': 'object', ...}}), "
+                             f"got {got}")
         functions.append(dict(fn))
     return functions
 

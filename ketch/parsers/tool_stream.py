@@ -16,6 +16,8 @@ string) inside a call that was already announced: the stream has sent that call,
 it too, with the argument text read so far (`truncated` when that is not a whole JSON object). A
 call announced and then broken by bad text cannot be taken back: it is the only way the stream and
 the final message can differ (see README).
+
+With `max_calls`, reading stops once that many calls are complete: the rest of the output is dropped.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ from ketch.parsers.base import (
     ToolParser,
     ToolResult,
     held_length,
+    merge_call_deltas,
     openai_call_id,
 )
-from ketch.parsers.json_scan import DONE, ERROR, KEY, NEED_MORE, VALUE_END, VALUE_START, JsonScanner
+from ketch.parsers.json_scan import DONE, ERROR, KEY, NEED_MORE, VALUE_END, VALUE_START, JsonScanner, is_json_object
 
 Steps = Generator[None, None, object]
 
@@ -48,6 +51,10 @@ class _Malformed(Exception):
     """The call being read cannot be completed; its text becomes content."""
 
 
+class _LimitReached(Exception):
+    """max_calls calls are complete: the answer ends here."""
+
+
 @dataclass
 class _OpenCall:
     index: int
@@ -56,21 +63,9 @@ class _OpenCall:
     pieces: list[str] = field(default_factory=list)
 
 
-def _merge(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
-    """One delta per call per feed: its first piece keeps id and name, argument pieces are joined."""
-    out: list[ToolCallDelta] = []
-    for d in deltas:
-        if out and out[-1].index == d.index:
-            last = out[-1]
-            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + d.arguments)
-        else:
-            out.append(d)
-    return tuple(out)
-
-
 class StreamingToolParser(ToolParser):
-    def __init__(self, tool_names: frozenset[str] | None = None) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: frozenset[str] | None = None, max_calls: int | None = None) -> None:
+        super().__init__(tool_names, max_calls)
         self._text = ""  # input not yet trimmed away; positions below index into it
         self._pos = 0
         self._eof = False
@@ -108,7 +103,8 @@ class StreamingToolParser(ToolParser):
     def result(self) -> ToolResult:
         if not self._eof:
             raise RuntimeError("tool parser: result() before finish()")
-        return ToolResult("".join(self._content), tuple(self._calls), self._truncated)
+        limit_reached = self.max_calls is not None and len(self._calls) >= self.max_calls
+        return ToolResult("".join(self._content), tuple(self._calls), self._truncated, limit_reached)
 
     # --- driver ----------------------------------------------------------------------------------
 
@@ -124,7 +120,7 @@ class StreamingToolParser(ToolParser):
             return _NOTHING
         content = "".join(self._out_content)
         self._out_content.clear()
-        calls = _merge(self._out_calls)
+        calls = merge_call_deltas(self._out_calls)
         self._out_calls.clear()
         if content:
             self._content.append(content)
@@ -133,6 +129,11 @@ class StreamingToolParser(ToolParser):
     def _main(self) -> Steps:
         try:
             yield from self._parse()
+            return None
+        except _LimitReached:
+            while not self._eof:  # the rest of the output is not part of the answer
+                self._text, self._pos = "", 0
+                yield
             return None
         except _Malformed:
             # At the end of input no new characters arrived: the call was cut, not malformed. Once
@@ -280,6 +281,11 @@ class StreamingToolParser(ToolParser):
     def _complete(self, reopen: bool = False) -> None:
         """The open call is final. reopen: the text after it still belongs to an unfinished group
         (a JSON list, a DeepSeek block) and is content if that group breaks."""
+        self._record_call(reopen)
+        if self.max_calls is not None and len(self._calls) >= self.max_calls:
+            raise _LimitReached
+
+    def _record_call(self, reopen: bool = False) -> None:
         cur = self._cur
         assert cur is not None
         self._calls.append(ToolCall(cur.id, cur.name, "".join(cur.pieces)))
@@ -291,8 +297,8 @@ class StreamingToolParser(ToolParser):
         object arguments all that was read of them: the scanner consumes every valid character).
         The rest of its raw text is the format's markup, which the call stands for, not content."""
         assert self._cur is not None
-        self._truncated = not _is_json_object("".join(self._cur.pieces))
-        self._complete()
+        self._truncated = not is_json_object("".join(self._cur.pieces))
+        self._record_call()  # the end of the output: nothing follows to drop
 
     def _close_segment(self, reopen: bool = False) -> None:
         self._seg, self._seg_ws = (self._pos if reopen else None), ""
@@ -363,7 +369,7 @@ class StreamingToolParser(ToolParser):
                     args_end = scanner.at
                     if text[args_start] == '"':
                         decoded = json.loads(text[args_start:args_end])
-                        if not _is_json_object(decoded):
+                        if not is_json_object(decoded):
                             raise _Malformed
             elif ev == DONE:
                 if name is None or (args_start < 0 and require_args):
@@ -387,10 +393,3 @@ class StreamingToolParser(ToolParser):
                 if self._eof:
                     raise _Malformed
                 yield
-
-
-def _is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting, still just bad output
-        return False

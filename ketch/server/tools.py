@@ -33,11 +33,12 @@ class ChatPlan:
     reasoning_parser: str | None
     enable_thinking: bool
     forced_grammar: dict[str, Any] | None  # calls only (tool_choice required / named)
+    max_calls: int | None = None  # 1 for `parallel_tool_calls: false`, whatever the tool_choice
 
     def output_parser(self) -> ChatOutputParser:
         """One per choice; with neither parser it passes the text through as content, unchanged."""
         return ChatOutputParser(reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser,
-                                tools=self.tools, enable_thinking=self.enable_thinking)
+                                tools=self.tools, enable_thinking=self.enable_thinking, max_calls=self.max_calls)
 
     def grammar(self, answer: GrammarSpec | None, field: str | None) -> GrammarSpec | None:
         """The grammar to decode with: forced calls, or the response format; after the reasoning."""
@@ -124,7 +125,8 @@ def plan_chat(fields: dict[str, Any], template_src: str | None, tool_parser: str
     if forced is not None and any(fields.get(f) is not None for f in ("response_format", "regex", "ebnf")):
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format",
                        param="tool_choice")
-    if template_supports_tools(template_src):
+    taught = not template_supports_tools(template_src)  # the model knows the call format from our prompt only
+    if not taught:
         if tool_parser is None:
             raise APIError(400, "tools: this server reads no tool calls; start it with --tool-call-parser",
                            param="tools")
@@ -136,7 +138,11 @@ def plan_chat(fields: dict[str, Any], template_src: str | None, tool_parser: str
             raise bad_value(e) from None
         tool_parser = "hermes"
     plan.tools, plan.tool_parser = tools, tool_parser
+    # Under "auto" no grammar holds the model to one call: the parser keeps the first, in the stream
+    # and the whole answer alike (vLLM keeps the first too).
+    one_call = not fields.get("parallel_tool_calls", True)
+    plan.max_calls = 1 if one_call else None
     if forced is not None:
-        parallel = choice == "required" and bool(fields.get("parallel_tool_calls", True))  # named: one call
-        plan.forced_grammar = forced_calls(tool_parser, forced, parallel)
+        parallel = choice == "required" and not one_call  # named: one call
+        plan.forced_grammar = forced_calls(tool_parser, forced, parallel, layout=not taught)
     return plan

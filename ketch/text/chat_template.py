@@ -53,17 +53,34 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _flatten_content(content: Any, where: str) -> str:
+def _part_text(part: Any, role: str) -> str | None:
+    """A content part's text, or None when it is not a part ketch can render."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    # OpenAI's assistant turns may hold the model's earlier refusal; its text is what was said.
+    if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    return None
+
+
+def _flatten_content(content: Any, where: str, role: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        text = _part_text(part, role)
+        if text is None:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}.content[{j}]: only {{'type': 'text', 'text': ...}} parts work, not {kind!r}")
-        texts.append(part["text"])
+            accepted = "{'type': 'text', 'text': ...}"
+            if role == "assistant":
+                accepted += " and {'type': 'refusal', 'refusal': ...}"
+            raise ValueError(f"{where}.content[{j}]: only {accepted} parts work, not {kind!r}")
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -84,13 +101,15 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
         if role == "developer":  # OpenAI's newer name for the system role; templates know "system"
             msg = {**msg, "role": "system"}
-        if "content" not in msg:
+        # An assistant turn that only calls tools has content null, or no content at all: OpenAI
+        # requires content "unless tool_calls is given", and agent frameworks send it so.
+        calls_only = role == "assistant" and bool(msg.get("tool_calls"))
+        if "content" not in msg and not calls_only:
             raise ValueError(f"{where}.content: missing")
-        content = msg["content"]
-        # An assistant turn that only calls tools has content null (OpenAI format).
-        if content is None and not (role == "assistant" and msg.get("tool_calls")):
+        content = msg.get("content")
+        if content is None and not calls_only:
             raise ValueError(f"{where}.content: null is only allowed for assistant messages with tool_calls")
-        out.append({**msg, "content": None if content is None else _flatten_content(content, where)})
+        out.append({**msg, "content": None if content is None else _flatten_content(content, where, role)})
     return out
 
 
