@@ -16,6 +16,8 @@ death, with the first chunks of the KV already on its socket.
 """
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -153,3 +155,29 @@ def test_bootstrap_never_answered(servers, short_answer):
         _fails_and_frees(prefill, pre, before[0], t0)
         _fails_and_frees(decode, dec, before[1], t0)
     assert _pd(prefill, boot, decode, SHORT) == short_answer, "both serve on"
+
+
+def test_a_decode_chat_stream_says_nothing_before_the_kv_came(servers):
+    """A PD decode server's chat stream holds its role chunk until the first token (the KV has
+    arrived): a gateway races the prefill against the decode answer's first bytes, and a stream
+    that had begun with a role chunk kept a failed prefill from answering the client (it waited for
+    the transfer timeout instead). Here the "prefill server" never answers: the stream's first
+    event is the transfer error."""
+    _, decode = servers[1]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "stream": True,
+            "bootstrap_host": "127.0.0.1", "bootstrap_room": next(_rooms)}
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        host, port = decode.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S + 30)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "bootstrap_port": mute.getsockname()[1]}),
+                     {"content-type": "application/json"})
+        r = conn.getresponse()
+        lines = r.read().decode().splitlines()
+        conn.close()
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert r.status == 200 and events[-1] == "[DONE]", events
+    first = json.loads(events[0])
+    assert first.get("error", {}).get("code") == "kv_transfer_failed", events
+    wait_for(lambda: pages_all_back(metrics(decode.url)), "pages back", TIMEOUT_S + 30)

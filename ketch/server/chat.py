@@ -109,15 +109,25 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
         return out
 
     parsers = [plan.output_parser() for _ in range(gen.params.n)]
+    roles = []
     if gen.generated is not None:
         # A resumed stream: its client has the role chunk and what the parser made of the text so
         # far; the parser takes that text (its deltas were sent) so it goes on from the same state.
         parsers[0].feed(gen.resumed_text)
     else:
-        for i in range(gen.params.n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        roles = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]) for i in range(gen.params.n)]
+    if gen.bootstrap is None:
+        for role in roles:
+            yield role
+        roles = []
+    # PD: the role chunks wait for the first token, i.e. for the KV to have arrived. A gateway races
+    # the prefill against the decode answer's first bytes: a prefill that fails before the KV came
+    # must still be able to answer the client, which a stream that had begun would not let it.
     async for ev in gen.events():
+        for role in roles:
+            yield role
+        roles = []
         parser = parsers[ev.index]
         if ev.silent_text:
             parser.feed(ev.silent_text)  # its deltas reached the client from the original stream
