@@ -119,10 +119,15 @@ def test_a_part_is_not_read_before_its_device_work_is_done(pair):
 
 
 def test_parts_may_cover_every_row_and_send_only_adds_the_aux(pair):
+    """The parts reach the last row before send() is called (the rows before it arrive first):
+    on a peer-read data plane the last row waits for the Aux (a Ready that reached the last page
+    without it was refused by the decode side: a race that failed whenever the parts went out first)."""
     prefill, decode, src_layers, dst_layers = pair
     sender, receiver = open_room(prefill, decode, 0x53)
     sender.send_part(SRC[:4])
     sender.send_part(SRC[4:])
+    wait_until(lambda: arrived(src_layers, dst_layers, 0, 5) or ended(receiver), TIMEOUT_S, "the rows before the last")
+    assert not ended(receiver), receiver.failure
     sender.send(SRC, Aux(3))
     wait_until(lambda: ended(receiver) and ended(sender), TIMEOUT_S, "both sides to end")
     assert (receiver.poll(), sender.poll()) == (KVPoll.Success, KVPoll.Success), (receiver.failure, sender.failure)

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from ketch.disagg.config import DisaggConfig
-from ketch.disagg.io_loop import IOLoop
+from ketch.disagg.io_loop import IOLoop, tcp_endpoint
 from ketch.disagg.layout import KVLayout, layout_of, num_pages_of
 from ketch.disagg.prefill_sender import PrefillSender, Registration
 from ketch.disagg.state import KVPoll
@@ -54,11 +54,16 @@ class PrefillSide(IOLoop, KVTransport):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         host = config.bootstrap_host
-        if config.bootstrap_port == 0:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            port = config.bootstrap_port
-            self.sock.bind(f"tcp://{host}:{port}")
+        try:
+            if config.bootstrap_port == 0:
+                port = self.sock.bind_to_random_port(tcp_endpoint(host))
+            else:
+                port = config.bootstrap_port
+                self.sock.bind(tcp_endpoint(host, port))
+        except zmq.ZMQError as e:  # an address this machine does not have, a port in use: name the flags
+            self.discard()
+            raise ValueError(f"disaggregation_bootstrap_host / _port: cannot listen on {host}:{config.bootstrap_port}: "
+                             f"{e}") from None
         self._addr = f"{host}:{port}"
         self.poller.register(self.sock, zmq.POLLIN)
         # loop thread only, from here on
@@ -108,13 +113,18 @@ class PrefillSide(IOLoop, KVTransport):
     def _announce(self, s: PrefillSender) -> bool:
         """`_grow` of a peer-read data plane: Ready for the rows not named yet (a part, or the
         last one with the Aux once s is complete). False when the peer cannot take it now."""
-        if s.final_announced or (s.announced == len(s.rows) and not s.complete) or s.aborting is not None:
+        if s.final_announced or s.aborting is not None:
             return True
         final = s.complete
-        msg = Ready(s.room, s.rows[s.announced:], s.aux if final else None, s.announced)
+        # The last row goes out with the Aux (the decode side takes a Ready that reaches the last
+        # page only as the final one): parts that cover every row before send() leave it for then.
+        upto = len(s.rows) if final else min(len(s.rows), s.num_pages - 1)
+        if not final and upto <= s.announced:
+            return True
+        msg = Ready(s.room, s.rows[s.announced:upto], s.aux if final else None, s.announced)
         if not self._send(s.out, msg, s):
             return False
-        s.announced, s.final_announced = len(s.rows), final
+        s.announced, s.final_announced = upto, final
         return True
 
     def _grow_peer_read(self, s: PrefillSender) -> None:
