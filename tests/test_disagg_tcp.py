@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 
 import pytest
@@ -83,8 +84,22 @@ def ended(side) -> bool:
     return side.poll() in (KVPoll.Success, KVPoll.Failed)
 
 
-def test_the_posted_pages_get_the_senders_rows_byte_for_byte(spawn):
-    proc, out = spawn(prefill_main, CONFIG, 1, POOL, ROOM, SRC, 42, None)
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_posted_pages_get_the_senders_rows_byte_for_byte(spawn, host):
+    """Over IPv4 and IPv6 loopback (the prefill side binds `::1`, the decode side connects to the
+    address it gives: ZMQ needs IPv6 on and the address in brackets, or neither end works)."""
+    if ":" in host and not _ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    proc, out = spawn(prefill_main, {**CONFIG, "bootstrap_host": host}, 1, POOL, ROOM, SRC, 42, None)
     transport, receiver, layers, before = decode_side(expect(out, "addr")[1])
     try:
         wait_until(lambda: ended(receiver), 30, "the transfer")
@@ -96,6 +111,13 @@ def test_the_posted_pages_get_the_senders_rows_byte_for_byte(spawn):
         transport.close()
     proc.join(10)
     assert proc.exitcode == 0
+
+
+def test_a_bootstrap_address_that_cannot_be_bound_names_the_flags():
+    """An address this machine does not have (TEST-NET-1): a ValueError naming the options, not a
+    raw ZMQError from the socket."""
+    with pytest.raises(ValueError, match="disaggregation_bootstrap_host / _port: cannot listen on 192.0.2.1:0"):
+        TcpPrefillTransport(DisaggConfig("prefill", **{**CONFIG, "bootstrap_host": "192.0.2.1"}), make_layers(1, POOL))
 
 
 def test_a_byte_flipped_on_the_wire_fails_both_sides_with_the_checksum(spawn):

@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from ketch.disagg.config import DisaggConfig
-from ketch.disagg.io_loop import IOLoop
+from ketch.disagg.io_loop import IOLoop, tcp_endpoint
 from ketch.disagg.layout import KVLayout, check_pages, layout_of, num_pages_of
 from ketch.disagg.state import KVPoll, TransferState, timeouts_of
 from ketch.disagg.transport import Aux, KVReceiver, KVSender, KVTransport
@@ -155,7 +155,8 @@ class DecodeSide(IOLoop, KVTransport):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             try:
-                sock.connect(f"tcp://{addr}")
+                host, _, port = addr.rpartition(":")  # host:port, the host an IPv6 address perhaps
+                sock.connect(tcp_endpoint(host, port))
             except zmq.ZMQError:
                 sock.close()
                 raise

@@ -21,12 +21,21 @@ from ketch.disagg.state import TransferState
 
 log = logging.getLogger(__name__)
 
+def tcp_endpoint(host: str, port: int | str | None = None) -> str:
+    """A ZMQ tcp endpoint: an IPv6 address in brackets (`tcp://[::1]:5757`; a host given bracketed
+    or not), a name or IPv4 address as it is."""
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    where = f"[{host}]" if ":" in host else host
+    return f"tcp://{where}" if port is None else f"tcp://{where}:{port}"
+
+
 _BUSY_POLL_MS = 1.0  # how often pump() checks operations in flight (nixl READs) that no socket reports
 
 
 class IOLoop:
     def __init__(self, name: str, tick_s: float) -> None:
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.IPV6, 1)  # every socket of this loop: IPv6 addresses too (IPv4 as before)
         self.poller = zmq.Poller()
         self.tick_s = tick_s
         self._commands: queue.SimpleQueue[tuple[Callable[..., None], tuple]] = queue.SimpleQueue()
@@ -57,6 +66,13 @@ class IOLoop:
         except BlockingIOError:  # the pipe is full: the loop has wake-ups pending already
             pass
         return True
+
+    def discard(self) -> None:
+        """A loop whose owner failed before start(): its context and pipe freed."""
+        self.ctx.destroy(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._wake_r = self._wake_w = -1
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the loop (its rooms fail) and free the pipe once the thread is gone."""
