@@ -265,17 +265,22 @@ def test_cli_flags_and_llm_take_the_l3_options(tiny_config_path: str, tmp_path: 
     llm.engine.close()
 
 
+def over_a_stored_long(config_path: str, tmp_path: Path) -> Engine:
+    """A fresh engine on a file store that an engine before it filled with LONG's pages."""
+    url = file_url(tmp_path / "kv")
+    first = l3_engine(config_path, url)
+    first.add_request("a", LONG, PARAMS)
+    drain(first)
+    finish(first)
+    return l3_engine(config_path, url)
+
+
 def test_a_prefetch_pins_the_cached_prefix_its_pages_continue(tiny_config_path: str, tmp_path: Path) -> None:
     """While a prompt's pages travel from storage and until the request is admitted, the prefix
     they continue (then the pages adopted) is locked: a flush (or eviction under load) cannot
     leave them behind a gap, which would waste the whole read; the pin is visible to the
     invariants and gone after."""
-    url = file_url(tmp_path / "kv")
-    first = l3_engine(tiny_config_path, url)
-    first.add_request("a", LONG, PARAMS)
-    drain(first)
-    finish(first)
-    eng = l3_engine(tiny_config_path, url)
+    eng = over_a_stored_long(tiny_config_path, tmp_path)
     eng.add_request("head", LONG[:21], SamplingParams(temperature=0.0, max_tokens=1))
     drain(eng)  # five pages of LONG cached (and read from storage: they were there)
     whole = (len(LONG) - 1) // PS

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import drain
 from test_hicache_l2 import PARAMS, PS, multi_turn
-from test_hicache_l3 import LONG, file_url, finish, l3_engine, reference  # noqa: F401  (reference: the fixture)
+from test_hicache_l3 import LONG, file_url, finish, l3_engine, over_a_stored_long, reference  # noqa: F401  (reference: the fixture)
 
 from ketch.cache.storage.backend import StorageStats
 from ketch.cache.storage.file import FileStorage
@@ -140,12 +140,7 @@ def test_a_prefetch_pin_covers_what_it_adopted_after_the_tree_grew(tiny_config_p
     """Two prefetches of one stored prompt, a short and a long, start on an empty tree; the short
     one settles first, so the long one's pages start after it. Its pin must reach the end of
     what it adopted: host eviction before its request is admitted keeps every page it read."""
-    url = file_url(tmp_path / "kv")
-    first = l3_engine(tiny_config_path, url)
-    first.add_request("a", LONG, PARAMS)
-    drain(first)
-    finish(first)
-    eng = l3_engine(tiny_config_path, url)
+    eng = over_a_stored_long(tiny_config_path, tmp_path)
     whole = (len(LONG) - 1) // PS
     short = eng.kv.prefetch(LONG[: 3 * PS] + [9])
     long = eng.kv.prefetch(LONG)
