@@ -5,7 +5,6 @@ engines of each family on the Triton layer kernels keeping the torch path's toke
 
 Without CUDA the kernels run in Triton's CPU interpreter (fp32, fp16); with CUDA compiled, bf16 too.
 """
-import functools
 import os
 import subprocess
 import sys
@@ -22,9 +21,8 @@ pytest.importorskip("triton")
 
 from engine_cut import assert_same_tokens, batch_one_on_both_paths, cut_config  # noqa: E402
 from ketch.kernels import norm_gemv as ng  # noqa: E402
-from ketch.kernels.moe_route import SoftmaxRoute, softmax_topk_triton  # noqa: E402
 from ketch.kernels.rmsnorm import add_rms_norm, rms_norm  # noqa: E402
-from ketch.layers.ops import FirstProduct, RouteRequest, triton_ops  # noqa: E402
+from ketch.layers.ops import FirstProduct, triton_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -107,98 +105,26 @@ def test_the_op_takes_the_kernel_for_one_row_and_the_two_ops_otherwise(monkeypat
         torch.testing.assert_close(a, b[:1], atol=1e-5, rtol=1e-5)
 
 
-ROUTES = [SoftmaxRoute(2, False), SoftmaxRoute(3, True, 2.5, 2), SoftmaxRoute(8, True)]
-
-
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32),
-                                                (torch.float16, torch.float16)])
-@pytest.mark.parametrize("experts", [24, 128])
-def test_the_routed_form_is_the_product_then_the_routing_kernel(route, dtype, weight_dtype, experts):
-    """norm_gemv_routed: h and the residual as norm_gemv's, and the (weights, ids) of
-    softmax_topk_triton on norm_gemv's logits, bit for bit, the routed picks added into the
-    counts; the arrival counter is zero again after each launch (a graph replays it), so a
-    second launch routes the same."""
-    g = torch.Generator().manual_seed(experts + route.top_k)
-    x, residual, norm_w, _, _ = inputs(64, experts, dtype, seed=experts)
-    w = (torch.randn(experts, 64, generator=g) / 8).to(DEVICE, weight_dtype)
-    out_dtype = torch.float32 if weight_dtype == torch.float32 else None
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    counts, want_counts = (torch.zeros(experts + 3, dtype=torch.int64, device=DEVICE) for _ in range(2))
-    h0, res0, logits = ng.norm_gemv(x, residual, norm_w, 1e-6, w, out_dtype=out_dtype)
-    want = softmax_topk_triton(logits, route.top_k, route.renormalize, scale=route.scale, append=route.append,
-                               counts=want_counts)
-    for launch in range(2):
-        h, res, got = ng.norm_gemv_routed(x, residual, norm_w, 1e-6, w, route, arrivals, counts=counts,
-                                          out_dtype=out_dtype)
-        assert torch.equal(h, h0) and torch.equal(res, res0)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (launch, got, want)
-        assert arrivals.item() == 0
-        assert torch.equal(counts, want_counts * (launch + 1))
-    _, _, logits = ng.norm_gemv(x, None, norm_w, 1e-6, w, out_dtype=out_dtype)  # no residual, no counts
-    want = softmax_topk_triton(logits, route.top_k, route.renormalize, scale=route.scale, append=route.append)
-    h, res, (weights, ids) = ng.norm_gemv_routed(x, None, norm_w, 1e-6, w, route, arrivals, out_dtype=out_dtype)
-    assert torch.equal(ids, want[1]) and torch.equal(weights, want[0]) and res is x
-    assert torch.equal(counts, want_counts * 2)
-
-
-def test_the_routed_form_refuses_a_bad_counter():
-    x, residual, norm_w, w, _ = inputs(64, 8, torch.float32)
-    with pytest.raises(ValueError, match="arrivals"):
-        ng.norm_gemv_routed(x, residual, norm_w, 1e-6, w, SoftmaxRoute(2, True), torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="top_k 9 of 8"):
-        ng.norm_gemv_routed(x, residual, norm_w, 1e-6, w, SoftmaxRoute(9, True), torch.zeros(1, dtype=torch.int32))
-
-
-@pytest.mark.parametrize("in_launch", [False, True])
-def test_the_op_routes_a_route_request_in_the_launch_or_after_it(in_launch, monkeypatch):
-    """LayerOps.add_rms_norm_linear with FirstProduct.route: (weights, ids) of the logits, at one
-    row in norm_gemv's launch when KETCH_ROUTE_IN_NORM is on (else its logits routed by the
-    request's select), for more rows after the two ops: the same routing every way."""
-    monkeypatch.setattr(ng, "ROUTE_IN_LAUNCH", in_launch)
-    routed = []
-    real = ng.norm_gemv_routed
-    monkeypatch.setattr(ng, "norm_gemv_routed", lambda *a, **k: routed.append(1) or real(*a, **k))
-    op = triton_ops().add_rms_norm_linear
-    x, residual, norm_w, w, _ = inputs(64, 16, torch.float32, seed=9)
-    counts = torch.zeros(16, dtype=torch.int64, device=DEVICE)
-    select = functools.partial(softmax_topk_triton, top_k=4, renormalize=True)
-    first = FirstProduct(w, route=RouteRequest(select, counts, torch.zeros(1, dtype=torch.int32, device=DEVICE)))
-    _, _, (weights, ids) = op(x, residual, norm_w, 1e-6, first)
-    assert routed == ([1] if in_launch else [])
-    _, _, (weights2, ids2) = op(torch.cat((x, x)), torch.cat((residual, residual)), norm_w, 1e-6, first)
-    want_weights, want_ids = select(F.linear(rms_norm((x + residual), norm_w, 1e-6), w))
-    assert torch.equal(ids, want_ids) and torch.equal(ids2[:1], want_ids) and torch.equal(ids2[1:], want_ids)
-    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(weights2, torch.cat((want_weights, want_weights)), atol=1e-6, rtol=1e-6)
-    assert counts.sum().item() == 3 * 4  # three rows routed, four picks each
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_the_kernel_compiles_for_sm90_without_spills():
     """Hidden sizes 2048 (Qwen3-30B-A3B, DeepSeek-V2-Lite), 4096 (Llama-3.1-8B), 7168
-    (DeepSeek-V3) at the wrapper's blocks, bf16 weights and an fp32 router weight, and the routed
-    form at the routers' sizes (64 / 128 experts): no spills; before the PDL wait the weight slice
-    and the norm weight only, nothing stored."""
+    (DeepSeek-V3) at the wrapper's blocks, bf16 weights and an fp32 router weight: no spills;
+    before the PDL wait the weight slice and the norm weight only, nothing stored."""
     script = """
 from ketch.kernels._common import pow2
 from ketch.kernels.compile_check import _compile, _usage
-from ketch.kernels.moe_route import SoftmaxRoute
 from ketch.kernels.norm_gemv import _TILE_BYTES, _norm_gemv_kernel as fn
-plain = dict(ROUTE=False, TOP_K=1, APPEND=0, K_PAD=1, RENORMALIZE=False, NUM_EXPERTS=1, BLOCK_E=1, COUNT=False)
-cases = [(k, w, size, plain) for k in (2048, 4096, 7168) for w, size in (("*bf16", 2), ("*fp32", 4))]
-cases += [(2048, "*fp32", 4, dict(ROUTE=True, COUNT=True, **SoftmaxRoute(6, False, 1.0, 2).constexprs(64))),
-          (2048, "*bf16", 2, dict(ROUTE=True, COUNT=True, **SoftmaxRoute(8, True).constexprs(128)))]
-for k, w, size, route in cases:
-    bk = pow2(k)
-    sig = {n: "*bf16" for n in fn.arg_names}
-    sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
-               n_blocks="i32", Arrivals="*i32", RouteW="*fp32", RouteIds="*i64", Counts="*i64", scale="fp32")
-    consts = dict(HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)), BLOCK_K=bk,
-                  USE_PDL=True, **route)
-    u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
-    print(k, w, route["ROUTE"], u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
-    assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
+for k in (2048, 4096, 7168):
+    for w, size in (("*bf16", 2), ("*fp32", 4)):
+        bk = pow2(k)
+        sig = {n: "*bf16" for n in fn.arg_names}
+        sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
+                   n_blocks="i32")
+        consts = dict(HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)), BLOCK_K=bk,
+                      USE_PDL=True)
+        u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
+        print(k, w, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
+        assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
@@ -214,47 +140,3 @@ def test_a_batch_one_engine_on_the_triton_kernels_keeps_the_torch_tokens(name, t
     want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, ng, "norm_gemv", 5)
     assert rows == [1] * (2 * 2 * 4)  # 2 layers x 2 norms x the 4 decode steps after the prefill
     assert_same_tokens(want, got)
-
-
-@pytest.mark.parametrize("name,sparse_layers", [("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 1)])
-def test_a_batch_one_engine_routing_in_the_router_launch_keeps_the_torch_tokens(name, sparse_layers, tmp_path,
-                                                                                monkeypatch):
-    """KETCH_ROUTE_IN_NORM on: every MoE layer's router at a decode step routes in its norm_gemv
-    launch (one call a sparse layer and step), and the tokens stay the torch path's."""
-    monkeypatch.setattr(ng, "ROUTE_IN_LAUNCH", True)
-    want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, ng, "norm_gemv_routed", 5)
-    assert rows == [1] * sparse_layers * 4  # the cut's sparse layers x the 4 decode steps after the prefill
-    assert_same_tokens(want, got)
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA: the programs run concurrently only there")
-@pytest.mark.parametrize("experts,top_k,weight_dtype", [(64, 6, torch.float32), (128, 8, torch.bfloat16)])
-def test_the_last_program_routes_complete_logits_on_the_gpu(experts, top_k, weight_dtype):
-    """The arrival counter's ordering, which the interpreter (programs one after another) cannot
-    test: 2,000 routed launches in a CUDA graph, each on other logits, every one routed as the two
-    launches route them, and the counter zero at the end."""
-    steps = 2000
-    g = torch.Generator().manual_seed(experts)
-    xs = (torch.randn(steps, 1, 2048, generator=g) * 3).to(DEVICE, torch.bfloat16)
-    residual = (torch.randn(1, 2048, generator=g) * 20).to(DEVICE, torch.bfloat16)
-    norm_w = (torch.rand(2048, generator=g) + 0.5).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(experts, 2048, generator=g) / 45).to(DEVICE, weight_dtype)
-    out_dtype = torch.float32 if weight_dtype == torch.float32 else None
-    route = SoftmaxRoute(top_k, True)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    x = xs[0].clone()
-    routing = (route, arrivals, None)
-    ng._launch(x, residual, norm_w, 1e-6, w, None, out_dtype, routing)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # the logits the launch routed come back too: its own, whatever the bits
-        _, _, logits, (weights, ids) = ng._launch(x, residual, norm_w, 1e-6, w, None, out_dtype, routing)
-    got = []
-    for i in range(steps):
-        x.copy_(xs[i])
-        graph.replay()
-        got.append((logits.clone(), weights.clone(), ids.clone()))
-    torch.cuda.synchronize()
-    assert arrivals.item() == 0
-    for i, (y, got_w, got_ids) in enumerate(got):
-        want_w, want_ids = softmax_topk_triton(y, top_k, True)
-        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w), i

@@ -24,9 +24,6 @@ DeepSeek's grouped_topk (group masking, sigmoid scores, correction bias) stays o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -35,14 +32,20 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def route_row(x, offs, Weights, Ids, Counts, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
-              APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-              COUNT: tl.constexpr):
-    """One token's routing from its fp32 logits x [BLOCK_E] (padding lanes -inf): its weights and
-    ids stored at Weights / Ids (TOP_K + APPEND slots), its routed picks added into Counts when
-    COUNT. Shared with norm_gemv's routed form (kernels/norm_gemv.py), which routes the logits it
-    has just computed in its last program."""
+def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPERTS: tl.constexpr,
+                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr,
+                         EARLY_TRIGGER: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
     real = offs < NUM_EXPERTS
+    if USE_PDL:  # the logits are the router GEMM's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(Logits + t * stride_l + offs, mask=real, other=float("-inf")).to(tl.float32)
+    if USE_PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(real, p, -1.0)  # below every probability: padding is never picked
@@ -63,60 +66,10 @@ def route_row(x, offs, Weights, Ids, Counts, scale, NUM_EXPERTS: tl.constexpr, T
     weights = tl.where(appended, 1.0, weights)
     ids = tl.where(appended, NUM_EXPERTS + slots - TOP_K, ids)
     width = TOP_K + APPEND
-    tl.store(Weights + slots, weights, mask=slots < width)
-    tl.store(Ids + slots, ids.to(tl.int64), mask=slots < width)
+    tl.store(Weights + t * width + slots, weights, mask=slots < width)
+    tl.store(Ids + t * width + slots, ids.to(tl.int64), mask=slots < width)
     if COUNT:  # integer adds: the totals do not depend on the order the programs reach them
         tl.atomic_add(Counts + ids, tl.full([K_PAD], 1, tl.int64), mask=keep)
-
-
-@triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPERTS: tl.constexpr,
-                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr,
-                         EARLY_TRIGGER: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    if USE_PDL:  # the logits are the router GEMM's output
-        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(Logits + t * stride_l + offs, mask=offs < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
-    if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    width = TOP_K + APPEND
-    route_row(x, offs, Weights + t * width, Ids + t * width, Counts, scale, NUM_EXPERTS, TOP_K, APPEND, K_PAD,
-              RENORMALIZE, BLOCK_E, COUNT)
-
-
-@dataclass(frozen=True)
-class SoftmaxRoute:
-    """What softmax top-k routing is asked to do (softmax_topk_triton's arguments but the logits):
-    shared by its kernel and norm_gemv's routed form."""
-    top_k: int
-    renormalize: bool
-    scale: float = 1.0
-    append: int = 0
-
-    def check(self, experts: int, counts: torch.Tensor | None, device: torch.device) -> None:
-        if not 0 < self.top_k <= experts:
-            raise ValueError(f"softmax_topk: top_k {self.top_k} of {experts} experts")
-        if self.append < 0:
-            raise ValueError(f"softmax_topk: append {self.append} < 0")
-        if counts is not None and (counts.dtype != torch.int64 or counts.dim() != 1 or counts.stride(0) != 1
-                                   or counts.numel() < experts or counts.device != device):
-            raise ValueError(f"softmax_topk: counts must be a contiguous int64 vector of >= {experts} on "
-                             f"{device}, got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
-
-    def outputs(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty (weights fp32, ids int64) [tokens, top_k + append]."""
-        width = self.top_k + self.append
-        return (torch.empty(tokens, width, dtype=torch.float32, device=device),
-                torch.empty(tokens, width, dtype=torch.int64, device=device))
-
-    def constexprs(self, experts: int) -> dict[str, Any]:
-        """route_row's compile-time arguments but COUNT."""
-        return dict(NUM_EXPERTS=experts, TOP_K=self.top_k, APPEND=self.append, K_PAD=pow2(self.top_k + self.append),
-                    RENORMALIZE=self.renormalize, BLOCK_E=pow2(experts))
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
@@ -125,27 +78,25 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, 
     (see above): [T, top_k + append]; the routed picks added into `counts` (int64, >= E entries,
     contiguous) when given. No host sync; grid (T,)."""
     tokens, experts = logits.shape
-    route = SoftmaxRoute(top_k, renormalize, scale, append)
-    route.check(experts, counts, logits.device)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
+    if append < 0:
+        raise ValueError(f"softmax_topk: append {append} < 0")
+    if counts is not None and (counts.dtype != torch.int64 or counts.dim() != 1 or counts.stride(0) != 1
+                               or counts.numel() < experts or counts.device != logits.device):
+        raise ValueError(f"softmax_topk: counts must be a contiguous int64 vector of >= {experts} on "
+                         f"{logits.device}, got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    weights, ids = route.outputs(tokens, logits.device)
+    weights = torch.empty(tokens, top_k + append, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)
     if tokens:
         block_e = pow2(experts)
         _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts, logits.stride(0),
-                                        float(scale), **route.constexprs(experts), COUNT=counts is not None,
-                                        num_warps=1 if block_e <= 256 else 4, **pdl_launch(tokens))
+                                        float(scale), NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append,
+                                        K_PAD=pow2(top_k + append), RENORMALIZE=renormalize, BLOCK_E=block_e,
+                                        COUNT=counts is not None, num_warps=1 if block_e <= 256 else 4,
+                                        **pdl_launch(tokens))
     return weights, ids
-
-
-def softmax_route(select: Any) -> SoftmaxRoute | None:
-    """The SoftmaxRoute of a router's `select` when it is softmax_topk_triton with its arguments
-    bound (functools.partial: moe_model, deepseek_moe.routing), else None."""
-    if getattr(select, "func", None) is not softmax_topk_triton or select.args:
-        return None
-    kw = dict(select.keywords)
-    if set(kw) - {"top_k", "renormalize", "scale", "append"}:
-        return None
-    return SoftmaxRoute(kw["top_k"], kw["renormalize"], kw.get("scale", 1.0), kw.get("append", 0))
 
 
 softmax_topk_triton.counts_picks = True  # type: ignore[attr-defined]  # Router: pass ExpertLoad's row as counts=

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
-from ketch.kernels.moe_route import SoftmaxRoute, route_row
 
 MAX_K = 8192  # the whole row in one step per program
 # The weight tile a program holds, in bytes (two in registers: the current block's and the
@@ -43,11 +42,6 @@ MAX_K = 8192  # the whole row in one step per program
 _TILE_BYTES = 16384
 # KETCH_NORM_GEMV=0: the norm and the product as two launches again (the H200 A/B's switch)
 ENABLED = os.environ.get("KETCH_NORM_GEMV", "1") != "0"
-# KETCH_ROUTE_IN_NORM=1: a softmax top-k router's routing inside its norm_gemv launch (the last
-# program routes: _route_when_last), one launch a MoE layer fewer at batch 1. Off until a native
-# run shows it is race-free and faster (the interpreter runs programs one after another, so the
-# counter's ordering is only tested there by its logic)
-ROUTE_IN_LAUNCH = os.environ.get("KETCH_ROUTE_IN_NORM", "0") == "1"
 PROGRAMS_PER_SM = 2  # the grid's cap (module docstring); a guess for the H200 sweep to settle
 INTERPRET_PROGRAMS = 3  # the interpreter: few programs, so the tests' small products take several blocks each
 
@@ -59,32 +53,11 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
                    mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)
 
 
-@triton.jit
-def _route_when_last(Y, Arrivals, RouteW, RouteIds, Counts, scale, programs, N: tl.constexpr, TOP_K: tl.constexpr,
-                     APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                     COUNT: tl.constexpr):
-    """Each program counts itself in once its logits are stored; the last to arrive reads all N
-    of them back and routes them (moe_route.route_row), then zeroes the count for the next launch
-    (a CUDA graph replays this kernel with the same counter). The barrier orders every thread's
-    stores before the count, whose gpu-scope release makes them visible to the last program; its
-    acquire orders its reads after (cooperative groups' grid sync pattern)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Arrivals, 1, sem="acq_rel", scope="gpu")
-    if arrived == programs - 1:
-        offs = tl.arange(0, BLOCK_E)
-        logits = tl.load(Y + offs, mask=offs < N, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        route_row(logits, offs, RouteW, RouteIds, Counts, scale, N, TOP_K, APPEND, K_PAD, RENORMALIZE, BLOCK_E,
-                  COUNT)
-        tl.store(Arrivals, 0)
-
-
 @triton.jit(do_not_specialize=["n_blocks"])
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, n_blocks,
-    Arrivals, RouteW, RouteIds, Counts, scale,
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -119,9 +92,6 @@ def _norm_gemv_kernel(
         w = w_next
     if USE_PDL:  # the weights are read
         tl.extra.cuda.gdc_launch_dependents()
-    if ROUTE:  # a router's logits: the last program routes them (no routing launch after)
-        _route_when_last(Y, Arrivals, RouteW, RouteIds, Counts, scale, step, NUM_EXPERTS, TOP_K, APPEND, K_PAD,
-                         RENORMALIZE, BLOCK_E, COUNT)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -138,30 +108,6 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, new residual, y) as above; x [1, K] (last dim contiguous), the residual likewise or None
     (then the new residual is x itself). The caller checks `fits`."""
-    return _launch(x, residual, norm_weight, eps, weight, bias, out_dtype, None)[:3]
-
-
-def norm_gemv_routed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, route: SoftmaxRoute, arrivals: torch.Tensor, *,
-                     counts: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """A MoE router's pre-norm and logits with their softmax top-k routing in the same launch:
-    (h, new residual, (topk_weights, topk_ids)), the routing softmax_topk_triton(logits, route)
-    gives (its kernel's arithmetic, moe_route.route_row, on the same logits). arrivals: an int32
-    [1] counter, zero before the launch and after it (the router's own: one per layer). counts:
-    ExpertLoad's row, as softmax_topk_triton's."""
-    if arrivals.dtype != torch.int32 or arrivals.numel() != 1 or arrivals.device != x.device:
-        raise ValueError(f"norm_gemv_routed: arrivals must be one int32 on {x.device}, got {arrivals.dtype} "
-                         f"{tuple(arrivals.shape)} on {arrivals.device}")
-    route.check(weight.shape[0], counts, x.device)
-    h, res_out, _, routed = _launch(x, residual, norm_weight, eps, weight, None, out_dtype, (route, arrivals, counts))
-    return h, res_out, routed
-
-
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
-            routing: tuple[SoftmaxRoute, torch.Tensor, torch.Tensor | None] | None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     if not fits(x, weight) or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
         shape = None if residual is None else tuple(residual.shape)
         raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)} "
@@ -175,22 +121,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     block_n = max(1, _TILE_BYTES // (block_k * weight.element_size()))
     n_blocks = triton.cdiv(n, block_n)
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
-    routed = None
-    route_args: dict = dict(ROUTE=False, TOP_K=1, APPEND=0, K_PAD=1, RENORMALIZE=False, NUM_EXPERTS=1, BLOCK_E=1,
-                            COUNT=False)
-    arrivals = counts = route_w = route_ids = y  # unread placeholders without routing
-    scale = 1.0
-    if routing is not None:
-        route, arrivals, counts_row = routing
-        route_w, route_ids = route.outputs(1, x.device)
-        routed = (route_w, route_ids)
-        counts = route_ids if counts_row is None else counts_row
-        scale = float(route.scale)
-        route_args = dict(ROUTE=True, **route.constexprs(n), COUNT=counts_row is not None)
     _norm_gemv_kernel[(programs,)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
-        y, h, res_out, n, k, eps, weight.stride(0), n_blocks, arrivals, route_w, route_ids, counts, scale,
+        y, h, res_out, n, k, eps, weight.stride(0), n_blocks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if block_k >= 2048 else 4, num_stages=1, **route_args, **pdl_launch(),
+        num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
     )
-    return h, res_out, y, routed
+    return h, res_out, y

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ketch.layers.activation import silu_and_mul
-from ketch.layers.ops import TORCH_OPS, FirstProduct, LayerOps, RouteRequest
+from ketch.layers.ops import TORCH_OPS, FirstProduct, LayerOps
 from ketch.layers.sharding import load_shard
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -121,20 +121,14 @@ class Router(nn.Module):
         # ExpertLoad's counter row of this layer, handed to `select` as counts= when it adds its
         # picks itself (select_counts_picks: the Triton routing kernel); None: a hook counts
         self.count_into: Callable[[], torch.Tensor] | None = None
-        # the counter of a launch that routes in the logits' own launch (RouteRequest.arrivals)
-        self.register_buffer("route_arrivals", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def select_counts_picks(self) -> bool:
         """Whether `select` takes counts= and adds each routed pick to it (in its launch)."""
         return bool(getattr(getattr(self.select, "func", self.select), "counts_picks", False))
 
     def first_product(self) -> FirstProduct:
-        """The logits' product (fp32 logits from x as it comes: the weight is fp32 then), and
-        their routing but where the correction bias is added (forward does that)."""
-        route = None
-        if self.e_score_correction_bias is None:
-            route = RouteRequest(self.select, None if self.count_into is None else self.count_into(), self.route_arrivals)
-        return FirstProduct(self.weight, None, torch.float32 if self.fp32_logits else None, route)
+        """The logits' product (fp32 logits from x as it comes: the weight is fp32 then)."""
+        return FirstProduct(self.weight, None, torch.float32 if self.fp32_logits else None)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp32_logits and self.dense_fp32 is not None:
@@ -143,13 +137,9 @@ class Router(nn.Module):
             return self.dense(x.float(), self.weight.float(), None)
         return self.dense(x, self.weight, None)
 
-    def forward(self, x: torch.Tensor,
-                first: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """first: what the norm before computed of first_product(): the logits, or already their
-        routing (weights, ids) when it carried a RouteRequest."""
-        if isinstance(first, tuple):
-            return first
-        logits = self._logits(x) if first is None else first
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: `self._logits(x)`, computed with the norm before (first_product)."""
+        logits = self._logits(x) if logits is None else logits
         kw = {} if self.count_into is None else {"counts": self.count_into()}
         if self.e_score_correction_bias is not None:
             kw["correction_bias"] = self.e_score_correction_bias

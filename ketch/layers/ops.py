@@ -22,7 +22,6 @@ The model holds a `LayerOps` and calls through it; nothing in the step loop bran
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -42,30 +41,14 @@ def torch_qk_norm(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 
 
 @dataclass(frozen=True)
-class RouteRequest:
-    """A MoE router's routing of the logits it asks add_rms_norm_linear for: the first product's
-    result is then (topk_weights, topk_ids). `select(logits[, counts=])` routes logits computed
-    apart; an op set may route inside the product's launch instead (the Triton one at one decode
-    row, for its softmax top-k selects: kernels/norm_gemv.py). counts: ExpertLoad's row or None;
-    arrivals: the router's int32 counter for that launch (zero between launches)."""
-    select: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    counts: torch.Tensor | None
-    arrivals: torch.Tensor
-
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.select(logits) if self.counts is None else self.select(logits, counts=self.counts)
-
-
-@dataclass(frozen=True)
 class FirstProduct:
     """What a sublayer computes first from its normed input h: h @ weight^T (+ bias), in out_dtype
-    (None: h's), routed when `route` (a router's logits). The layer hands it to
-    LayerOps.add_rms_norm_linear, which may compute it in the norm's launch (`first_product()` of
-    the attention and MLP modules; None where not a plain dense product)."""
+    (None: h's). The layer hands it to LayerOps.add_rms_norm_linear, which may compute it in the
+    norm's launch (`first_product()` of the attention and MLP modules; None where not a plain
+    dense product)."""
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None
-    route: RouteRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +86,9 @@ class LayerOps:
     # backend's latent_sink); None: the model's torch ops
     mla_prepare: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # (x, residual or None, norm weight, eps, FirstProduct) -> (h, new residual, first product of
-    # h, or its routing when FirstProduct.route): a sublayer's pre-norm and its first product, one
-    # launch at one decode row (kernels/norm_gemv.py), the norm op then the product otherwise;
-    # None: the model calls the norm and the sublayer computes its own product
+    # h): a sublayer's pre-norm and its first product, one launch at one decode row
+    # (kernels/norm_gemv.py), the norm op then the product otherwise; None: the model calls the
+    # norm and the sublayer computes its own product
     add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     # (qk [tokens, heads, dim], cos, sin, num_q, v [tokens, kv_heads, dim], sink (k_cache, v_cache,
     # slots), norm (q_weight, k_weight, eps) or None) -> the q|k heads (normed and) rotated, the k
@@ -139,7 +122,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
     from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_absorb
-    from ketch.kernels.moe_route import softmax_route, softmax_topk_triton
+    from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.kernels import head_position
     from ketch.kernels.head_position import qk_rms_norm
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -169,25 +152,17 @@ def triton_ops() -> LayerOps:
         return qk_rms_norm(qk, q_weight, k_weight, eps, num_q, rope=(cos, sin))
 
     def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            first: FirstProduct) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        route = first.route
+                            first: FirstProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if norm_gemv.fits(x, first.weight):  # one decode row: one launch
-            spec = softmax_route(route.select) if route is not None and norm_gemv.ROUTE_IN_LAUNCH else None
-            if spec is not None:  # and the routing in it (its last program)
-                return norm_gemv.norm_gemv_routed(x, residual, norm_weight, eps, first.weight, spec, route.arrivals,
-                                                  counts=route.counts, out_dtype=first.out_dtype)
-            h, residual, y = norm_gemv.norm_gemv(x, residual, norm_weight, eps, first.weight, first.bias,
-                                                 out_dtype=first.out_dtype)
+            return norm_gemv.norm_gemv(x, residual, norm_weight, eps, first.weight, first.bias,
+                                       out_dtype=first.out_dtype)
+        if residual is None:
+            h, residual = rms_norm(x, norm_weight, eps), x
         else:
-            if residual is None:
-                h, residual = rms_norm(x, norm_weight, eps), x
-            else:
-                h, residual = add_rms_norm(x, residual, norm_weight, eps)
-            if first.out_dtype == torch.float32 and h.dtype != torch.float32:  # fp32 logits (a router)
-                y = linear_fp32(h, first.weight.float())
-            else:
-                y = linear(h, first.weight, first.bias)
-        return h, residual, y if route is None else route(y)
+            h, residual = add_rms_norm(x, residual, norm_weight, eps)
+        if first.out_dtype == torch.float32 and h.dtype != torch.float32:  # fp32 logits (a router)
+            return h, residual, linear_fp32(h, first.weight.float())
+        return h, residual, linear(h, first.weight, first.bias)
 
     def position_and_store(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, v: torch.Tensor,
                            sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
