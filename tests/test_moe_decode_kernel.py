@@ -133,12 +133,12 @@ def test_fused_experts_triton_takes_it_up_to_decode_max_tokens(monkeypatch):
 
 
 def test_the_switch_from_the_environment(monkeypatch):
-    """KETCH_MOE_DECODE_TOKENS (the H200 A/B's switch): one token by default, a count, or refused
+    """KETCH_MOE_DECODE_TOKENS (the H200 A/B's switch): off (0) by default, a count, or refused
     naming the variable."""
     monkeypatch.delenv("KETCH_MOE_DECODE_TOKENS", raising=False)
-    assert moe_decode._max_tokens_from_env() == 1
-    monkeypatch.setenv("KETCH_MOE_DECODE_TOKENS", "0")
     assert moe_decode._max_tokens_from_env() == 0
+    monkeypatch.setenv("KETCH_MOE_DECODE_TOKENS", "1")
+    assert moe_decode._max_tokens_from_env() == 1
     monkeypatch.setenv("KETCH_MOE_DECODE_TOKENS", "one")
     with pytest.raises(ValueError, match="KETCH_MOE_DECODE_TOKENS"):
         moe_decode._max_tokens_from_env()
@@ -190,11 +190,12 @@ for top_k, fp8 in ((8, False), (8, False), (9, True)):
 
 
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3-30b-a3b"])
-def test_a_batch_one_engine_on_the_triton_kernels_keeps_the_torch_tokens(name, tmp_path):
-    """End to end at batch 1 (one request: every decode step is one token, this path), fp32 dummy
-    weights of the config cut small: the Triton layer kernels (the interpreter without CUDA) give
-    the torch path's greedy tokens, logprobs within 1e-4; DeepSeek with its shared experts folded
-    into the fused MoE."""
+def test_a_batch_one_engine_on_the_triton_kernels_keeps_the_torch_tokens(name, tmp_path, monkeypatch):
+    """End to end at batch 1 with the path switched on (one request: every decode step is one
+    token), fp32 dummy weights of the config cut small: the Triton layer kernels (the interpreter
+    without CUDA) give the torch path's greedy tokens, logprobs within 1e-4; DeepSeek with its
+    shared experts folded into the fused MoE."""
+    monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 1)
     want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, moe_decode,
                                               "fused_experts_decode", 6)
     assert rows and set(rows) == {1}, rows  # the decode steps took this path

@@ -5,7 +5,7 @@
         tests/test_fused_moe_kernel.py); x [T, H]; w13 [E, 2I, H] = [gate | up] rows per expert;
         w2 [E, H, I]; topk_weights / topk_ids [T, k]
 
-Steps of up to moe_decode.DECODE_MAX_TOKENS tokens (batch-1 decode) take moe_decode.py instead: a
+Steps of up to moe_decode.DECODE_MAX_TOKENS tokens (0 by default: off) take moe_decode.py instead: a
 GEMV per (token, pick) row, no alignment, the combine inside the down kernel. Larger steps:
 three launches after the alignment (no host sync anywhere: shapes decide the grids):
     1. gate|up GEMM with SiLU·mul in its epilogue: one program holds BLOCK_M rows of one expert

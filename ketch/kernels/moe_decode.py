@@ -49,17 +49,18 @@ FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
 
 
 def _max_tokens_from_env() -> int:
-    """KETCH_MOE_DECODE_TOKENS=<n> (0: never) for the H200 A/B (scripts/h200_ab.sh NEW_ENV)."""
-    setting = os.environ.get("KETCH_MOE_DECODE_TOKENS", "1")
+    """KETCH_MOE_DECODE_TOKENS=<n> (0, the default: never) for H200 A/Bs (scripts/h200_ab.sh NEW_ENV)."""
+    setting = os.environ.get("KETCH_MOE_DECODE_TOKENS", "0")
     if not setting.isdigit():
         raise ValueError(f"KETCH_MOE_DECODE_TOKENS: a token count, got {setting!r}")
     return int(setting)
 
 
-# Steps of up to this many tokens take this path. One: the batch-1 step it is made for, where the
-# rows cannot share an expert but the shared ones; from two tokens on, rows that pick one expert
-# read it once each here (L2 may serve the second) and once per block on the grouped path: where
-# the two cross is for an H200 sweep to say (benchmarks/fused_moe.py --decode).
+# Steps of up to this many tokens take this path. Off (0): measured on the H200 (run 76,
+# docs/performance.md) the batch-1 step was slower on it than on the grouped path, by 0.44 ms
+# (Qwen3-30B-A3B, 48 layers) and 0.53 ms (DeepSeek-V2-Lite, 26): its GEMV-shaped programs stream
+# the experts worse than the grouped GEMM's tiles, more than the two launches it saves. Kept
+# (tested, opt-in) for a sweep of its blocks to revisit (benchmarks/fused_moe.py --decode).
 DECODE_MAX_TOKENS = _max_tokens_from_env()
 
 
