@@ -19,7 +19,7 @@ from test_hicache_l2 import PARAMS, PS, multi_turn
 from test_hicache_l3 import LONG, file_url, finish, l3_engine, over_a_stored_long, reference  # noqa: F401  (reference: the fixture)
 
 from ketch.cache.storage.backend import StorageStats
-from ketch.cache.storage.file import FileStorage
+from ketch.cache.storage.file import FileStorage, file_mode
 from ketch.cache.storage_tier import StorageTier
 from ketch.sampling.params import SamplingParams
 
@@ -47,18 +47,14 @@ def test_a_nul_byte_in_the_store_directory_is_refused() -> None:
 def test_page_files_get_the_umask_mode(tmp_path: Path) -> None:
     """mkstemp's 0600 would keep another user's engine on a shared store from reading the pages."""
     old = os.umask(0o022)
+    file_mode.cache_clear()  # the mode is read from the umask once
     try:
-        import importlib
-
-        import ketch.cache.storage.file as file_backend
-
-        importlib.reload(file_backend)  # the mode is read from the umask at import
-        store = file_backend.FileStorage(tmp_path)
+        store = FileStorage(tmp_path)
         assert store.set("ab" * 8, b"page")
         assert store.path("ab" * 8).stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(old)
-        importlib.reload(file_backend)
+        file_mode.cache_clear()
 
 
 class _FirstSetRaises:

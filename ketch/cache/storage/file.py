@@ -12,6 +12,7 @@ counts it and returns False; the engine keeps serving from its other tiers.
 """
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Sequence
@@ -77,9 +78,11 @@ class FileStorage:
         return len(keys)
 
 
-def _umask_file_mode() -> int:
-    """0o666 less the process umask; read from /proc (Linux), else by setting it and putting it
-    back (a moment in which another thread's files would get umask 0: only where /proc lacks it)."""
+@functools.cache
+def file_mode() -> int:
+    """0o666 less the process umask (read once); from /proc (Linux), else by setting the umask and
+    putting it back (a moment in which another thread's files would get umask 0: only where /proc
+    lacks it)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -91,8 +94,6 @@ def _umask_file_mode() -> int:
     return 0o666 & ~mask
 
 
-_FILE_MODE = _umask_file_mode()
-
 
 def _write_atomic(path: Path, value: bytes) -> None:
     """Write `value` to `path` through a temp file in the same folder (a rename is atomic only
@@ -102,7 +103,7 @@ def _write_atomic(path: Path, value: bytes) -> None:
     try:
         # mkstemp makes 0600 files; a shared store's other engines (other users) must read them:
         # the mode a plain open() would give under this process's umask
-        os.fchmod(fd, _FILE_MODE)
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(value)
         os.replace(tmp, path)
