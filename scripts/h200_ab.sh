@@ -42,6 +42,10 @@ for m in $MODELS; do
     bench base "$BASE_TREE" "$m" ""
     bench new . "$m" "$NEW_ENV"
   done
-  [ "${PROFILE:-0}" = 1 ] && bench "new profile" . "$m" "$NEW_ENV" --profile
+  if [ "${PROFILE:-0}" = 1 ]; then  # the whole summary: families and the top kernels
+    (export PYTHONPATH="${site:+$site:}$PWD" $NEW_ENV && timeout 300 python3 -m ketch.cli bench one-batch \
+      --model "configs/$m" --load-format dummy $ARGS --profile "$OUT/trace-$m.json" 2>&1 | grep -v "^\s*$" \
+      | sed -n '/profiled steps/,$p' | head -40 | tee -a "$LOG"; gzip -f "$OUT/trace-$m.json")
+  fi
 done
 echo "=== done ($(date +%T))" | tee -a "$LOG"

@@ -162,7 +162,7 @@ def run_one_batch(a: argparse.Namespace) -> OneBatchResult:
         run_round(engine, a.batch_size, a.input_len, a.output_len, rng, "profile", prof, a.profile_steps)
         prof.export_chrome_trace(a.profile)
         summary = summarize_file(a.profile)
-        print(f"trace: {a.profile}\n{summary.format()}")
+        print(f"trace: {a.profile}\n{summary.format(top=30)}")
     engine.check_invariants()
     if a.output_file:
         meta = {

@@ -19,6 +19,7 @@ result equals `mla_prepare_ref` up to fused multiply-add and summation-order dif
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,6 +30,10 @@ from ketch.kernels._common import pdl_launch, pow2
 from ketch.kernels.head_gemv import head_block, plan_head_gemv
 from ketch.kernels.kv_store import FP8_MAX
 from ketch.kernels.rotary import rotated
+
+# KETCH_MLA_ABSORB=0: the W_UK product back in the backend (mla_prepare, then head_gemv: two
+# launches), the switch of the GPU A/B of mla_prepare_absorb alone
+ABSORB_ENABLED = os.environ.get("KETCH_MLA_ABSORB", "1") != "0"
 
 
 @triton.jit

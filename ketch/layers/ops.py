@@ -121,7 +121,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.activation import silu_and_mul
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
-    from ketch.kernels.mla_prepare import mla_prepare, mla_prepare_absorb
+    from ketch.kernels.mla_prepare import ABSORB_ENABLED, mla_prepare, mla_prepare_absorb
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.kernels import head_position
     from ketch.kernels.head_position import qk_rms_norm
@@ -176,7 +176,7 @@ def triton_ops() -> LayerOps:
                     linear_fp32=linear_fp32, fused_experts=fused_experts_triton, softmax_topk=softmax_topk_triton,
                     qk_norm=qk_rms_norm, qk_norm_rotary=qk_norm_rotary, mla_prepare=mla_prepare,
                     add_rms_norm_linear=add_rms_norm_linear, position_and_store=position_and_store,
-                    mla_prepare_absorb=mla_prepare_absorb)
+                    mla_prepare_absorb=mla_prepare_absorb if ABSORB_ENABLED else None)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)
