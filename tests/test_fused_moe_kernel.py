@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("triton")
 
 from fp8_blocks import dequantize_blocks, quantize_blocks
-from ketch.kernels import moe_decode
+from ketch.kernels import fused_moe, moe_decode
 from ketch.kernels.fused_moe import FP8_BLOCK, fused_experts_triton, pick_config
 from ketch.kernels.moe_align import max_padded_rows, moe_align
 from ketch.layers.moe import fused_experts_ref
@@ -99,6 +99,53 @@ def test_fused_experts_triton_is_the_reference(tokens, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("top_k", [1, K, 5])
+def test_one_token_skips_the_alignment_and_keeps_the_aligned_result(dtype, top_k, monkeypatch):
+    """A lone token's picks are the blocks themselves (DIRECT_MAX_TOKENS): no alignment launch,
+    the aligned path's tiles in pick order, so the result is the aligned path's (bit for bit in
+    the interpreter; compiled variants may order FMAs apart) and the reference's. Two tokens
+    still align."""
+    monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 0)
+    aligned = []
+
+    def counting_align(*args, **kwargs):
+        aligned.append(args[0].shape[0])
+        return moe_align(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "moe_align", counting_align)
+    w13, w2 = experts(dtype, seed=top_k)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(7 + top_k)).to(DEVICE, dtype)
+    weights, ids = routed(1, seed=40 + top_k, top_k=top_k)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_TOKENS", 1)
+    direct = fused_experts_triton(x, w13, w2, weights, ids)
+    assert aligned == [], "one token: no alignment"
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_TOKENS", 0)
+    through_alignment = fused_experts_triton(x, w13, w2, weights, ids)
+    assert aligned == [1]
+    ref = fused_experts_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(direct.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if DEVICE.type == "cpu":
+        assert torch.equal(direct, through_alignment)
+    else:
+        torch.testing.assert_close(direct.float(), through_alignment.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_TOKENS", 1)
+    two = torch.cat([x, -x])
+    weights2, ids2 = routed(2, seed=50 + top_k, top_k=top_k)
+    got2 = fused_experts_triton(two, w13, w2, weights2, ids2)
+    assert aligned == [1, 2], "two tokens: aligned"
+    torch.testing.assert_close(got2.float(), fused_experts_ref(two, w13, w2, weights2, ids2).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_direct_tokens_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("KETCH_MOE_DIRECT_TOKENS", "2")
+    with pytest.raises(ValueError, match="KETCH_MOE_DIRECT_TOKENS"):
+        fused_moe._direct_max_tokens()
+    monkeypatch.setenv("KETCH_MOE_DIRECT_TOKENS", "0")
+    assert fused_moe._direct_max_tokens() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (5, 2, 64), (3, 6, 1500)])
 def test_combine_is_the_references_sum(tokens, top_k, hidden, dtype):
     """The fused path's third launch: each token's k rows summed (fp32, one rounding) as
@@ -159,7 +206,8 @@ def test_config_table_tuned_buckets_then_heuristic(monkeypatch):
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
-    and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs, the fp8 gated one (two
+    and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs (aligned, and direct as a
+    lone token takes them), the fp8 gated one (two
     accumulators and the scales) and the prefill down GEMM (the widest tile); the one-CTA
     alignment kernel, the softmax top-k routing kernel at the models' expert counts and the
     combine (which loads nothing before the PDL wait: its rows are the down GEMM's output)."""
@@ -167,10 +215,12 @@ def test_kernels_compile_for_sm90_without_spills():
 import triton
 from ketch.kernels.compile_check import _compile, _usage
 from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
-for tokens, kind, which in ((1, "16", "up down"), (512, "fp8", "up"), (4096, "16", "down")):
+for tokens, kind, which, direct in ((1, "16", "up down", True), (1, "16", "up down", False), (512, "fp8", "up", False),
+                                   (4096, "16", "down", False)):
     cfg = pick_config(tokens, 128, 2048, 768, 8, kind)
     for gated, g in [(w == "up", getattr(cfg, w)) for w in which.split()]:
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
+                      DIRECT=direct,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
         sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")

@@ -119,6 +119,7 @@ def test_fused_experts_triton_takes_it_up_to_decode_max_tokens(monkeypatch):
         return real_align(topk_ids, *args, **kwargs)
 
     monkeypatch.setattr(fused_moe, "moe_align", watched)
+    monkeypatch.setattr(fused_moe, "DIRECT_MAX_TOKENS", 0)  # the grouped path's lone token aligns too
     monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 2)
     w13, w2 = experts(torch.float32, seed=1)
     for tokens in (1, 2, 3):

@@ -6,8 +6,10 @@
         w2 [E, H, I]; topk_weights / topk_ids [T, k]
 
 Steps of up to moe_decode.DECODE_MAX_TOKENS tokens (0 by default: off) take moe_decode.py instead: a
-GEMV per (token, pick) row, no alignment, the combine inside the down kernel. Larger steps:
-three launches after the alignment (no host sync anywhere: shapes decide the grids):
+GEMV per (token, pick) row, no alignment, the combine inside the down kernel. A step of one token
+(DIRECT_MAX_TOKENS) skips the alignment: each pick's row is a block of its own, the flat top-k ids
+the blocks' experts. Otherwise three launches after the alignment (no host sync anywhere: shapes
+decide the grids):
     1. gate|up GEMM with SiLU·mul in its epilogue: one program holds BLOCK_M rows of one expert
        and BLOCK_N intermediate columns, accumulates gate and up (two fp32 accumulators over the
        same A tile: rows n and I + n of w13[e]) and writes silu(gate) * up -> inter [T*k, I],
@@ -39,6 +41,7 @@ shapes fall back to a heuristic by rows per expert). Per-step values (the number
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +54,21 @@ from ketch.kernels.moe_align import moe_align
 from ketch.kernels.moe_combine import moe_sum
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size [128, 128]
+
+
+def _direct_max_tokens() -> int:
+    raw = os.environ.get("KETCH_MOE_DIRECT_TOKENS", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"KETCH_MOE_DIRECT_TOKENS must be 0 or 1, got {raw!r}")
+    return int(raw)
+
+
+# Steps of up to this many tokens skip the alignment: a lone token's k picks are k distinct
+# experts, so the row of each pick is its own block (the flat top-k ids are the blocks' experts)
+# and both GEMMs run the aligned path's tiles, in pick order rather than expert order. At two
+# tokens and more, picks share experts and per-pick blocks would stream a shared expert twice.
+# KETCH_MOE_DIRECT_TOKENS=0: the alignment at batch 1 too (the GPU A/B's switch).
+DIRECT_MAX_TOKENS = _direct_max_tokens()
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,7 @@ def _moe_gemm_kernel(
     A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad,
     N, K, num_rows, num_m_blocks,
     stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -140,13 +158,18 @@ def _moe_gemm_kernel(
     pid_n = pid // num_m_blocks
     if USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
-    if pid_m * BLOCK_M >= tl.load(NumPostPad):
-        return
-    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(SortedIds + offs_m)
-    valid = rows < num_rows
-    rows = rows.to(tl.int64)
+    if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        valid = tl.arange(0, BLOCK_M) == 0
+        rows = tl.full([BLOCK_M], pid_m, tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(NumPostPad):
+            return
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(SortedIds + offs_m)
+        valid = rows < num_rows
+        rows = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -185,10 +208,13 @@ def _moe_gemm_kernel(
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
              topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-             num_post_pad: torch.Tensor, *, a_row_div: int, gated: bool, block_m: int, cfg: GemmConfig) -> None:
+             num_post_pad: torch.Tensor, *, a_row_div: int, gated: bool, block_m: int, cfg: GemmConfig,
+             direct: bool = False) -> None:
     """c[row] = a[row // a_row_div] @ w[expert]^T for each row of each block (see the module
     docstring); gated: c = silu(gate) * up with w's rows [gate | up]; topk_weights: times the
-    row's routing weight. c has one row per (token, slot); rows are never written twice."""
+    row's routing weight. c has one row per (token, slot); rows are never written twice.
+    direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
+    (sorted_ids and num_post_pad unread)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     fp8 = scale is not None
@@ -200,7 +226,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
         n, k, c.shape[0], num_m_blocks,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         *(scale.stride() if fp8 else (0, 0, 0)),
-        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=topk_weights is not None, FP8=fp8,
+        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=topk_weights is not None, FP8=fp8, DIRECT=direct,
         UPCAST=interpreting() or a.dtype == torch.float32, PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
@@ -238,13 +264,18 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = (w if w.stride(-1) == 1 else w.contiguous() for w in (w13, w2))
     cfg = pick_config(tokens, num_experts, hidden, inter, top_k, "fp8" if w13_scale is not None else "16")
-    sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg.block_m)
+    direct = tokens <= DIRECT_MAX_TOKENS  # by shape (graph-safe)
+    if direct:  # one token: its picks are distinct experts already, one block each
+        expert_ids = topk_ids.reshape(-1).contiguous()
+        sorted_ids = num_post_pad = expert_ids  # unread
+    else:
+        sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg.block_m)
     rows = tokens * top_k
     inter_act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, inter_act, w13_scale, None, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up)
+             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down)
+             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct)
     return moe_sum(out.view(tokens, top_k, hidden))
