@@ -50,6 +50,7 @@ class StorageStats:
     dropped_writes: int = 0  # a set that returned False: full disk, permissions, ...
     read_errors: int = 0  # a get that failed for another reason than a missing key
     errors: int = 0  # a request to a storage server that failed (refused, timed out, an error reply)
+    stale_temps_removed: int = 0  # file backend: temp files of dead writers swept away
 
     def count_get(self, answer: "bytes | None | Failed") -> bytes | None:
         """A get's answer from a store's server, counted: a failed request (None after it), a

@@ -1,28 +1,36 @@
 """The file backend of L3: one file per key under a directory (`file:///dir`).
 
 Files live in 256 shard folders named by the key's first two characters, so no folder grows
-to millions of entries. A write goes to a temp file in the shard folder, then `os.replace`
-renames it over the key: a reader (another engine on the same directory, or this one after a
-crash) sees the old value or the new one, never a half-written page. There is no fsync: after a
-power loss a page may be missing or torn, and the codec's checksum rejects a torn page, so
-durability would buy nothing a cache needs.
+to millions of entries. A write goes to a temp file in `<dir>/.tmp`, then `os.replace` renames it
+over the key (one file system: the rename is atomic): a reader (another engine on the same
+directory, or this one after a crash) sees the old value or the new one, never a half-written
+page. There is no fsync: after a power loss a page may be missing or torn, and the codec's
+checksum rejects a torn page, so durability would buy nothing a cache needs.
 
 Any OSError on a write (ENOSPC, EACCES, EROFS, a path that is not a folder) drops the write,
 counts it and returns False; the engine keeps serving from its other tiers.
+
+Temps of writers that died before their rename are swept (file_temps.py says which are stale):
+when a FileStorage opens the directory and every SWEEP_INTERVAL_S after, from the writer's set(),
+one scandir of `.tmp` each time; stats.stale_temps_removed counts them.
 """
 from __future__ import annotations
 
 import functools
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ketch.cache.storage import file_temps
 from ketch.cache.storage.backend import StorageStats, check_key
 
 
 class FileStorage:
     local = True  # exists() is a stat on this machine: cheap enough for the engine thread
+    sweep_interval_s = file_temps.SWEEP_INTERVAL_S
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         """root: the directory; created on the first write (not here: a bad path must not stop
         the engine from starting, its writes are dropped and counted instead)."""
@@ -32,6 +40,16 @@ class FileStorage:
         if not self.root.is_absolute():
             raise ValueError(f"hicache_storage_url: the file backend needs an absolute directory, got {root!r}")
         self.stats = StorageStats()
+        self._last_sweep = 0.0
+        self.sweep_temps()
+
+    def sweep_temps(self) -> int:
+        """Remove the temps that dead writers left (any engine's, on any host: file_temps.py);
+        how many went, also added to stats.stale_temps_removed. Never raises."""
+        self._last_sweep = time.monotonic()
+        removed = file_temps.sweep(self.root / file_temps.TEMP_DIR)
+        self.stats.stale_temps_removed += removed
+        return removed
 
     def path(self, key: str) -> Path:
         check_key(key)
@@ -54,8 +72,10 @@ class FileStorage:
     def set(self, key: str, value: bytes) -> bool:
         path = self.path(key)
         self.stats.sets += 1
+        if time.monotonic() - self._last_sweep >= self.sweep_interval_s:
+            self.sweep_temps()  # writers on other hosts die while this engine runs on
         try:
-            _write_atomic(path, value)
+            _write_atomic(path, value, self.root / file_temps.TEMP_DIR)
         except OSError:
             self.stats.dropped_writes += 1
             return False
@@ -95,11 +115,13 @@ def file_mode() -> int:
 
 
 
-def _write_atomic(path: Path, value: bytes) -> None:
-    """Write `value` to `path` through a temp file in the same folder (a rename is atomic only
-    within one file system); the temp file is removed when anything fails."""
+def _write_atomic(path: Path, value: bytes, temps: Path) -> None:
+    """Write `value` to `path` through a temp file in `temps` (the store's temp folder: the same
+    file system, where a rename is atomic); the temp file is removed when anything fails. Its name
+    says which process wrote it, so a sweep can tell a dead writer's temp (file_temps.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    temps.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=temps, prefix=file_temps.temp_prefix())
     try:
         # mkstemp makes 0600 files; a shared store's other engines (other users) must read them:
         # the mode a plain open() would give under this process's umask
