@@ -131,6 +131,9 @@ class ToolParser(abc.ABC):
         # At most this many calls (None: any number); the output after the last one is dropped,
         # calls and content alike (`parallel_tool_calls: false`).
         self.max_calls = max_calls
+        # max_calls calls are complete: set as the last one closes (before finish()), so the output
+        # can end right there (the server stops the sample at that token).
+        self.calls_complete = False
 
     @abc.abstractmethod
     def feed(self, text: str) -> ToolDelta: ...

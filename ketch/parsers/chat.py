@@ -125,6 +125,12 @@ class ChatOutputParser:
         """The output ended inside the last call's arguments (after finish())."""
         return self._tools is not None and self._finished and self._tools.result().truncated
 
+    @property
+    def calls_complete(self) -> bool:
+        """max_calls calls are complete, known as the text closing the last one is fed (before
+        finish()): nothing after it is part of the answer, so the output can end there."""
+        return self._tools is not None and self._tools.calls_complete
+
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """The choice's finish reason from the engine's ("stop", "length", ...): "tool_calls" when it
         stopped on its own after whole calls, or when max_calls whole calls ended the answer (what the

@@ -17,7 +17,8 @@ it too, with the argument text read so far (`truncated` when that is not a whole
 call announced and then broken by bad text cannot be taken back: it is the only way the stream and
 the final message can differ (see README).
 
-With `max_calls`, reading stops once that many calls are complete: the rest of the output is dropped.
+With `max_calls`, reading stops once that many calls are complete: the rest of the output is dropped,
+and `calls_complete` says so at once (at the character that closed the last call).
 """
 from __future__ import annotations
 
@@ -283,6 +284,7 @@ class StreamingToolParser(ToolParser):
         (a JSON list, a DeepSeek block) and is content if that group breaks."""
         self._record_call(reopen)
         if self.max_calls is not None and len(self._calls) >= self.max_calls:
+            self.calls_complete = True
             raise _LimitReached
 
     def _record_call(self, reopen: bool = False) -> None:

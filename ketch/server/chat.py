@@ -62,7 +62,8 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
     check_context(prompt_ids, params, state.client, "messages", generated)
     bootstrap = bootstrap_of(fields, state.client.config.disaggregation_mode, params, 1, generated)
     rid = new_request_id("chatcmpl")
-    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay, bootstrap)
+    gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay, bootstrap,
+                     plan.answer_end)
     gen.start()
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     with_ids = bool(fields.get("return_token_ids"))

@@ -3,7 +3,9 @@
     prompts[i] ──▶ engine request "<id>-<i>" ──▶ samples 0..n-1 ──▶ choice i*n + sample
 
 Text (detokenization, stop strings) is made here with ketch.text.SampleText. A sample that hits a
-stop string is aborted in the engine at once and reported as finish_reason "stop". Leaving early
+stop string is aborted in the engine at once and reported as finish_reason "stop"; so is one whose
+text ends the answer (`answer_end`: the one tool call `parallel_tool_calls: false` allows is
+complete), at the token that did, its later tokens neither output nor counted. Leaving early
 (client gone, error, cancellation, deadline, shutdown) aborts the unfinished samples with one
 message per prompt, so the engine frees their pages. Each sample holds one admission slot until it
 ends; `close()` (idempotent, called from every exit path) releases whatever is still held.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import msgspec
 
@@ -96,11 +98,13 @@ def _resume_named(message: str) -> str:
 class Generation:
     """`generated`: a resumed stream's ids so far (one prompt, n = 1; README, "Resuming a stream");
     `replay`: the ids its client has after those, which the engine makes again without their text
-    being sent, so that an event the original had cut short (its finish not sent yet) ends here."""
+    being sent, so that an event the original had cut short (its finish not sent yet) ends here.
+    `answer_end`: makes each sample's watch of its text (SampleText's `end`), or None."""
 
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None = None, generated: list[int] | None = None,
-                 replay: list[int] | None = None, bootstrap: Bootstrap | None = None) -> None:
+                 replay: list[int] | None = None, bootstrap: Bootstrap | None = None,
+                 answer_end: Callable[[], Callable[[str], bool] | None] | None = None) -> None:
         self.client, self.params = state.client, params
         self.timeout = timeout if timeout is not None else state.request_timeout
         self._admission, self._metrics = state.admission, state.metrics
@@ -111,9 +115,10 @@ class Generation:
         self.bootstrap = bootstrap  # PD (server/pd.py)
         self.replay = list(replay or ())
         try:
-            self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or ()), list(self.replay))
+            self.samples = {(rid, j): _Sample(SampleText(state.tokenizer, ids, params, generated or (),
+                                                         answer_end() if answer_end else None), list(self.replay))
                             for rid, ids in self.prompts.items() for j in range(params.n)}
-        except ValueError as e:  # a resumed text that already holds a stop string
+        except ValueError as e:  # a resumed text that already holds a stop string (or the last call)
             raise bad_value(_resume_named(str(e))) from None
         self.usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -239,7 +244,7 @@ class Generation:
             self.usage.pd_timing = d.pd_timing
         silent, stopped, rest, count = self._replay(sample, d) if sample.replay else ("", None, d, 0)
         text, kept = "", 0
-        if rest is not None and stopped is None:
+        if rest is not None and stopped is None and not sample.text.ended:
             text, stopped, kept = sample.text.push(rest)  # ids past a stop string's token are not output
         count += kept
         if count:
@@ -249,7 +254,7 @@ class Generation:
         choice = self._prompt_index[d.request_id] * self.params.n + d.index
         event = ChoiceEvent(choice, text, list(rest.new_token_ids[:kept]) if rest else [],
                             list((rest.new_logprobs or [])[:kept]) if rest else [], silent_text=silent)
-        if stopped is not None:
+        if stopped is not None or sample.text.ended:  # a stop string, or the answer's end
             self.client.abort(d.request_id, d.index)
             event.finish_reason, event.matched_stop = "stop", stopped
         elif d.finished:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ketch.parsers import ChatOutputParser, apply_tool_prompt, template_supports_tools, validate_tools
 from ketch.parsers.tool_grammar import after_reasoning, answer_format, forced_calls, structural_tag
@@ -39,6 +39,19 @@ class ChatPlan:
         """One per choice; with neither parser it passes the text through as content, unchanged."""
         return ChatOutputParser(reasoning_parser=self.reasoning_parser, tool_parser=self.tool_parser,
                                 tools=self.tools, enable_thinking=self.enable_thinking, max_calls=self.max_calls)
+
+    def answer_end(self) -> Callable[[str], bool] | None:
+        """With max_calls, one sample's watch of its output text: True once the last call allowed is
+        complete. Nothing after it is part of the answer, so the sample ends at that token (its own
+        parser, fed the same text as the choice's; None: no such end)."""
+        if self.max_calls is None or self.tool_parser is None:
+            return None
+        parser = self.output_parser()
+
+        def ended(text: str) -> bool:
+            parser.feed(text)
+            return parser.calls_complete
+        return ended
 
     def grammar(self, answer: GrammarSpec | None, field: str | None) -> GrammarSpec | None:
         """The grammar to decode with: forced calls, or the response format; after the reasoning."""

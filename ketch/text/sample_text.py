@@ -6,7 +6,7 @@ Shared by the offline `LLM` and the server's API process, which both receive tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from ketch.text.detokenizer import IncrementalDetokenizer
 from ketch.text.stop import StopChecker
@@ -49,6 +49,11 @@ class SampleText:
     one completes it (like stop token ids; it may begin in the text before). The text of a stop
     token (EOS or stop_token_ids) is not part of the output.
 
+    `end` (optional): an end the text decides, the server's watch for the last tool call that
+    `parallel_tool_calls: false` allows. It is fed each token's output text (what passed the stop
+    strings, as a parser of the output reads it) and returns True once the output is complete; the
+    sample then ends at that token as at a stop string (`ended`), from the `min_tokens`-th on.
+
     A resumed stream (`generated_ids`: the outputs another worker already streamed, engine
     README) starts where the original stood after them: they go through first, so the
     detokenizer's pending bytes and the stop checker's held text are the original's, a stop string
@@ -57,7 +62,7 @@ class SampleText:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SampleTextParams,
-                 generated_ids: Sequence[int] = ()) -> None:
+                 generated_ids: Sequence[int] = (), end: Callable[[str], bool] | None = None) -> None:
         if tokenizer is None and params.stop:  # there is no text to find them in: not ignored silently
             raise ValueError("stop: this model has no tokenizer, so stop strings cannot be matched; "
                              "send stop_token_ids")
@@ -65,6 +70,9 @@ class SampleText:
         self.stop = StopChecker(params.stop) if (tokenizer and params.stop) else None
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
+        self.end = end if tokenizer else None
+        self._end_seen = False  # `end` returned True (before min_tokens the sample goes on)
+        self.ended = False  # `end` ended the sample (Pushed.kept: up to the token it did at)
         self.resumed_text = self._replay(list(generated_ids))
 
     def _replay(self, ids: list[int]) -> str:
@@ -74,6 +82,9 @@ class SampleText:
         if pushed.stopped is not None:
             raise ValueError(f"generated_token_ids: their text contains the stop string {pushed.stopped!r}, "
                              f"so the stream ended there")
+        if self.ended:
+            raise ValueError("generated_token_ids: their text completes the last tool call allowed "
+                             "(parallel_tool_calls: false), so the stream ended there")
         return pushed.text
 
     def push(self, out: TokenDeltaLike) -> Pushed:
@@ -83,7 +94,7 @@ class SampleText:
             return Pushed("", None, len(ids))
         stop_token = out.finished and isinstance(out.matched_stop, int) and len(ids) > 0
         text_ids = ids[:-1] if stop_token else ids
-        if self.stop is None:
+        if self.stop is None and self.end is None:
             self.num_tokens += len(ids)
             text = self.detok.push(text_ids)
             return Pushed(text + self.detok.flush() if out.finished else text, None, len(ids))
@@ -91,21 +102,26 @@ class SampleText:
         for i, token in enumerate(text_ids):
             self.num_tokens += 1
             matched = self._check(self.detok.push([token]), emitted)
-            if matched is not None:
+            if matched is not None or self.ended:
                 return Pushed("".join(emitted), matched, i + 1)
         self.num_tokens += len(ids) - len(text_ids)  # the stop token
         if out.finished:
             matched = self._check(self.detok.flush(), emitted)  # bytes the detokenizer still held
             if matched is not None:
                 return Pushed("".join(emitted), matched, len(ids))
-            emitted.append(self.stop.flush())
+            if self.stop is not None:
+                emitted.append(self.stop.flush())
         return Pushed("".join(emitted), None, len(ids))
 
     def _check(self, text: str, emitted: list[str]) -> str | None:
         """One token's text through the stop checker (before min_tokens as context only: a stop
         string may begin there but must end at the min_tokens-th token or later): what may go out
-        is appended to `emitted`; the stop string it completed, if any."""
-        assert self.stop is not None
-        safe, matched = self.stop.feed(text, match=self.num_tokens >= self.min_tokens)
+        is appended to `emitted`; the stop string it completed, if any. What goes out is fed to
+        `end` (every token's, so that it reads the whole output; it ends the sample from the
+        min_tokens-th token on)."""
+        safe, matched = self.stop.feed(text, match=self.num_tokens >= self.min_tokens) if self.stop else (text, None)
         emitted.append(safe)
+        if matched is None and self.end is not None:
+            self._end_seen = self._end_seen or (bool(safe) and self.end(safe))
+            self.ended = self._end_seen and self.num_tokens >= self.min_tokens
         return matched
