@@ -117,6 +117,7 @@ def _serve(a: argparse.Namespace) -> int:
         max_n=a.max_n, max_request_samples=a.max_request_samples, request_timeout=a.request_timeout,
         watchdog_timeout=a.watchdog_timeout,
         max_connections=a.max_connections, header_timeout=a.header_timeout, body_timeout=a.body_timeout,
+        max_header_bytes=a.max_header_bytes,
         api_server_count=a.api_server_count,
     )
     return run(EngineConfig(**engine_kwargs(a)), server)
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HTTP API processes sharing the port (SO_REUSEPORT) in front of the one engine: more "
                         "streams' tokenizing, detokenizing and SSE work in parallel (default 1)")
     s.add_argument("--header-timeout", type=float, default=30.0, help="seconds a client may take to send headers")
+    s.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                   help="bytes a request's line and headers may take; more get a 431 and the connection closed")
     s.add_argument("--body-timeout", type=float, default=60.0, help="seconds a client may take to send a body")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3", "mistral", "deepseek-v3"],
                    help="the model's tool-call format (templates without tool support always use hermes)")

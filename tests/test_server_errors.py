@@ -6,11 +6,14 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import threading
 import time
 
 import pytest
 from server_util import connect, health, metrics, open_stream, pages_all_back, post, running_server, wait_for
+
+from ketch.server.http_protocol import MAX_HEADER_BYTES
 
 MAX_BODY = 200_000
 LONG = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
@@ -148,19 +151,21 @@ def test_http_edges_allow_on_405_head_on_health_and_a_client_leaving_mid_body(se
     assert (e.value.status, e.value.code) == (400, "client_disconnected")
 
 
-def test_an_answer_given_before_the_body_came_closes_the_connection(server):
+@pytest.mark.parametrize("path, length, status", [("/nope", 1000, 404), (CMPL, MAX_BODY + 1, 413)])
+def test_an_answer_given_before_the_body_came_closes_the_connection(server, path, length, status):
     """A 404 (or 401, 413, 408) given while the announced body has not all come: the server closes
-    the connection. It used to read and drop the rest for as long as the client trickled it, with
+    the connection, and says so (`connection: close`: a client learnt it only when it reused the
+    connection). It used to read and drop the rest for as long as the client trickled it, with
     no deadline left: any client, key or not, could hold a connection slot forever."""
-    import socket
-
     _, base = server
     sock = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
-    sock.sendall(b"POST /nope HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n")
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 f"content-length: {length}\r\n\r\n".encode())
     sock.settimeout(30)  # a deadline for a broken server, not a synchronisation
     resp = http.client.HTTPResponse(sock)
     resp.begin()
-    assert resp.status == 404
+    assert resp.status == status
+    assert resp.getheader("connection") == "close"
     resp.read()
     try:  # one more body byte: it used to postpone the keep-alive timeout, and nothing else closed it
         sock.sendall(b"x")
@@ -169,6 +174,77 @@ def test_an_answer_given_before_the_body_came_closes_the_connection(server):
         closed = True
     assert closed  # (a server that kept it open fails on the timeout above)
     sock.close()
+
+
+def _head(path: str, size: int, method: str = "GET", fields: bytes = b"") -> bytes:
+    """A request line and headers of exactly `size` bytes: one padding header fills them."""
+    start = f"{method} {path} HTTP/1.1\r\nhost: x\r\n".encode() + fields + b"x-pad: "
+    return start + b"p" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+def _answer(sock: socket.socket) -> tuple[http.client.HTTPResponse, bytes]:
+    sock.settimeout(30)  # a deadline for a broken server, not a synchronisation
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    return resp, resp.read()
+
+
+def _assert_431_and_closed(sock: socket.socket) -> None:
+    resp, body = _answer(sock)
+    _assert_error(resp.status, json.loads(body), 431, code="request_headers_too_large")
+    assert resp.getheader("connection") == "close"
+    try:
+        closed = sock.recv(1) == b""
+    except ConnectionResetError:  # the rest of what was sent met the closed socket
+        closed = True
+    assert closed
+    sock.close()
+
+
+def _send_all_it_takes(sock: socket.socket, data: bytes, piece: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(0, len(data), piece):
+        try:
+            sock.sendall(data[i:i + piece])
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the server answered and closed before all of it was sent
+
+
+OVER_THE_CAP = {
+    "one long line": _head("/health", MAX_HEADER_BYTES + 1),
+    "many lines": b"GET /health HTTP/1.1\r\nhost: x\r\n" + b"".join(
+        b"x-h%05d: v\r\n" % i for i in range(MAX_HEADER_BYTES // 12)) + b"\r\n",
+    "a line that never ends": b"GET /health HTTP/1.1\r\nx-pad: " + b"p" * (2 * MAX_HEADER_BYTES),
+}
+
+
+@pytest.mark.parametrize("piece", [None, 1000], ids=["one send", "many small sends"])
+@pytest.mark.parametrize("head", OVER_THE_CAP.values(), ids=OVER_THE_CAP.keys())
+def test_a_head_over_the_cap_is_a_431_that_closes_the_connection(server, head, piece):
+    """Request line and headers beyond --max-header-bytes (64 KiB): counted as the bytes come,
+    whether the head ends or not (the server used to buffer them until --header-timeout)."""
+    _, base = server
+    sock = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    _send_all_it_takes(sock, head, piece or len(head))
+    _assert_431_and_closed(sock)
+    assert health(base) == 200
+
+
+def test_a_head_at_the_cap_is_served_with_its_body_and_each_request_has_its_own_cap(server):
+    """Exactly MAX_HEADER_BYTES of head, its body in the same send (a read past the cap that holds
+    the head's end): served, and the connection kept; so is a second such request on it. One byte
+    more on the same connection is a 431."""
+    _, base = server
+    sock = socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])))
+    body = b'{"prompt": "Hi"}' + b" " * 150_000  # (under --max-request-bytes)
+    fields = b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+    for _ in range(2):
+        sock.sendall(_head("/tokenize", MAX_HEADER_BYTES, "POST", fields) + body)
+        resp, answer = _answer(sock)
+        assert resp.status == 200, answer
+        assert resp.getheader("connection") != "close"
+    sock.sendall(_head("/tokenize", MAX_HEADER_BYTES + 1, "POST", fields) + body)
+    _assert_431_and_closed(sock)
 
 
 def test_all_errors_left_every_page_free(server):

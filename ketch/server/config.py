@@ -23,6 +23,7 @@ class ServerConfig:
     watchdog_timeout: float = 300.0  # an engine silent (or stuck in a step) this long is declared hung
     max_connections: int | None = None  # open HTTP connections; more are answered 503 and closed
     header_timeout: float = 30.0  # seconds a connection may take to send a request's headers
+    max_header_bytes: int = 64 * 1024  # a request's line and headers; more get a 431 (counted as they come)
     body_timeout: float = 60.0  # seconds a request may take to send its body
     # HTTP API processes on one port (SO_REUSEPORT), one engine; the queue and connection limits
     # are split evenly between them (each holds its share, rounded up)
@@ -35,6 +36,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+        if self.max_header_bytes < 1:
+            raise ValueError(f"max_header_bytes: must be >= 1, got {self.max_header_bytes}")
         from ketch.parsers.registry import reasoning_parser_class, tool_parser_class
 
         if self.tool_call_parser is not None:

@@ -83,7 +83,7 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
     which = ((b"x-ketch-api-process", str(client.origin).encode()),) if share > 1 else ()
     app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
     connections = None if sc.max_connections is None else -(-sc.max_connections // share)
-    protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections)
+    protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections, sc.max_header_bytes)
     server = _Server(app, sc.shutdown_timeout, host=sc.host, port=sc.port, http=protocol, log_level="warning")
     server.state = state
     client.on_death = lambda: setattr(server, "should_exit", True)
