@@ -21,7 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from server_util import parse_metrics
+from test_hicache_l3 import file_url, l3_engine
+
 from ketch.cache.storage.file import FileStorage
+from ketch.server.metrics import ServerMetrics
 from ketch.cache.storage.file_temps import STALE_TEMP_AGE_S
 
 _WRITER = textwrap.dedent("""
@@ -141,3 +145,16 @@ def test_a_running_store_sweeps_again_after_its_interval(tmp_path: Path, writers
     assert store.set(key(3), b"v")
     assert not dead_tmp.exists() and store.stats.stale_temps_removed == 1
     assert store.get(key(2)) == b"v" and store.get(key(3)) == b"v"
+
+
+def test_the_engine_reports_the_swept_temps(tiny_config_path: str, tmp_path: Path, writers: Writers) -> None:
+    """An engine opening a store a writer died in counts the sweep in its stats and /metrics."""
+    root = tmp_path / "kv"
+    writers.kill(root, key(4))
+    eng = l3_engine(tiny_config_path, file_url(root))
+    try:
+        s = eng.stats()
+        assert s.storage_stale_temps_removed == 1
+        assert parse_metrics(ServerMetrics().render(s).decode())["ketch_hicache_storage_stale_temps_removed_total"] == 1
+    finally:
+        eng.close()

@@ -105,5 +105,6 @@ class StorageReads:
                     storage_dropped_writes=st.dropped_writes, storage_rejected_corrupt=st.rejected_corrupt,
                     storage_rejected_foreign=st.rejected_foreign,
                     storage_errors=backend.errors, storage_read_errors=backend.read_errors,
+                    storage_stale_temps_removed=backend.stale_temps_removed,
                     storage_prefetches=st.prefetches, storage_prefetch_timeouts=st.prefetch_timeouts,
                     storage_prefetch_wait_seconds=st.prefetch_wait_seconds)

@@ -94,6 +94,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     storage_rejected_foreign: int = 0  # another model / dtype / page size / layout / rank
     storage_errors: int = 0  # failed requests to a store server (a dead Redis, ...)
     storage_read_errors: int = 0  # reads that failed for another reason than a missing key
+    storage_stale_temps_removed: int = 0  # file store: temps of dead writers swept (file_temps.py)
     storage_prefetches: int = 0
     storage_prefetch_timeouts: int = 0
     storage_prefetch_wait_seconds: float = 0.0

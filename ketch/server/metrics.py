@@ -183,6 +183,8 @@ def _storage_metrics(s: EngineStats) -> Iterator[Metric]:
         "ketch_hicache_storage_errors": ("Failed requests to the L3 store's server", s.storage_errors),
         "ketch_hicache_storage_read_errors": ("L3 reads that failed for another reason than a missing key",
                                               s.storage_read_errors),
+        "ketch_hicache_storage_stale_temps_removed": ("File store temps of writers that died mid-write, swept",
+                                                      s.storage_stale_temps_removed),
         "ketch_hicache_prefetches": ("Requests that waited at admission for L3 pages", s.storage_prefetches),
         "ketch_hicache_prefetch_timeouts": ("... and went in at the deadline with what had arrived",
                                             s.storage_prefetch_timeouts),
