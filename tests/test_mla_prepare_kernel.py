@@ -170,6 +170,9 @@ def test_a_deepseek_engine_on_the_triton_kernels_keeps_the_torch_paths_tokens(na
     moe = engine.runner.model.layers[1].mlp
     assert moe.shared_experts is None and moe.experts.shared == d["n_shared_experts"]
     assert reference.runner.model.layers[1].mlp.shared_experts is not None
+    # the logits through the ops' product (the skinny GEMM at decode rows on CUDA), as Llama's
+    assert engine.runner.model.logits_head.dense is engine.runner.ops.linear
+    assert reference.runner.model.logits_head.dense is None
     got_ids, got_lps = greedy_ids_and_logprobs(engine, prompts, 6)
     assert got_ids == ids
     for a, b in zip(got_lps, lps, strict=True):
