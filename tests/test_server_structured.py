@@ -209,6 +209,10 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "string", "pattern": "^[a-z]{1,15000}$"}}}}, "response_format"),  # seconds to build: refused
     ({"extra_body": {"ebnf": "root ::= x\nx ::= x"}, "stream": True}, "ebnf"),  # no text: a 400, not an event
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}}}}, "response_format"),  # beside $ref
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "response_format"),  # overlapping: an anyOf
 ]
 
 
@@ -239,3 +243,26 @@ def test_everything_released_after_structured_requests(server, client, model):
     assert m["ketch_num_requests_running"] == 0 and m["ketch_kv_pages_used"] == 0
     out = client.chat.completions.create(model=model, messages=ASK, max_tokens=3, temperature=0)
     assert out.choices[0].message.content
+
+
+# valid schemas once refused: draft 7 tuples, minProperties past the properties named, a dropped
+# keyword in a definition nothing refers to
+ONCE_REFUSED = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+     "minProperties": 2, "maxProperties": 2},
+    {"type": "array", "items": [{"type": "string", "maxLength": 10}, {"type": "integer"}], "additionalItems": False},
+    {"type": "object", "properties": {"city": {"$ref": "#/$defs/name"}}, "required": ["city"],
+     "$defs": {"name": {"type": "string", "maxLength": 20}, "unused": {"not": {"type": "string"}}}},
+]
+
+
+@pytest.mark.parametrize("schema", ONCE_REFUSED, ids=range(len(ONCE_REFUSED)))
+def test_valid_schemas_xgrammar_enforces_are_served(client, model, schema):
+    import jsonschema as js
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = client.chat.completions.create(model=model, messages=CITY, max_tokens=120, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].finish_reason == "stop", r
+    validator = js.Draft7Validator if isinstance(schema.get("items"), list) else js.Draft202012Validator
+    validator(schema).validate(json.loads(r.choices[0].message.content))

@@ -10,7 +10,7 @@ import torch
 import xgrammar as xgr
 
 from ketch.sampling.grammar.base import GrammarBackend, GrammarMatcher
-from ketch.sampling.grammar.schema_limits import unsupported_feature
+from ketch.sampling.grammar.schema_limits import buildable, unsupported_feature
 from ketch.sampling.grammar.spec import GrammarSpec
 
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
@@ -45,6 +45,29 @@ def _refuse_unenforced(spec: GrammarSpec) -> None:
             raise ValueError(found)
 
 
+def _tag_buildable(node: Any) -> Any:
+    """A structural tag with its JSON Schemas made buildable (schema_limits.buildable)."""
+    if isinstance(node, list):
+        return [_tag_buildable(value) for value in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _tag_buildable(value) for key, value in node.items()}
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        out["json_schema"] = buildable(node["json_schema"])
+    return out
+
+
+def _buildable_source(spec: GrammarSpec) -> str:
+    """The source xgrammar is given: a schema (or a tag's schemas) rewritten where xgrammar would
+    refuse a valid one (draft 7 tuples, minProperties / minItems past what is named); the
+    request's own text where nothing changes."""
+    if spec.kind not in ("json_schema", "structural_tag"):
+        return spec.source
+    source = json.loads(spec.source)
+    rewritten = buildable(source) if spec.kind == "json_schema" else _tag_buildable(source)
+    return spec.source if rewritten == source else json.dumps(rewritten)
+
+
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     _refuse_unenforced(spec)
     if spec.kind == "json_object":
@@ -52,12 +75,12 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
         # top-level array too), with json_schema's bounded whitespace
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if spec.kind == "json_schema":
-        return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+        return xgr.Grammar.from_json_schema(_buildable_source(spec), any_whitespace=False)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.source)
     if spec.kind == "ebnf":
         return xgr.Grammar.from_ebnf(spec.source)
-    return xgr.Grammar.from_structural_tag(spec.source)
+    return xgr.Grammar.from_structural_tag(_buildable_source(spec))
 
 
 _BYTES = 256
