@@ -32,7 +32,7 @@ EDITS = [
     ("Copy this code and add a type hint comment above each function, changing nothing else:", None),
 ]
 SOURCES = [speculation.Speculation.rows, speculation.grammar_draft, sampler.edit_logits,
-           scheduler.Scheduler.preempt, scheduler.Scheduler.finish, sampler._accept_or_resample]
+           scheduler.Scheduler.preempt, scheduler.Scheduler.finish, sampler._draw]
 
 
 CHAT = ["What causes the seasons on Earth?", "Write a haiku about the ocean.", "Suggest a name for a coffee shop.",

@@ -207,6 +207,22 @@ def test_abort_mid_decode_while_others_share_the_prefix(tiny_config_path, spec):
 
 
 
+def test_a_seeded_sample_is_the_one_without_speculation(tiny_config_path, spec):
+    """Same seed, same output: a sampled verify row draws the number plain decoding draws at its
+    output index and keeps its draft only if that draw is the draft, so a seeded sample does not
+    depend on whether a step speculated, which the cost model decides by batch size and timing
+    (before: the accept test drew from a stream of its own, and speculation changed the tokens)."""
+    params = SamplingParams(temperature=0.02, top_p=0.9, max_tokens=40, ignore_eos=True, seed=100, n=2,
+                            logprobs=True)
+    reqs = [(f"r{i}", p, params) for i, p in enumerate(prompts(6))]
+    plain, _ = run(tiny_config_path, reqs)
+    got, eng = run(tiny_config_path, reqs, **spec)
+    assert_same(got, plain)
+    assert got[("r0", 0)]["ids"] != got[("r0", 1)]["ids"]  # sampled: seed + i draws differ
+    assert_verified(eng)
+    assert_drained(eng)
+
+
 class ScriptedCost(AlwaysSpeculate):
     """A cost model that chooses from a fixed pattern and records, for every decode step launched,
     what it chose for it and how the step ran."""
@@ -254,10 +270,10 @@ def chi2(table: np.ndarray) -> float:
 @pytest.mark.parametrize("algorithm", ["ngram", "draft", "block"])
 def test_sampled_tokens_follow_the_same_distribution(tmp_path, algorithm):
     """1,500 seeded samples of 5 tokens at temperature 1 on a model with 8 tokens, speculation on
-    vs off. Row draws differ (the accept test has its own numbers); the distribution may not:
-    two-sample chi-square per output position, and (ngram) on how often a token is the one the
-    n-gram proposer would guess from the tokens before it, where a biased accept test shows
-    first: a draft kept 1.5x too often fails it, the per-position test alone would not see it."""
+    vs off. The distribution may not differ: two-sample chi-square per output position, and
+    (ngram) on how often a token is the one the n-gram proposer would guess from the tokens
+    before it, where a biased accept rule shows first: a draft kept 1.5x too often fails it, the
+    per-position test alone would not see it."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(VOCAB8))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]

@@ -108,14 +108,16 @@ class Speculation:
     # ------------------------------------------------------------ the step's rows
     @staticmethod
     def rows(req: Request, draft: list[int]) -> list[SamplingRow]:
-        """The k + 1 rows of a verified request: row j samples output number len(output) + j."""
+        """The k + 1 rows of a verified request: row j samples output number len(output) + j. A row
+        samples as a plain row there would, with that output index's number (greedy: the argmax),
+        and the host keeps d_j only if the row drew it: whether and how far a step speculated
+        changes no token of a seeded sample, and a kept draft is one with p(d_j) (lossless)."""
         out, n = req.output_ids, len(req.output_ids)
         rows = []
         for j in range(len(draft) + 1):
             grammar = req.grammar if req.grammar is None else FixedMask(req.grammar.backend, req.draft_masks[j])
             history = out if j == 0 else [*out, *draft[:j]]
-            rows.append(SamplingRow(req.params, req.seed, history, req.prompt_ids, n + j, req.eos_ids, grammar,
-                                    draft[j] if j < len(draft) else None))
+            rows.append(SamplingRow(req.params, req.seed, history, req.prompt_ids, n + j, req.eos_ids, grammar))
         return rows
 
     # ------------------------------------------------------------ cost model

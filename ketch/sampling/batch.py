@@ -20,10 +20,6 @@ from ketch.sampling.params import SamplingParams
 from ketch.sampling.penalties import Penalties
 from ketch.host_copy import to_device
 
-# The accept test of a verified draft draws from its own stream of the sample's seed, so its number
-# is independent of the draw a rejected row makes (the main stream, as without speculation).
-ACCEPT_STREAM = 0x5EC0_DE0F_ACCE_9700
-
 # Dividing fp32 logits by a smaller temperature can overflow to inf (and inf - inf = NaN in
 # softmax). Rows this cold are effectively greedy anyway.
 MIN_TEMPERATURE = 1e-6
@@ -47,10 +43,6 @@ class SamplingRow:
     num_output: int | None = None
     eos_ids: tuple[int, ...] = ()  # banned with stop_token_ids until min_tokens are out
     grammar: GrammarMatcher | None = None  # the sample's grammar state; its mask applies this step
-    # Speculative verify (sampling/sampler.py): the proposed token this row checks. A greedy row
-    # needs nothing more (the host compares it with the argmax); a sampled row accepts it with
-    # the target's probability of it, or draws from the rest of the distribution.
-    draft: int | None = None
 
 
 @dataclass
@@ -64,10 +56,6 @@ class SampledRows:
     max_top_k: int
     top_p: torch.Tensor | None  # [S, 1], TOP_P_OFF when off; None when no row uses it
     min_p: torch.Tensor | None  # [S, 1], 0 when off; None when no row uses it
-    # speculative verify: each row's proposed token (-1: none) and the uniform number its accept
-    # test draws (token_uniform(seed ^ ACCEPT_STREAM, index)); None when no row verifies a draft
-    draft: torch.Tensor | None = None  # [S, 1] int64
-    accept_uniform: torch.Tensor | None = None  # [S, 1] float64
 
 
 @dataclass
@@ -105,8 +93,6 @@ class SamplingBatch:
         top_ks: list[int] = []
         top_ps: list[float] = []
         min_ps: list[float] = []
-        drafts: list[float] = []  # ids as float64 (exact below 2**53): they travel with the knobs
-        accepts: list[float] = []
         for i, row in enumerate(rows):
             p = row.params
             base = i * vocab_size
@@ -130,8 +116,6 @@ class SamplingBatch:
                 top_ks.append(min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size)
                 top_ps.append(p.top_p if p.top_p < 1.0 else TOP_P_OFF)
                 min_ps.append(p.min_p)
-                drafts.append(-1.0 if row.draft is None else float(row.draft))
-                accepts.append(token_uniform(seed ^ ACCEPT_STREAM, n_out) if row.draft is not None else 0.5)
 
         edits_i = edits_v = None
         if edit_index:
@@ -149,7 +133,7 @@ class SamplingBatch:
             grammar_mask=grammar_mask,
             grammar_backend=grammar_backend,
             sampled=_sampled_rows(
-                len(rows), vocab_size, device, sample_pos, uniforms, temps, top_ks, top_ps, min_ps, drafts, accepts
+                len(rows), vocab_size, device, sample_pos, uniforms, temps, top_ks, top_ps, min_ps
             ),
             any_greedy=len(sample_pos) < len(rows),
             num_logprobs=min(num_logprobs, vocab_size),
@@ -177,15 +161,11 @@ def _sampled_rows(
     top_ks: list[int],
     top_ps: list[float],
     min_ps: list[float],
-    drafts: list[float],
-    accepts: list[float],
 ) -> SampledRows | None:
     if not positions:
         return None
     # one copy: the uniforms need float64 (52 random bits), the knobs are float32 after one cast
-    verify = max(drafts) >= 0
-    columns = [uniforms, temps, top_ps, min_ps] + ([accepts, drafts] if verify else [])
-    packed = to_device(columns, device, torch.float64).unsqueeze(-1)  # [4 (6), S, 1]
+    packed = to_device([uniforms, temps, top_ps, min_ps], device, torch.float64).unsqueeze(-1)  # [4, S, 1]
     floats = packed[1:].float()
     use_top_k = min(top_ks) < vocab_size
     use_top_p = min(top_ps) < TOP_P_OFF
@@ -203,6 +183,4 @@ def _sampled_rows(
         max_top_k=max(top_ks),
         top_p=floats[1] if use_top_p else None,
         min_p=floats[2] if max(min_ps) > 0 else None,
-        draft=packed[5].long() if verify else None,
-        accept_uniform=packed[4] if verify else None,
     )

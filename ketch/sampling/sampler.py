@@ -143,26 +143,7 @@ def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
     probs = scaled.softmax(dim=-1)
     if rows.min_p is not None:
         min_p_(probs, rows.min_p)
-    if rows.draft is not None:
-        return _accept_or_resample(probs, rows.draft, rows.uniform, rows.accept_uniform)
     return draw_(probs, rows.uniform)
-
-
-def _accept_or_resample(probs: torch.Tensor, draft: torch.Tensor, uniform: torch.Tensor,
-                        accept_uniform: torch.Tensor) -> torch.Tensor:
-    """Speculative verify of one proposed token per row (-1: none), lossless: the proposer put all
-    its mass on the draft d (q = 1 at d), so d is accepted with probability min(1, p(d) / q(d)) =
-    p(d), and a rejected row draws from the residual max(0, p - q) normalised, i.e. p without d.
-    Accepted or drawn, the row's token then follows p exactly (Leviathan et al. 2023); and the
-    token equals d exactly when d was accepted, which is how the host reads the verdict."""
-    has = draft >= 0  # [S, 1]
-    d = draft.clamp(min=0)
-    p_d = probs.gather(1, d) / probs.sum(dim=-1, keepdim=True)
-    residual = torch.where(has, probs.scatter(1, d, 0.0), probs)
-    left = residual.sum(dim=-1, keepdim=True) > 0  # nothing left: p is all on d, which is taken
-    accepted = has & ((accept_uniform < p_d) | ~left)
-    drawn = draw_(torch.where(left, residual, probs), uniform)
-    return torch.where(accepted.squeeze(1), d.squeeze(1), drawn)
 
 
 def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:

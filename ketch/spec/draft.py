@@ -18,7 +18,7 @@ cached and nothing is recomputed for a partial page). Proposing holds no state b
 A sequence the draft pool cannot admit gets no draft this step (the target decodes it plainly),
 nor does one that has outgrown the draft model's context (`max_len`, its max_position_embeddings
 when shorter than the target's): it gets only the drafts whose positions the draft still has.
-Greedy drafts are point guesses (q = 1 at d), which the verify's accept test assumes.
+Greedy drafts are point guesses (q = 1 at d), which the verify's accept rule assumes.
 """
 from __future__ import annotations
 

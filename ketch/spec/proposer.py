@@ -2,14 +2,14 @@
 
     engine, each step:  drafts = proposer.propose([DraftInput(ids, max_draft), ...])
     verify (sampling):  the target runs the last token + the drafts in one forward and keeps the
-                        longest prefix it agrees with (greedy), or accepts each by rejection
-                        sampling (temperature > 0), plus one token of its own
+                        longest prefix its own tokens (argmax, or the seeded draw at each
+                        position) agree with, plus one token of its own
 
 A proposer only guesses: it may return fewer tokens than asked, or none, and what it returns never
 changes any output (only how many tokens a step yields). Verify and KV rollback live in the engine
 and the sampler, not here. Every draft so far is a point guess (all its mass on one token), which
-the verify's accept test assumes; a proposer that samples its drafts would hand over their
-probabilities too.
+the verify's accept rule assumes (kept with probability p(d)); a proposer that samples its drafts
+would need a residual draw instead.
 """
 from __future__ import annotations
 
