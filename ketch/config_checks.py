@@ -148,6 +148,9 @@ def check_speculative(c: Any) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if hi < lo:
         raise ValueError(f"speculative_ngram_max_match_window_size ({hi}) must be >= the min ({lo})")
+    if not isinstance(c.speculative_adaptive, bool):  # "off" (the CLI's word) is truthy: the cost model stayed on
+        raise ValueError(f"speculative_adaptive must be a bool (--speculative-adaptive on|off), "
+                         f"got {c.speculative_adaptive!r}")
     if algo is None:
         for name, default in (("speculative_num_draft_tokens", 4), ("speculative_draft_model_path", None),
                               ("speculative_ngram_min_match_window_size", 1),

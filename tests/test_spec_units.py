@@ -136,6 +136,8 @@ def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:
     (dict(speculative_algorithm="ngram", disaggregation_mode="prefill"), "prefill server"),
     (dict(speculative_algorithm="block", speculative_draft_model_path="head.gguf"), "a .safetensors file"),
     (dict(speculative_algorithm="ngram", tensor_parallel_size=2), "tensor_parallel_size"),
+    # the CLI's word: a truthy string kept the cost model on without a word
+    (dict(speculative_algorithm="ngram", speculative_adaptive="off"), "speculative_adaptive must be a bool"),
 ])
 def test_config_errors_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
