@@ -238,10 +238,11 @@ for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks fo
         u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
         print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.trigger_first == early, u
-sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "Counts": "*i64", "stride_l": "i32", "scale": "fp32"}
+sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "Counts": "*i64", "CountRows": "*i64", "stride_l": "i32",
+       "scale": "fp32"}
 for experts, top_k, append in ((128, 8, 0), (8, 2, 0), (64, 6, 2)):  # Qwen3-30B-A3B, Mixtral, V2-Lite + shared
     consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append, K_PAD=triton.next_power_of_2(top_k + append),
-                  RENORMALIZE=True, BLOCK_E=experts, COUNT=True, USE_PDL=True)
+                  RENORMALIZE=True, BLOCK_E=experts, COUNT=True, COUNT_ROWS=True, USE_PDL=True)
     for early in (False, True):
         u = _usage("route", _compile(_softmax_topk_kernel, sig, {**consts, "EARLY_TRIGGER": early}, 90, 1, 1))
         print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)

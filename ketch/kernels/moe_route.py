@@ -7,7 +7,8 @@ result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py 
     `append` slots after them: ids E, E+1, ... at weight 1 (DeepSeek's shared experts run as
     always-picked experts of the fused MoE: moe_routing.append_picks, the reference);
     `counts` given: each routed pick adds 1 to counts[id] (an int64 atomic: the per-expert load
-    for /metrics and EPLB, where a scatter_add launch per layer broke the PDL chain).
+    for /metrics and EPLB, where a scatter_add launch per layer broke the PDL chain); with
+    `count_rows`, of the first count_rows[0] tokens only (a padded decode graph's real rows).
 
 One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
 two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask. Replaces
@@ -32,9 +33,9 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPERTS: tl.constexpr,
+def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scale, NUM_EXPERTS: tl.constexpr,
                          TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, USE_PDL: tl.constexpr,
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
                          EARLY_TRIGGER: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -44,6 +45,8 @@ def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPE
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     x = tl.load(Logits + t * stride_l + offs, mask=real, other=float("-inf")).to(tl.float32)
+    if COUNT_ROWS:  # loaded beside the logits (its latency hidden by theirs)
+        counted = t < tl.load(CountRows)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.exp(x - tl.max(x, axis=0))
@@ -69,14 +72,18 @@ def _softmax_topk_kernel(Logits, Weights, Ids, Counts, stride_l, scale, NUM_EXPE
     tl.store(Weights + t * width + slots, weights, mask=slots < width)
     tl.store(Ids + t * width + slots, ids.to(tl.int64), mask=slots < width)
     if COUNT:  # integer adds: the totals do not depend on the order the programs reach them
+        if COUNT_ROWS:  # a padded step: only its first rows are traffic
+            keep = keep & counted
         tl.atomic_add(Counts + ids, tl.full([K_PAD], 1, tl.int64), mask=keep)
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
-                        append: int = 0, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        append: int = 0, counts: torch.Tensor | None = None,
+                        count_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_topk's signature and result, times `scale`, with `append` always-picked slots
     (see above): [T, top_k + append]; the routed picks added into `counts` (int64, >= E entries,
-    contiguous) when given. No host sync; grid (T,)."""
+    contiguous) when given, of the first count_rows[0] tokens only when that is given (an int64
+    device scalar: a padded graph step's real rows). No host sync; grid (T,)."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
@@ -91,10 +98,12 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, 
     ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)
     if tokens:
         block_e = pow2(experts)
-        _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts, logits.stride(0),
+        _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts,
+                                        ids if count_rows is None else count_rows, logits.stride(0),
                                         float(scale), NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append,
                                         K_PAD=pow2(top_k + append), RENORMALIZE=renormalize, BLOCK_E=block_e,
-                                        COUNT=counts is not None, num_warps=1 if block_e <= 256 else 4,
+                                        COUNT=counts is not None, COUNT_ROWS=counts is not None and count_rows is not None,
+                                        num_warps=1 if block_e <= 256 else 4,
                                         **pdl_launch(tokens))
     return weights, ids
 

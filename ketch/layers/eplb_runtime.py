@@ -6,7 +6,9 @@
                                         its ids (scatter_add_) into a [layers, experts] int64
                                         buffer on the model's device: no host sync. `totals()` only grows
                                         (/metrics); `snapshot()` is the planner's window since
-                                        its last `reset()`
+                                        its last `reset()`; `count_rows(n)`: the runner's padded
+                                        decode graphs count their first n rows only, their
+                                        warm-ups none
     Eplb(layers, load, parallel)        every `parallel.ep.eplb_interval` forwards (`step()`, run
                                         by every rank after the same forward): the load (summed
                                         over ranks when each rank routed only its own tokens),
@@ -30,6 +32,8 @@ from ketch.layers.moe_ep import EPExperts, ExpertParallelMoE
 from ketch.parallel import ParallelContext
 from ketch.parallel.collectives import all_to_all_rows
 
+ALL_ROWS = 1 << 62  # ExpertLoad.rows when every row of a step counts
+
 
 class ExpertLoad(nn.Module):
     def __init__(self, routers: list[nn.Module], num_experts: int, layer_ids: list[int]) -> None:
@@ -44,20 +48,43 @@ class ExpertLoad(nn.Module):
         width = num_experts + max((getattr(r, "appended", 0) for r in routers), default=0)
         self.register_buffer("counts", torch.zeros(len(routers), width, dtype=torch.int64), persistent=False)
         self.register_buffer("window_start", torch.zeros_like(self.counts), persistent=False)
+        # how many leading rows of a step are traffic (count_rows): a padded decode graph's rows
+        # past its batch, and a graph's warm-up forwards, route and must not count
+        self.register_buffer("rows", torch.full((1,), ALL_ROWS, dtype=torch.int64), persistent=False)
+        self._rows_value = ALL_ROWS
+        self.masking = False  # host: `rows` may cut the steps (the runner's padded forwards)
         self.ones = torch.ones(0, dtype=torch.int64)  # _ones' storage (not a buffer: not moved, never saved)
         for i, router in enumerate(routers):
             if getattr(router, "select_counts_picks", lambda: False)():
                 router.count_into = partial(self._row, i)  # the routing kernel adds its picks: no launch
+                router.count_rows = self._rows
             else:
                 router.register_forward_hook(self._hook(i))
+
+    def count_rows(self, n: int | None) -> None:
+        """Count only the first n rows of the forwards from now on (0: none, a graph's warm-up);
+        None: every row (eager steps). A fill only when the value changes (stream-ordered: a graph
+        replayed before it still reads the old value). Runs outside graphs and compiled code."""
+        value = ALL_ROWS if n is None else n
+        self.masking = n is not None
+        if value != self._rows_value:
+            self.rows.fill_(value)
+            self._rows_value = value
 
     def _row(self, layer: int) -> torch.Tensor:
         return self.counts[layer]  # looked up per call: the buffer is replaced when the model moves
 
+    def _rows(self) -> torch.Tensor:
+        return self.rows
+
     def _hook(self, layer: int):
         def count(module: nn.Module, args: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-            ids = out[1].reshape(-1)
-            self.counts[layer].scatter_add_(0, ids, self._ones(ids))
+            ids = out[1]
+            ones = self._ones(ids.reshape(-1))
+            if self.masking:  # a padded step: its rows past `rows` add nothing
+                real = torch.arange(ids.shape[0], device=ids.device) < self.rows
+                ones = (ones.view(ids.shape) * real[:, None]).reshape(-1)
+            self.counts[layer].scatter_add_(0, ids.reshape(-1), ones)
         return count
 
     def _ones(self, ids: torch.Tensor) -> torch.Tensor:

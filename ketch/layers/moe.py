@@ -121,6 +121,7 @@ class Router(nn.Module):
         # ExpertLoad's counter row of this layer, handed to `select` as counts= when it adds its
         # picks itself (select_counts_picks: the Triton routing kernel); None: a hook counts
         self.count_into: Callable[[], torch.Tensor] | None = None
+        self.count_rows: Callable[[], torch.Tensor] | None = None  # ExpertLoad.rows: the rows that count
 
     def select_counts_picks(self) -> bool:
         """Whether `select` takes counts= and adds each routed pick to it (in its launch)."""
@@ -141,6 +142,8 @@ class Router(nn.Module):
         """logits: `self._logits(x)`, computed with the norm before (first_product)."""
         logits = self._logits(x) if logits is None else logits
         kw = {} if self.count_into is None else {"counts": self.count_into()}
+        if self.count_rows is not None:
+            kw["count_rows"] = self.count_rows()
         if self.e_score_correction_bias is not None:
             kw["correction_bias"] = self.e_score_correction_bias
         return self.select(logits, **kw)

@@ -47,6 +47,7 @@ class GraphRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, max_bs: int, max_model_len: int,
                  device: torch.device, future: FutureTokens | None = None) -> None:
         self.model, self.attn, self.device = model, attn, device
+        self.load = getattr(model, "expert_load", None)  # ExpertLoad of an MoE model (count_rows)
         self.future = future  # None: the ids are never placeholders
         self.max_bs = max_bs
         self.sizes = capture_sizes(max_bs)
@@ -78,14 +79,22 @@ class GraphRunner:
         assert key is not None, "run() of a step can_run() refuses"
         self.attn.prepare_replay(batch, key)
         if not self.capture:
+            self._count_rows(n)
             logits, hidden = self._forward(key)
             return logits[:n], hidden[:n]
         entry = self.graphs.get(key)
         if entry is None:  # a key first seen now: the buffers hold this step, safe to rerun
             entry = self.graphs[key] = self._capture(key)
         graph, logits, hidden = entry
+        self._count_rows(n)
         graph.replay()
         return logits[:n], hidden[:n]
+
+    def _count_rows(self, n: int) -> None:
+        """MoE models count routed picks per expert (/metrics, EPLB): of a padded step only its
+        first n rows are traffic; warm-ups none."""
+        if self.load is not None:
+            self.load.count_rows(n)
 
     def _forward(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward of graph `key` on the static buffers (what the graph records)."""
@@ -95,6 +104,7 @@ class GraphRunner:
         return self.model.compute_logits(hidden), hidden
 
     def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+        self._count_rows(0)  # the warm-ups are no traffic (the graph records the masked count)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -213,6 +213,8 @@ class ModelRunner:
             self.last_hidden = hidden.clone() if self.keep_hidden else None
             return logits
         attn = self.attn if pending is None else LayerWaitingAttention(self.attn, pending)
+        if self.expert_load is not None:  # an eager step: every row is traffic
+            self.expert_load.count_rows(None)
         meta = attn.init_metadata(batch)
         # one copy for ids, positions and sampling rows; placeholders (overlap) resolve on the device
         host = to_device(np.concatenate((batch.input_ids, batch.positions, batch.sample_rows)), self.device)
