@@ -59,15 +59,15 @@ def test_use_pdl_reads_its_inputs_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_early_trigger_needs_the_switch_pdl_and_a_one_wave_grid(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KETCH_PDL_EARLY=1 (an experiment until measured): EARLY_TRIGGER only with PDL on and for a
-    grid of at most one program per SM; off by default; kernels without the constexpr get no key."""
+    """EARLY_TRIGGER only with PDL on and for a grid of at most one program per SM; on by default,
+    KETCH_PDL_EARLY=0 turns it off; kernels without the constexpr get no key."""
     monkeypatch.setattr(_common, "_pdl", True)
     monkeypatch.setattr(_common, "_sm_count", 132)
     monkeypatch.setattr(_common, "_early", None)
-    monkeypatch.delenv("KETCH_PDL_EARLY", raising=False)
+    monkeypatch.setenv("KETCH_PDL_EARLY", "0")
     assert pdl_launch(1)["EARLY_TRIGGER"] is False and "EARLY_TRIGGER" not in pdl_launch()
     monkeypatch.setattr(_common, "_early", None)
-    monkeypatch.setenv("KETCH_PDL_EARLY", "1")
+    monkeypatch.delenv("KETCH_PDL_EARLY", raising=False)
     assert pdl_launch(132)["EARLY_TRIGGER"] is True and pdl_launch(133)["EARLY_TRIGGER"] is False
     monkeypatch.setattr(_common, "_pdl", False)
     monkeypatch.setattr(_common, "_early", None)
