@@ -87,6 +87,13 @@ def check_disaggregation(c: Any, modes: tuple[str, ...]) -> None:
 
 def check_hicache(c: Any) -> None:
     """The hierarchical-cache fields; a size, ratio or policy without the switch is a mistake."""
+    for name in ("enable_prefix_cache", "enable_hierarchical_cache"):  # "false" is truthy: a tier on silently
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(c, name)!r}")
+    for name in ("hicache_ratio", "hicache_size"):  # a str (a JSON config's "2") raised a bare TypeError
+        value = getattr(c, name)
+        if not (isinstance(value, numbers.Real) and not isinstance(value, bool)) and (value, name) != (None, "hicache_size"):
+            raise ValueError(f"{name} must be a number, got {value!r}")
     if c.hicache_write_policy not in HICACHE_WRITE_POLICIES:
         raise ValueError(f"hicache_write_policy must be {'|'.join(HICACHE_WRITE_POLICIES)}, got {c.hicache_write_policy!r}")
     if c.hicache_io_backend not in HICACHE_IO_BACKENDS:

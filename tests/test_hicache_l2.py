@@ -136,10 +136,22 @@ def test_a_hicache_option_without_the_switch_says_to_add_it(kw: dict, field: str
     (dict(hicache_ratio=float("inf")), "hicache_ratio"),
     (dict(enable_prefix_cache=False), "enable_hierarchical_cache"),
     (dict(tensor_parallel_size=2), "enable_hierarchical_cache"),
+    (dict(hicache_ratio="2"), "hicache_ratio"),  # a JSON config's string: was a bare TypeError
+    (dict(hicache_ratio=None), "hicache_ratio"),
+    (dict(hicache_size="1"), "hicache_size"),
+    (dict(hicache_size=True), "hicache_size"),  # was taken as 1 GB
+    (dict(enable_prefix_cache="false"), "enable_prefix_cache"),
 ])
 def test_bad_hicache_values_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}"):
         EngineConfig(enable_hierarchical_cache=True, **kw)
+
+
+@pytest.mark.parametrize("value", ["false", "off", 1, None])
+def test_the_switch_must_be_a_bool(value) -> None:
+    """enable_hierarchical_cache="false" is truthy: it turned the host tier on, silently."""
+    with pytest.raises(ValueError, match="^enable_hierarchical_cache must be a bool"):
+        EngineConfig(enable_hierarchical_cache=value)
 
 
 def test_cli_flags_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
