@@ -103,6 +103,7 @@ class LLM:
         # step the one engine in turn, and a step's outputs belong to whichever asked (_pump)
         self._inbox: dict[str, deque[EngineOutput]] = {}
         self._dropped: list[str] = []  # streams dropped unread (_TextStream): aborted at the next step
+        self._closed = False
 
     # ---------------------------------------------------------------- public API
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -169,7 +170,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers (tensor_parallel_size > 1; they also stop at
-        interpreter exit); the LLM is unusable afterwards."""
+        interpreter exit); the LLM is unusable afterwards: a new request raises."""
+        self._closed = True
         self.engine.close()
 
     def encode_chat(self, messages: list[dict], chat_template: str | None = None) -> list[int]:
@@ -199,6 +201,8 @@ class LLM:
         return list(prompt)
 
     def _add(self, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = ()) -> str:
+        if self._closed:  # its L3 threads are stopped: a read failed mid-step, writes were lost
+            raise RuntimeError("LLM: close() was called; this LLM takes no more requests (make a new LLM)")
         rid = f"llm-{next(self._ids)}"
         self.engine.add_request(rid, prompt_ids, params, generated)
         self._inbox[rid] = deque()

@@ -320,3 +320,26 @@ def test_storage_is_asked_when_a_queued_request_is_admitted(tiny_config_path: st
     cold.add_request("b", query, PARAMS)
     assert got == collect(drain(cold))[("b", 0)]["ids"]
     finish(eng)
+
+
+def test_a_closed_llm_refuses_requests_and_a_new_one_reads_what_it_stored(tiny_config_path: str, tmp_path: Path) -> None:
+    """close() stops the L3 threads: a request to the closed LLM failed inside a step with
+    concurrent.futures' 'cannot schedule new futures after shutdown' (its prefetch), or ran with
+    its writes lost; now it is refused up front. A new LLM in the same process serves from the store."""
+    from ketch.llm import LLM
+
+    kw = dict(load_format="dummy", dtype="float32", kv_cache_memory=8 * 2048, page_size=PS,
+              enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_url=file_url(tmp_path / "kv"))
+    prompt = [3 + (i * 7) % 500 for i in range(21)]
+    first = LLM(tiny_config_path, **kw)
+    want = first.generate([prompt], PARAMS)[0].token_ids
+    first.close()
+    first.flush_cache()  # the pages now only in the store: a request would have to read them
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"close\(\) was called"):
+            first.generate([prompt], PARAMS)
+        assert not first.engine.requests and not first.engine.has_unfinished()
+    second = LLM(tiny_config_path, **kw)
+    assert second.generate([prompt], PARAMS)[0].token_ids == want
+    assert second.engine.stats().storage_hit_tokens == (len(prompt) - 1) // PS * PS
+    second.close()
