@@ -115,7 +115,8 @@ def build_app(gw: Gateway) -> FrontDoor:
         missing = [role for role, n in available.items() if not n]
         if missing:
             kind = "".join(f"{role} " for role in missing if role != "normal")
-            return unavailable(f"no {kind}worker is available ({len(gw.registry.all())} registered)").response()
+            states = gw.registry.states(missing) or "none is registered"
+            return unavailable(f"no {kind}worker is available: {states}").response()
         body: dict[str, Any] = {"status": "ok", "workers_available": sum(available.values()),
                                 "workers": len(gw.registry.all())}
         if gw.config.pd_disaggregation:

@@ -168,13 +168,9 @@ class Forwarder:
     def _no_worker(self, failures: list[str]) -> GatewayError:
         if failures:
             return unavailable("no worker could take the request: " + "; ".join(failures))
-        workers = self.registry.all()
-        if not workers:
+        if not self.registry.all():
             return unavailable("no worker is registered (add one with POST /workers)")
-        now = self.clock()
-        states = ", ".join(f"{w.url} ({'healthy' if w.health.healthy else 'unhealthy'}, breaker "
-                           f"{w.breaker.state(now).name.lower()})" for w in workers)
-        return unavailable(f"no worker is available: {states}")
+        return unavailable(f"no worker is available: {self.registry.states()}")
 
 
 async def _refused(attempt: Attempt, answer: Answer) -> str:

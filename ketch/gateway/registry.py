@@ -6,7 +6,7 @@ in-flight requests finish on the Worker object they hold, it is just never picke
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 from ketch.gateway.config import BreakerConfig, HealthConfig
 from ketch.gateway.worker import Worker
@@ -51,3 +51,12 @@ class WorkerRegistry:
         now = self.clock()
         return [w for w in self._workers.values()
                 if w.url not in exclude and (role is None or w.role == role) and w.available(now)]
+
+    def states(self, roles: Collection[str] | None = None) -> str:
+        """Why requests find no worker (of `roles`, if given): each one's health and breaker, and
+        what its last failed health check met."""
+        now = self.clock()
+        return ", ".join(f"{w.url} ({'healthy' if w.health.healthy else 'unhealthy'}, breaker "
+                         f"{w.breaker.state(now).name.lower()}"
+                         f"{': ' + w.health.last_error if w.health.last_error else ''})"
+                         for w in self._workers.values() if roles is None or w.role in roles)

@@ -10,12 +10,21 @@ DONE = b"data: [DONE]"
 # `, "token_ids": [...]` as ketch serve writes it (json.dumps: the last key of a choice). It cannot
 # match inside a JSON string: there a quote is always escaped, so `,` + spaces + `"` never occurs.
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[0-9,\s]*\]')
+# the error event ketch serve ends a stream with when its engine process died: the worker is lost
+# (its API process exits next), not the request. It cannot match inside a JSON string either.
+_ENGINE_GONE = b'"code": "engine_unavailable"'
 
 
 def event_boundary(data: bytes) -> int:
     """Length of the leading part of `data` that is whole SSE events (0: none)."""
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def engine_gone_at(block: bytes) -> int:
+    """Where the event saying the worker's engine died starts in a block of whole events; -1: none."""
+    at = block.find(_ENGINE_GONE)
+    return -1 if at < 0 else event_boundary(block[:at])
 
 
 class EventCutter:
