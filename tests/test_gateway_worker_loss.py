@@ -1,7 +1,7 @@
 """Worker losses as a gateway user meets them, injected for real on three `ketch serve` replicas:
 the engine process of the worker serving a stream SIGKILLed (its API process reports it in the
-stream, then exits), then the engine of the worker it went on on too, then every worker gone,
-/health saying why.
+stream, then exits), then the engine of the worker it went on on too, a worker SIGTERMed with a
+short shutdown deadline mid-stream, then every worker gone, /health saying why.
 
 The tests run in file order: each one's dead workers are the next one's starting point.
 """
@@ -14,11 +14,11 @@ import signal
 
 import pytest
 from gateway_util import (MODEL, Replica, replicas, request, running_gateway, sigkill_replica, start_replica,
-                          wait_healthy, workers)
+                          stop, wait_healthy, workers)
 from server_util import metrics, parse_metrics, wait_for
 from test_gateway_faults import stream_events
 
-from ketch.gateway.sse import engine_gone_at, event
+from ketch.gateway.sse import event, worker_gone_at
 
 BODY = {"model": MODEL, "prompt": "Count:", "max_tokens": 120, "ignore_eos": True, "temperature": 0,
         "stream_options": {"include_usage": True}}
@@ -110,12 +110,44 @@ def test_a_stream_goes_on_past_the_engine_of_its_continuation_dying_too(cluster)
         v.proc.wait(timeout=60)
 
 
-def test_an_engine_unavailable_code_in_generated_text_is_not_a_lost_engine():
+def test_only_a_workers_own_going_event_marks_it_gone():
     lost = event({"error": {"message": "the engine process exited (code -9)", "type": "service_unavailable",
                             "param": None, "code": "engine_unavailable"}})
     text = event({"choices": [{"index": 0, "text": '{"code": "engine_unavailable"}'}]})
-    assert engine_gone_at(text) == -1 and engine_gone_at(text + text) == -1
-    assert engine_gone_at(lost) == 0 and engine_gone_at(text + lost + b"data: [DONE]\n\n") == len(text)
+    assert worker_gone_at(text) == -1 and worker_gone_at(text + text) == -1
+    assert worker_gone_at(lost) == 0 and worker_gone_at(text + lost + b"data: [DONE]\n\n") == len(text)
+    shutdown = event({"error": {"message": "the server is shutting down; the request was cut at the shutdown deadline",
+                                "type": "service_unavailable", "param": None, "code": "server_shutdown"}})
+    assert worker_gone_at(text + shutdown) == len(text)
+    bad = event({"error": {"message": "prompt: too long", "type": "invalid_request_error", "param": None,
+                           "code": "context_length_exceeded"}})
+    assert worker_gone_at(bad) == -1 and worker_gone_at(bad + lost) == len(bad)
+
+
+def test_a_stream_cut_by_its_workers_shutdown_deadline_goes_on_elsewhere(cluster):
+    """A worker SIGTERMed (a rolling restart) ends what is still running at its --shutdown-timeout
+    with a `server_shutdown` error event: without the fix the client got it, though another
+    worker could go on. Every worker is restarted first with a short deadline."""
+    base, rs = cluster
+    for r in rs:
+        if r.proc.poll() is None:
+            stop(r.proc)
+    rs[:] = [start_replica(r.port, "--shutdown-timeout", "0.5") for r in rs]  # the fixture stops them
+    for r in rs:
+        wait_healthy(r)
+    wait_for(lambda: all(w["available"] for w in workers(base).values()), "the gateway to use them again", 20)
+    victims: list[Replica] = []
+
+    def sigterm_its_worker(resp) -> None:
+        victims.append(next(r for r in rs if r.url == resp.getheader("x-ketch-worker")))
+        victims[0].proc.send_signal(signal.SIGTERM)
+
+    before = gateway_metrics(base)
+    events = stream_events(base, BODY, sigterm_its_worker)
+    victims[0].proc.wait(timeout=60)
+    assert_one_whole_stream(events, stream_events(next(r.url for r in rs if r is not victims[0]), BODY))
+    resumed = 'ketch_gateway_failovers_total{outcome="resumed"}'
+    assert gateway_metrics(base)[resumed] == before[resumed] + 1
 
 
 def test_with_every_worker_down_health_says_why(cluster):

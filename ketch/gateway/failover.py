@@ -22,7 +22,7 @@ from ketch.gateway.attempt import Attempt
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.resume import Continuation, continuation, read_so_far
 from ketch.gateway.routed import RoutedRequest
-from ketch.gateway.sse import DONE, engine_gone_at, lost_event, whole_events
+from ketch.gateway.sse import DONE, lost_event, whole_events, worker_gone_at
 from ketch.gateway.upstream import Answer, UpstreamError, UpstreamTimeout
 from ketch.gateway.worker import Worker
 
@@ -93,7 +93,7 @@ class ResumeFailover:
             rewrite = Continuation(so, plan, request.strip_ids)
             try:
                 async for block in whole_events(answer.chunks()):
-                    gone = engine_gone_at(block)  # its engine died too: the rest stays back, as in relay.py
+                    gone = worker_gone_at(block)  # it is going too: the rest stays back, as in relay.py
                     kept, sent = rewrite(block if gone < 0 else block[:gone])
                     if kept:
                         transcript.feed(kept)

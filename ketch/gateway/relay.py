@@ -8,8 +8,8 @@
   closes the worker's connection, so the worker sees the disconnect and aborts the generation. It
   is not the worker's fault.
 - The worker failing mid-answer (connection lost, silent past the timeout, a stream closed before
-  [DONE], its engine's death reported in the stream) is charged to it; a stream then gets `Failover.resume`'s continuation, or an error event
-  and [DONE].
+  [DONE], its engine's death or its shutdown deadline reported in the stream) is charged to it;
+  a stream then gets `Failover.resume`'s continuation, or an error event and [DONE].
 - A resumable stream's chunks carry the token ids the gateway asked for (routed.py): the transcript
   keeps them, the client gets them only if it asked.
 - The in-flight count is given back exactly once (Attempt.close in the `finally`).
@@ -25,7 +25,7 @@ from ketch.gateway.attempt import Attempt
 from ketch.gateway.client_stream import ClientStream, client_stream
 from ketch.gateway.failover import Failover, StreamTranscript
 from ketch.gateway.routed import RoutedRequest
-from ketch.gateway.sse import EventCutter, engine_gone_at, lost_event, strip_token_ids
+from ketch.gateway.sse import EventCutter, lost_event, strip_token_ids, worker_gone_at
 from ketch.gateway.upstream import Answer, UpstreamError, UpstreamTimeout
 
 Send = Callable[[dict], Awaitable[None]]
@@ -34,6 +34,7 @@ Send = Callable[[dict], Awaitable[None]]
 _DROPPED = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                       b"trailer", b"transfer-encoding", b"upgrade", b"date", b"server"})
 WORKER_HEADER = b"x-ketch-worker"
+GOING = "it said it is going (its engine died, or its shutdown deadline passed)"
 
 
 def relayed_headers(answer: Answer, attempt: Attempt) -> list[tuple[bytes, bytes]]:
@@ -80,22 +81,23 @@ async def _whole(send: Send, attempt: Attempt, answer: Answer) -> bool:
 class _Events:
     """The upstream body's taker for a stream: whole events go out to the client as they complete
     (the tail of a read that ends inside one waits for the rest) and into the transcript. The
-    worker's `engine_unavailable` event (its engine died) and what follows it stay back: the stream
-    is then a cut one (`engine_gone`), for the failover to go on with."""
+    worker's `engine_unavailable` or `server_shutdown` event (its engine died, its shutdown deadline
+    passed) and what follows it stay back: the stream is then a cut one (`worker_gone`), for the
+    failover to go on with."""
 
-    __slots__ = ("client", "transcript", "strip", "cutter", "engine_gone")
+    __slots__ = ("client", "transcript", "strip", "cutter", "worker_gone")
 
     def __init__(self, client: ClientStream, transcript: StreamTranscript, strip: bool) -> None:
         self.client, self.transcript, self.strip, self.cutter = client, transcript, strip, EventCutter()
-        self.engine_gone = False
+        self.worker_gone = False
 
     def feed(self, data: bytes) -> None:
-        if self.engine_gone:
+        if self.worker_gone:
             return
         block = self.cutter.feed(data)
-        gone = engine_gone_at(block)
+        gone = worker_gone_at(block)
         if gone >= 0:
-            self.engine_gone, block = True, block[:gone]
+            self.worker_gone, block = True, block[:gone]
         if block:
             self.client.write(strip_token_ids(block) if self.strip else block)
             self.transcript.feed(block)
@@ -115,10 +117,9 @@ async def _stream(send: Send, attempt: Attempt, answer: Answer, request: RoutedR
         while not await answer.piped():
             await client.flush()
             answer.resume()
-        reason = "its engine died" if events.engine_gone else \
-            None if transcript.done else "it closed the stream before [DONE]"
+        reason = GOING if events.worker_gone else None if transcript.done else "it closed the stream before [DONE]"
     except UpstreamError as e:  # the worker, not the client: its reads failed
-        reason = "its engine died" if events.engine_gone else None if transcript.done else str(e)
+        reason = GOING if events.worker_gone else None if transcript.done else str(e)
         kind = "timeout" if isinstance(e, UpstreamTimeout) else "stream_cut"
     else:
         kind = "stream_cut"

@@ -10,9 +10,11 @@ DONE = b"data: [DONE]"
 # `, "token_ids": [...]` as ketch serve writes it (json.dumps: the last key of a choice). It cannot
 # match inside a JSON string: there a quote is always escaped, so `,` + spaces + `"` never occurs.
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[0-9,\s]*\]')
-# the error event ketch serve ends a stream with when its engine process died: the worker is lost
-# (its API process exits next), not the request. It cannot match inside a JSON string either.
-_ENGINE_GONE = b'"code": "engine_unavailable"'
+# the error events ketch serve ends a stream with when its engine process died (its API process
+# exits next) or its shutdown deadline cut it: the worker is lost, not the request. `"code": "`
+# cannot match inside a JSON string either, and no chunk but an error has a "code".
+_ERROR_CODE = b'"code": "'
+_WORKER_GONE = (b'engine_unavailable"', b'server_shutdown"')
 
 
 def event_boundary(data: bytes) -> int:
@@ -21,10 +23,15 @@ def event_boundary(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def engine_gone_at(block: bytes) -> int:
-    """Where the event saying the worker's engine died starts in a block of whole events; -1: none."""
-    at = block.find(_ENGINE_GONE)
-    return -1 if at < 0 else event_boundary(block[:at])
+def worker_gone_at(block: bytes) -> int:
+    """Where the event saying the worker is going (its engine died, its shutdown deadline) starts
+    in a block of whole events; -1: none."""
+    at = block.find(_ERROR_CODE)
+    while at >= 0:
+        if block.startswith(_WORKER_GONE, at + len(_ERROR_CODE)):
+            return event_boundary(block[:at])
+        at = block.find(_ERROR_CODE, at + 1)
+    return -1
 
 
 class EventCutter:
