@@ -51,8 +51,7 @@ class ExpertLoad(nn.Module):
         # how many leading rows of a step are traffic (count_rows): a padded decode graph's rows
         # past its batch, and a graph's warm-up forwards, route and must not count
         self.register_buffer("rows", torch.full((1,), ALL_ROWS, dtype=torch.int64), persistent=False)
-        self._rows_value = ALL_ROWS
-        self.masking = False  # host: `rows` may cut the steps (the runner's padded forwards)
+        self._rows_value = ALL_ROWS  # host copy of `rows`: a fill only when it changes
         self.ones = torch.ones(0, dtype=torch.int64)  # _ones' storage (not a buffer: not moved, never saved)
         for i, router in enumerate(routers):
             if getattr(router, "select_counts_picks", lambda: False)():
@@ -66,10 +65,14 @@ class ExpertLoad(nn.Module):
         None: every row (eager steps). A fill only when the value changes (stream-ordered: a graph
         replayed before it still reads the old value). Runs outside graphs and compiled code."""
         value = ALL_ROWS if n is None else n
-        self.masking = n is not None
         if value != self._rows_value:
             self.rows.fill_(value)
             self._rows_value = value
+
+    @property
+    def masking(self) -> bool:
+        """Whether `rows` may cut the steps (the runner's padded forwards): the hook masks then."""
+        return self._rows_value != ALL_ROWS
 
     def _row(self, layer: int) -> torch.Tensor:
         return self.counts[layer]  # looked up per call: the buffer is replaced when the model moves
