@@ -15,8 +15,8 @@ SMALL = dict(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, inter
 PROMPT = [5, 9, 11, 40, 2]
 
 
-def cut_config(name: str, folder: Path) -> str:
-    d = {**json.loads((CONFIGS / name / "config.json").read_text()), **SMALL}
+def cut_config(name: str, folder: Path, **overrides: int) -> str:
+    d = {**json.loads((CONFIGS / name / "config.json").read_text()), **SMALL, **overrides}
     if name.startswith("deepseek"):  # MLA: the latent expands into every query head
         d["num_key_value_heads"] = d["num_attention_heads"]
     (folder / "config.json").write_text(json.dumps(d))

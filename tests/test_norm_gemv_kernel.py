@@ -63,6 +63,38 @@ def test_the_norm_and_the_product_of_the_two_launches(dtype, k, n, with_residual
     assert y.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_a_moe_steps_picks_are_summed_as_the_combine_does(dtype, with_residual):
+    """x as a one-token MoE step's weighted picks [1, k, K] (LayerOps.pick_rows): h, the new
+    residual and y as moe_sum's row through the plain kernel, bit for bit in the interpreter;
+    and the op set's norms (with and without a first product) sum them too."""
+    from ketch.kernels.moe_combine import moe_sum
+    k, n, top_k = 70, 13, 6
+    _, residual, norm_w, w, bias = inputs(k, n, dtype, seed=21)
+    picks = (torch.randn(1, top_k, k, generator=torch.Generator().manual_seed(22)) * 2).to(DEVICE, dtype)
+    row = moe_sum(picks)
+    res_in = residual if with_residual else None
+    got = ng.norm_gemv(picks, res_in, norm_w, 1e-6, w, bias)
+    want = ng.norm_gemv(row, res_in, norm_w, 1e-6, w, bias)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        if DEVICE.type == "cpu":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    ops = triton_ops()
+    if with_residual:
+        for a, b in zip(ops.add_rms_norm(picks, residual, norm_w, 1e-6), add_rms_norm(row, residual, norm_w, 1e-6),
+                        strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(ops.add_rms_norm_linear(torch.cat((picks, picks)), torch.cat((residual, residual)), norm_w,
+                                                1e-6, FirstProduct(w, bias)),
+                        ops.add_rms_norm_linear(torch.cat((row, row)), torch.cat((residual, residual)), norm_w,
+                                                1e-6, FirstProduct(w, bias)), strict=True):
+            assert torch.equal(a, b)  # two tokens' picks: the combine, then the two-op path
+
+
 def test_an_fp32_router_weight_gives_fp32_logits():
     """DeepSeek's router: fp32 weight, bf16/fp16 rows, fp32 logits, the same as widening h."""
     x, residual, norm_w, w, _ = inputs(64, 8, torch.float16, seed=3, weight_dtype=torch.float32)
@@ -119,12 +151,13 @@ for k in (2048, 4096, 7168):
         bk = pow2(k)
         sig = {n: "*bf16" for n in fn.arg_names}
         sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
-                   n_blocks="i32")
-        consts = dict(HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)), BLOCK_K=bk,
-                      USE_PDL=True)
-        u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
-        print(k, w, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
-        assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
+                   stride_xp="i32", n_blocks="i32")
+        for picks in (1, 8):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows)
+            consts = dict(PICKS=picks, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
+                          BLOCK_K=bk, USE_PDL=True)
+            u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
+            print(k, w, picks, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
+            assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

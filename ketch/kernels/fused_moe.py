@@ -143,33 +143,14 @@ def _k_step(acc, a, W, w_off, Scale, n_rows, n_mask, k0, offs_k, k_mask, stride_
     return acc
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"],  # per step: T * k, padded blocks
-            do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
-def _moe_gemm_kernel(
-    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad,
-    N, K, num_rows, num_m_blocks,
-    stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    pid_n = pid // num_m_blocks
-    if USE_PDL:  # the ids, the expert of the block and A are all this step's
-        tl.extra.cuda.gdc_wait()
-    if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
-        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-        valid = tl.arange(0, BLOCK_M) == 0
-        rows = tl.full([BLOCK_M], pid_m, tl.int64)
-    else:
-        if pid_m * BLOCK_M >= tl.load(NumPostPad):
-            return
-        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = tl.load(SortedIds + offs_m)
-        valid = rows < num_rows
-        rows = rows.to(tl.int64)
+@triton.jit
+def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
+             stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
+             A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+             UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program's tile after the PDL wait: the rows `rows` (int64 [BLOCK_M], `valid` where
+    real) of expert `expert` against its output block pid_n (also kernels/moe_route_up.py's)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -206,6 +187,38 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, out.to(dt), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_rows", "num_m_blocks"],  # per step: T * k, padded blocks
+            do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
+def _moe_gemm_kernel(
+    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad,
+    N, K, num_rows, num_m_blocks,
+    stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_n = pid // num_m_blocks
+    if USE_PDL:  # the ids, the expert of the block and A are all this step's
+        tl.extra.cuda.gdc_wait()
+    if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        valid = tl.arange(0, BLOCK_M) == 0
+        rows = tl.full([BLOCK_M], pid_m, tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(NumPostPad):
+            return
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = tl.load(SortedIds + offs_m)
+        valid = rows < num_rows
+        rows = rows.to(tl.int64)
+    moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
+             stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
+             A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+
+
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
              topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              num_post_pad: torch.Tensor, *, a_row_div: int, gated: bool, block_m: int, cfg: GemmConfig,
@@ -233,13 +246,11 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
     )
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-           w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
+def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                 w2_scale: torch.Tensor | None) -> None:
     e, two_i, h = w13.shape
     if x.dim() != 2 or x.shape[1] != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} do not fit")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} for {x.shape[0]} tokens")
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("fused_experts: fp8 needs both w13_scale and w2_scale")
     for w, s in ((w13, w13_scale), (w2, w2_scale)):
@@ -249,10 +260,15 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                         w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         w2_scale: torch.Tensor | None = None, sum_picks: bool = True) -> torch.Tensor:
     """As fused_experts_ref: [T, H] in x's dtype. fp8: w13 / w2 float8_e4m3fn with their fp32
-    block scales. No host sync (CUDA-graph safe); the grids depend on T, k, E and H, I only."""
-    _check(x, w13, w2, topk_ids, w13_scale, w2_scale)
+    block scales. No host sync (CUDA-graph safe); the grids depend on T, k, E and H, I only.
+    sum_picks False: a step of one token (DIRECT_MAX_TOKENS) returns its weighted picks [1, k, H]
+    unsummed, for the norm after the layer to add (LayerOps.pick_rows: one launch fewer); other
+    steps are summed either way."""
+    check_shapes(x, w13, w2, w13_scale, w2_scale)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} for {x.shape[0]} tokens")
     tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -278,4 +294,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
              a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct)
+    if direct and not sum_picks:
+        return out.view(tokens, top_k, hidden)
     return moe_sum(out.view(tokens, top_k, hidden))

@@ -7,14 +7,22 @@ bs1 on the H200 (docs/performance.md, issue 19), longer than either expert GEMM'
 small step; this is one short program per (token, column block).
 
     grid: (T, cdiv(H, BLOCK))
+
+At a step of one token the norm after the MoE layer sums the picks itself (LayerOps.pick_rows:
+norm_gemv's PICKS, the same fp32 sum in pick order and one rounding), one launch fewer;
+KETCH_MOE_SUM_IN_NORM=0 turns that off (the GPU A/B's switch).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
+
+IN_NORM = os.environ.get("KETCH_MOE_SUM_IN_NORM", "1") != "0"
 
 
 @triton.jit

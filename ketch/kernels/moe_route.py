@@ -33,22 +33,13 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scale, NUM_EXPERTS: tl.constexpr,
-                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
-                         EARLY_TRIGGER: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def softmax_topk_row(x, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr,
+                     K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's routing from its logits x [BLOCK_E] fp32 (-inf past NUM_EXPERTS) -> (weights
+    fp32, ids int32), each [K_PAD]: slots 0..TOP_K-1 the picks, then the APPEND appended ones (the
+    fused MoE's gate|up kernel runs this too, at one token: kernels/moe_route_up.py)."""
     offs = tl.arange(0, BLOCK_E)
     real = offs < NUM_EXPERTS
-    if USE_PDL:  # the logits are the router GEMM's output
-        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(Logits + t * stride_l + offs, mask=real, other=float("-inf")).to(tl.float32)
-    if COUNT_ROWS:  # loaded beside the logits (its latency hidden by theirs)
-        counted = t < tl.load(CountRows)
-    if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(real, p, -1.0)  # below every probability: padding is never picked
@@ -61,20 +52,48 @@ def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scal
         weights = tl.where(slots == j, best, weights)
         ids = tl.where(slots == j, pick, ids)
         p = tl.where(offs == pick, -2.0, p)  # below the padding: picked once
-    keep = slots < TOP_K
     if RENORMALIZE:
-        weights = weights / tl.sum(tl.where(keep, weights, 0.0), axis=0)
+        weights = weights / tl.sum(tl.where(slots < TOP_K, weights, 0.0), axis=0)
     weights = weights * scale  # x 1.0 is exact: no scale, the same bits
     appended = (slots >= TOP_K) & (slots < TOP_K + APPEND)
     weights = tl.where(appended, 1.0, weights)
     ids = tl.where(appended, NUM_EXPERTS + slots - TOP_K, ids)
+    return weights, ids
+
+
+@triton.jit
+def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scale, NUM_EXPERTS: tl.constexpr,
+                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+                         EARLY_TRIGGER: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    if USE_PDL:  # the logits are the router GEMM's output
+        if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(Logits + t * stride_l + offs, mask=offs < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    if COUNT_ROWS:  # loaded beside the logits (its latency hidden by theirs)
+        counted = t < tl.load(CountRows)
+    if USE_PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    weights, ids = softmax_topk_row(x, scale, NUM_EXPERTS, TOP_K, APPEND, K_PAD, RENORMALIZE, BLOCK_E)
+    slots = tl.arange(0, K_PAD)
     width = TOP_K + APPEND
     tl.store(Weights + t * width + slots, weights, mask=slots < width)
     tl.store(Ids + t * width + slots, ids.to(tl.int64), mask=slots < width)
     if COUNT:  # integer adds: the totals do not depend on the order the programs reach them
+        keep = slots < TOP_K
         if COUNT_ROWS:  # a padded step: only its first rows are traffic
             keep = keep & counted
         tl.atomic_add(Counts + ids, tl.full([K_PAD], 1, tl.int64), mask=keep)
+
+
+def check_counts(counts: torch.Tensor | None, experts: int, device: torch.device) -> None:
+    if counts is not None and (counts.dtype != torch.int64 or counts.dim() != 1 or counts.stride(0) != 1
+                               or counts.numel() < experts or counts.device != device):
+        raise ValueError(f"softmax_topk: counts must be a contiguous int64 vector of >= {experts} on "
+                         f"{device}, got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
@@ -89,10 +108,7 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, 
         raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
     if append < 0:
         raise ValueError(f"softmax_topk: append {append} < 0")
-    if counts is not None and (counts.dtype != torch.int64 or counts.dim() != 1 or counts.stride(0) != 1
-                               or counts.numel() < experts or counts.device != logits.device):
-        raise ValueError(f"softmax_topk: counts must be a contiguous int64 vector of >= {experts} on "
-                         f"{logits.device}, got {counts.dtype} {tuple(counts.shape)} on {counts.device}")
+    check_counts(counts, experts, logits.device)
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     weights = torch.empty(tokens, top_k + append, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)

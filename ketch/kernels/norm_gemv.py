@@ -55,9 +55,9 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _norm_gemv_kernel(
-    X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, n_blocks,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
+    PICKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -70,7 +70,13 @@ def _norm_gemv_kernel(
     if USE_PDL:  # x and the residual are earlier kernels' outputs
         tl.extra.cuda.gdc_wait()
     dt = H.dtype.element_ty
-    s = tl.load(X + offs_k, mask=k_mask, other=0.0)
+    if PICKS == 1:
+        s = tl.load(X + offs_k, mask=k_mask, other=0.0)
+    else:  # a MoE step's weighted picks: summed in fp32 in pick order, rounded once (moe_sum's)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for j in range(PICKS):  # a loop, not unrolled: one row in registers at a time (K 7168: no spills)
+            acc += tl.load(X + j * stride_xp + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        s = acc.to(dt)
     if HAS_RESIDUAL:
         s = (s.to(tl.float32) + tl.load(Residual + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
     sf = s.to(tl.float32)
@@ -78,7 +84,7 @@ def _norm_gemv_kernel(
     h = ((sf * rstd).to(dt).to(tl.float32) * nw).to(dt)
     writer = k_mask & (pid == 0)  # one program writes the row the layer keeps
     tl.store(H + offs_k, h, mask=writer)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL or PICKS > 1:
         tl.store(ResOut + offs_k, s, mask=writer)
     hf = h.to(tl.float32)[None, :]
     for block in range(pid, n_blocks, step):
@@ -95,27 +101,31 @@ def _norm_gemv_kernel(
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether norm_gemv takes this step: one row on the GPU (or the interpreter), a plain
-    row-major weight of x's dtype or fp32 (a router), K up to MAX_K."""
+    """Whether norm_gemv takes this step: one row on the GPU (or the interpreter), or a one-token
+    MoE step's picks [1, k, K] to sum first (LayerOps.pick_rows), a plain row-major weight of x's
+    dtype or fp32 (a router), K up to MAX_K."""
     on_device = x.is_cuda or interpreting()
-    return (ENABLED and on_device and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2
+    return (ENABLED and on_device and x.dim() in (2, 3) and x.shape[0] == 1 and weight.dim() == 2
             and weight.layout == torch.strided and weight.stride(-1) == 1 and weight.device == x.device
-            and weight.dtype in (x.dtype, torch.float32) and 0 < x.shape[1] <= MAX_K and weight.shape[1] == x.shape[1])
+            and weight.dtype in (x.dtype, torch.float32) and 0 < x.shape[-1] <= MAX_K
+            and weight.shape[1] == x.shape[-1])
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None, *,
               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, new residual, y) as above; x [1, K] (last dim contiguous), the residual likewise or None
-    (then the new residual is x itself). The caller checks `fits`."""
-    if not fits(x, weight) or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
+    """(h, new residual, y) as above; x [1, K] or a MoE step's picks [1, k, K] (summed as moe_sum
+    does), last dim contiguous; the residual [1, K] or None (then the new residual is x itself, or
+    the picks' sum). The caller checks `fits`."""
+    if not fits(x, weight) or (residual is not None and tuple(residual.shape) != (1, x.shape[-1])):
         shape = None if residual is None else tuple(residual.shape)
         raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)} "
                          f"{weight.dtype} do not fit (one row, K <= {MAX_K})")
     n, k = weight.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    h = torch.empty_like(x)
-    res_out = x if residual is None else torch.empty_like(x)
+    picks = x.shape[1] if x.dim() == 3 else 1
+    h = torch.empty((1, k), dtype=x.dtype, device=x.device)
+    res_out = x if residual is None and picks == 1 else torch.empty_like(h)
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     block_k = pow2(k)
     block_n = max(1, _TILE_BYTES // (block_k * weight.element_size()))
@@ -123,7 +133,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
     _norm_gemv_kernel[(programs,)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
-        y, h, res_out, n, k, eps, weight.stride(0), n_blocks,
+        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, PICKS=picks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
     )

@@ -36,6 +36,7 @@ the math is the unsharded one: no reduce, the whole intermediate size in one slo
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -138,15 +139,18 @@ class Router(nn.Module):
             return self.dense(x.float(), self.weight.float(), None)
         return self.dense(x, self.weight, None)
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: `self._logits(x)`, computed with the norm before (first_product)."""
-        logits = self._logits(x) if logits is None else logits
+    def select_kw(self) -> dict[str, torch.Tensor]:
+        """What `select` takes besides the logits: ExpertLoad's counter row and rows, the bias."""
         kw = {} if self.count_into is None else {"counts": self.count_into()}
         if self.count_rows is not None:
             kw["count_rows"] = self.count_rows()
         if self.e_score_correction_bias is not None:
             kw["correction_bias"] = self.e_score_correction_bias
-        return self.select(logits, **kw)
+        return kw
+
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: `self._logits(x)`, computed with the norm before (first_product)."""
+        return self.select(self._logits(x) if logits is None else logits, **self.select_kw())
 
 
 SHARED = "shared"  # the shard id's expert for the shared MLP's tensors (FusedExperts' slots E..)
@@ -213,12 +217,27 @@ class MoE(nn.Module):
         # picked once: the layer kernels' fused MoE (Triton on CUDA: one grouped GEMM per
         # projection, no host sync, graph-safe) or the torch reference (the CPU path)
         self.run_experts = ops.fused_experts or torch_experts
+        # the routing inside the experts' launches where the ops have it for this `select` (the
+        # softmax top-k kernel's: LayerOps.softmax_topk_experts, at one token)
+        self.route_experts = None
+        if (ops.softmax_topk_experts is not None and isinstance(select, partial)
+                and select.func is ops.softmax_topk and not select.args):
+            self.route_experts = partial(ops.softmax_topk_experts, **select.keywords)
+        # the picks left unsummed for the norm after the layer (LayerOps.pick_rows); a reduced
+        # output is summed before its all-reduce
+        self.experts_kw = {"sum_picks": False} if ops.pick_rows and not self.reduce else {}
 
     def first_product(self) -> FirstProduct:
         return self.gate.first_product()
 
     def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
-        """first: the router's logits of x, computed with the norm before (normed_input)."""
-        weights, ids = self.gate(x, first)
-        y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        """first: the router's logits of x, computed with the norm before (normed_input). With
+        LayerOps.pick_rows the result may be a one-token step's weighted picks [1, k, H]."""
+        if self.route_experts is not None:
+            logits = self.gate._logits(x) if first is None else first
+            y = self.route_experts(x, logits, self.experts.w13, self.experts.w2, **self.gate.select_kw(),
+                                   **self.experts_kw)
+        else:
+            weights, ids = self.gate(x, first)
+            y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids, **self.experts_kw)
         return self.parallel.all_reduce(y) if self.reduce else y

@@ -99,6 +99,14 @@ class LayerOps:
     # q_lat = q_nope W_UK [tokens, heads, rank]) in one launch, for a step of a few decode rows
     # (the backend's absorbs_query); None: mla_prepare, and the backend makes q_lat
     mla_prepare_absorb: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # (x, logits, w13, w2, top_k, renormalize[, scale=, append=, counts=, count_rows=, sum_picks=])
+    # -> softmax_topk then fused_experts, the routing inside the experts' first launch at a step
+    # of one token (kernels/moe_route_up.py); None: the two ops
+    softmax_topk_experts: Callable[..., torch.Tensor] | None = None
+    # whether a layer's output may be a one-token MoE step's weighted picks [1, k, H], unsummed
+    # (fused_experts(sum_picks=False)): the norms after it (add_rms_norm, add_rms_norm_linear)
+    # add the picks in fp32, round once, then add the residual, as the combine then the norm
+    pick_rows: bool = False
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,7 +130,10 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.fused_moe import fused_experts_triton
     from ketch.kernels.gemv import gemv
     from ketch.kernels.mla_prepare import ABSORB_ENABLED, mla_prepare, mla_prepare_absorb
+    from ketch.kernels import moe_combine
+    from ketch.kernels.moe_combine import moe_sum
     from ketch.kernels.moe_route import softmax_topk_triton
+    from ketch.kernels.moe_route_up import routed_experts_triton
     from ketch.kernels import head_position
     from ketch.kernels.head_position import qk_rms_norm
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -151,11 +162,19 @@ def triton_ops() -> LayerOps:
                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return qk_rms_norm(qk, q_weight, k_weight, eps, num_q, rope=(cos, sin))
 
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return moe_sum(x) if x.dim() == 3 else x  # a MoE step's unsummed picks (pick_rows)
+
+    def add_picks_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(summed(x), residual, weight, eps)
+
     def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                             first: FirstProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if norm_gemv.fits(x, first.weight):  # one decode row: one launch
+        if norm_gemv.fits(x, first.weight):  # one decode row (or its MoE picks): one launch
             return norm_gemv.norm_gemv(x, residual, norm_weight, eps, first.weight, first.bias,
                                        out_dtype=first.out_dtype)
+        x = summed(x)
         if residual is None:
             h, residual = rms_norm(x, norm_weight, eps), x
         else:
@@ -172,11 +191,12 @@ def triton_ops() -> LayerOps:
             return head_position.rotary_store(qk, cos, sin, num_q, store)
         return head_position.qk_rms_norm(qk, *norm, num_q, rope=(cos, sin), store=store)
 
-    return LayerOps("triton", rms_norm, add_rms_norm, rotate_in_place, silu_and_mul, linear=linear,
+    return LayerOps("triton", rms_norm, add_picks_rms_norm, rotate_in_place, silu_and_mul, linear=linear,
                     linear_fp32=linear_fp32, fused_experts=fused_experts_triton, softmax_topk=softmax_topk_triton,
                     qk_norm=qk_rms_norm, qk_norm_rotary=qk_norm_rotary, mla_prepare=mla_prepare,
                     add_rms_norm_linear=add_rms_norm_linear, position_and_store=position_and_store,
-                    mla_prepare_absorb=mla_prepare_absorb if ABSORB_ENABLED else None)
+                    mla_prepare_absorb=mla_prepare_absorb if ABSORB_ENABLED else None,
+                    softmax_topk_experts=routed_experts_triton, pick_rows=moe_combine.IN_NORM)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)
