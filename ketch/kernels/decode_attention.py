@@ -46,11 +46,14 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if USE_PDL:  # q, seq_lens, the page table and the KV just stored are all this step's
+        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -89,7 +92,7 @@ def _decode_split_kernel(
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
     nonempty = hi > lo
@@ -171,7 +174,6 @@ def decode_attention(
     vc = v_cache.view(-1, kv_heads, head_dim)
     group = num_heads // kv_heads
     block_d = pow2(head_dim, 16)
-    pdl = pdl_launch()
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kc, vc, page_table, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), page_table.stride(0),
@@ -180,7 +182,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(batch * kv_heads * num_splits),
     )
     return merge_splits(mid_o, mid_lse, out, num_splits)
 

@@ -22,8 +22,17 @@ so whichever config the autotuner picks, the bits are the same.
 
 PDL (ketch/kernels/README.md): K step 0 is peeled so its W tile is loaded before gdc_wait; the
 sums are the same operations in the same order, so PDL on and off give the same bits.
+
+Whole rows at M = 1 (WHOLE_K, K <= WHOLE_K_MAX): BLOCK_K = K (next power of two) and BLOCK_N the
+rows of a WHOLE_K_TILE-byte tile, so the peeled step is the program's whole weight slice: every
+resident program has all its weight bytes requested before the PDL wait. With the latency-bound
+kernels before it triggering early (attention at bs1), a product such as o_proj streams its
+weights while they run instead of after them. Not autotuned (timed alone, the overlap it is for
+does not show); one config per (N, K), so one summation order.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +44,14 @@ from ketch.kernels._common import (
     interpreting,
     last_dim_contiguous,
     pdl_launch,
+    pow2,
 )
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
+# KETCH_GEMV_WHOLE_K=1: M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring)
+WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "0") != "0"
+WHOLE_K_MAX = 8192
+WHOLE_K_TILE = 16384  # bytes of weight a program holds (norm_gemv's tile)
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
 
 
@@ -139,7 +153,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: {m} rows > MAX_M={MAX_M}; use F.linear")
     weight = last_dim_contiguous(weight)
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    if m and n:
+    if m == 1 and n and WHOLE_K and k <= WHOLE_K_MAX:
+        block_k = pow2(k)
+        block_n = 4 if interpreting() else max(1, WHOLE_K_TILE // (block_k * weight.element_size()))
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
+            x2, weight, weight if bias is None else bias, y, m, n, k,
+            x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, UPCAST=interpreting() or torch.float32 in (x.dtype, weight.dtype),
+            PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
+        )
+    elif m and n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         kernel, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
         fp32 = torch.float32 in (x.dtype, weight.dtype)  # the dot path's operands: both widened

@@ -43,11 +43,14 @@ def _mla_decode_split_kernel(
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     if USE_PDL:  # q, seq_lens, the page table and the latent just stored are all this step's
+        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -88,7 +91,7 @@ def _mla_decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # values: the c part
         m_i = m_new
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
     nonempty = hi > lo
@@ -155,7 +158,7 @@ def mla_decode_partials(
         BLOCK_H=block_h, BLOCK_R=pow2(rank, 16), BLOCK_P=pow2(rope, 16), BLOCK_N=block_n,
         PRECISION=dot_precision(q_lat.dtype),
         FP16_DOTS=cache.dtype == torch.float8_e4m3fn and q_lat.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(batch * triton.cdiv(heads, block_h) * num_splits),
     )
     return mid_o[:batch], mid_lse[:batch]
 

@@ -14,8 +14,8 @@ bytes from L2) and takes its own pick's expert; the programs of output block 0 a
 pick's weight and id (the down GEMM reads them after its wait) and add the routed pick to the
 per-expert counts.
 
-Steps of more than fused_moe.DIRECT_MAX_TOKENS tokens, those moe_decode takes, and all with
-KETCH_MOE_ROUTE_UP=0 (the GPU A/B's switch) launch the routing kernel and then the experts.
+Steps of more than fused_moe.DIRECT_MAX_TOKENS tokens, those moe_decode takes, and all unless
+KETCH_MOE_ROUTE_UP=1 (off by default: ENABLED) launch the routing kernel and then the experts.
 
     grid: ((top_k + append) * cdiv(I, BLOCK_N),), pick fastest (as fused_moe's direct blocks)
 """
@@ -31,7 +31,10 @@ from ketch.kernels import fused_moe, moe_decode
 from ketch.kernels._common import dot_precision, interpreting, pdl_launch, pow2
 from ketch.kernels.moe_route import check_counts, softmax_topk_row, softmax_topk_triton
 
-ENABLED = os.environ.get("KETCH_MOE_ROUTE_UP", "1") != "0"
+# Off by default: measured no faster (H100, bs1, same run, docs/performance.md): DeepSeek-V2-Lite
+# 2.435 -> 2.430 ms a step, Qwen3-30B-A3B 3.143 -> 3.163 ms (its 128 experts' eight argmax rounds
+# in every program cost what the routing launch did). KETCH_MOE_ROUTE_UP=1 turns it on.
+ENABLED = os.environ.get("KETCH_MOE_ROUTE_UP", "0") != "0"
 
 
 @triton.jit
