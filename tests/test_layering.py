@@ -11,7 +11,7 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
          │   (parsers)     │ ├──────▶ disagg (PD KV transport)
          │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels, native (C, CPU)
     bench┘                 │            └──▶ attention ──────────────▶ kernels
-                     sampling: below engine, scheduler and runner
+                     sampling: below engine, scheduler and runner (──▶ kernels: argmax)
     leaves anything may import: config, forward_batch, weights, text, host_copy, user_cache (low
     packages: config, forward_batch, host_copy, kv_dtype, user_cache only)
 """
@@ -47,7 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "spec": frozenset({"cache", "layers", "runner", "sampling"}) | LEAVES,
     "disagg": LOW_LEAVES,  # PD transport: moves the pool's tensors it is handed; no scheduler, no cache code
     "scheduler": frozenset({"cache", "sampling"}) | LEAVES,
-    "sampling": LEAVES,
+    "sampling": frozenset({"kernels"}) | LEAVES,  # the greedy pick's argmax kernel on CUDA
     "runner": frozenset({"attention", "cache", "layers", "models", "parallel", "sampling"}) | LEAVES,
     "models": frozenset({"attention", "layers", "parallel"}) | LEAVES,  # a model calls the attention contract
     "attention": frozenset({"cache", "kernels", "native"}) | LOW_LEAVES,  # the backends read the KV pool

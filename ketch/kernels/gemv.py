@@ -23,7 +23,7 @@ so whichever config the autotuner picks, the bits are the same.
 PDL (ketch/kernels/README.md): K step 0 is peeled so its W tile is loaded before gdc_wait; the
 sums are the same operations in the same order, so PDL on and off give the same bits.
 
-Whole rows at M = 1 (WHOLE_K, K <= WHOLE_K_MAX): BLOCK_K = K (next power of two) and BLOCK_N the
+Whole rows at M = 1 (WHOLE_K, on by default; K <= WHOLE_K_MAX): BLOCK_K = K (next power of two) and BLOCK_N the
 rows of a WHOLE_K_TILE-byte tile, so the peeled step is the program's whole weight slice: every
 resident program has all its weight bytes requested before the PDL wait. With the latency-bound
 kernels before it triggering early (attention at bs1), a product such as o_proj streams its
@@ -48,8 +48,10 @@ from ketch.kernels._common import (
 )
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
-# KETCH_GEMV_WHOLE_K=1: M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring)
-WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "0") != "0"
+# M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring); KETCH_GEMV_WHOLE_K=0: tiled.
+# Same-run A/B (H100, bs1 decode, docs/performance.md): Qwen3-30B-A3B -0.7 %, DeepSeek-V2-Lite
+# -0.6 %, Llama-3.1-8B -0.1 % a step.
+WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "1") != "0"
 WHOLE_K_MAX = 8192
 WHOLE_K_TILE = 16384  # bytes of weight a program holds (norm_gemv's tile)
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
@@ -177,7 +179,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def picked_config(n: int, k: int, m: int) -> str | None:
-    """The autotuned config for a shape, as text (None before the first call with it)."""
+    """The config for a shape, as text: the whole-row one (M = 1, WHOLE_K), else the autotuned one
+    (None before the first call with it). Bf16/fp16 weights (the whole-row tile's rows depend on
+    the element size)."""
+    if m == 1 and WHOLE_K and k <= WHOLE_K_MAX:
+        block_k = pow2(k)
+        return f"whole rows: BLOCK_N: {max(1, WHOLE_K_TILE // (block_k * 2))}, BLOCK_K: {block_k}"
     tuner, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
     if len(tuner.configs) == 1:
         return str(tuner.configs[0])

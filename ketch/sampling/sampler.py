@@ -104,11 +104,11 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
 
     sampled = batch.sampled
     if sampled is None:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits)
     elif not batch.any_greedy:
         token_ids = _draw(logits, sampled)
     else:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits)
         assert sampled.index is not None
         picked = _draw(logits.index_select(0, sampled.index), sampled)
         token_ids.index_copy_(0, sampled.index, picked)
@@ -117,6 +117,15 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
         return DeviceSample(token_ids, None, 0)
     packed = _pack_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
     return DeviceSample(token_ids, packed, batch.num_logprobs)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over each row; on CUDA ketch's two-launch kernel (kernels/argmax.py: torch's
+    ran one vocabulary row in a single block), imported there only (the CPU path loads no Triton)."""
+    if not logits.is_cuda:
+        return logits.argmax(dim=-1)
+    from ketch.kernels.argmax import argmax_rows
+    return argmax_rows(logits)
 
 
 def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
