@@ -8,11 +8,6 @@
     grid stage 2: (batch, heads)
         merges the splits: out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m).
 
-PDL: a program loads its seq_len, the first block's page rows and that block's K/V rows of earlier
-tokens before its gdc_wait (no kernel of the step writes them: the step's host copy and earlier
-steps did), and q and the current token's row (position L - 1, stored by the kernel just before)
-after it; at bs1 a split is a block or two, so most of its reads overlap the kernels before.
-
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
 chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
 ignored by stage 2. `splits` is fixed per launch (not per sequence), so the grid depends only
@@ -39,22 +34,6 @@ from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
-    """One block of keys and values into the online softmax (m_i, l_i, acc); k and v as loaded
-    (an fp8 pool's tiles cast up here, exactly)."""
-    k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
 # Per-step values (the page-table width, the split count, where the step's metadata views start
 # in its one buffer) are not specialized on: each new 1 / multiple-of-16 / alignment pattern
 # would compile a kernel variant in the middle of serving (~1 s each on an H200).
@@ -72,11 +51,10 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the PDL wait: what no kernel of this step writes. seq_lens and the page table come
-    # from the step's host copy (or torch ops) ahead of every PDL kernel of the step, and the
-    # pool's rows of earlier tokens from earlier steps; only q and the current token's K/V row
-    # (position seq_len - 1, stored by the kernel just before) wait. At bs1 a split is one block
-    # or two, so the first block's past rows are most of what the program reads.
+    if USE_PDL:  # q, seq_lens, the page table and the KV just stored are all this step's
+        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -87,42 +65,33 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
-    table = PageTable + b.to(tl.int64) * stride_pt
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hi
-    page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-    slot = page * page_size + offs_n % page_size
-    k_ptrs = KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-    v_ptrs = VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :]
-    past = (n_mask & (offs_n < seq_len - 1))[:, None] & d_mask[None, :]
-    k = tl.load(k_ptrs, mask=past, other=0.0)
-    v = tl.load(v_ptrs, mask=past, other=0.0)
-    if USE_PDL:  # q and the current token's K/V are the kernel before's
-        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if FP16_DOTS:
         q = q.to(tl.float16)
-    current = (n_mask & (offs_n == seq_len - 1))[:, None] & d_mask[None, :]
-    k = tl.where(current, tl.load(k_ptrs, mask=current, other=0.0), k)
-    v = tl.where(current, tl.load(v_ptrs, mask=current, other=0.0), v)
+    table = PageTable + b.to(tl.int64) * stride_pt
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if lo < hi:  # an empty split (a short sequence, a padded row) attends to nothing
-        m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
         slot = page * page_size + offs_n % page_size
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an fp8 pool's tile, cast up exactly; a no-op when the pool is q's dtype
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, n_mask, m_i, l_i, acc, scale_log2, PRECISION)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -32,23 +32,6 @@ from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch
 from ketch.kernels.decode_attention import LOG2E, decode_scratch, merge_splits, num_splits_for
 
 
-@triton.jit
-def _attend_latent(q_lat, q_pe, c, k_pe, n_mask, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
-    """One block of latent rows (c | k_pe, as loaded: an fp8 pool's cast up here) into the online
-    softmax; the values are the c part."""
-    c = c.to(q_lat.dtype)
-    k_pe = k_pe.to(q_lat.dtype)
-    s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-    s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale_log2  # [BLOCK_H, BLOCK_N]
-    s = tl.where(n_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
 # Per-step values are not specialized on (a new page-table width or split count would compile
 # a variant mid-serving): see decode_attention.py.
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"], do_not_specialize_on_alignment=["PageTable", "SeqLens"])
@@ -65,9 +48,10 @@ def _mla_decode_split_kernel(
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the PDL wait: seq_lens, the page table and the latent rows of earlier tokens, which
-    # no kernel of this step writes (decode_attention.py: the same rule); q and the current
-    # token's row (position seq_len - 1, stored by the kernel just before) after it.
+    if USE_PDL:  # q, seq_lens, the page table and the latent just stored are all this step's
+        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -80,41 +64,33 @@ def _mla_decode_split_kernel(
     r_mask = offs_r < RANK
     p_mask = offs_p < ROPE
     b64 = b.to(tl.int64)
-    table = PageTable + b64 * stride_pt
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hi
-    page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-    row = Cache + (page * page_size + offs_n % page_size)[:, None] * stride_cs
-    past = (n_mask & (offs_n < seq_len - 1))[:, None]
-    c = tl.load(row + offs_r[None, :], mask=past & r_mask[None, :], other=0.0)
-    k_pe = tl.load(row + RANK + offs_p[None, :], mask=past & p_mask[None, :], other=0.0)
-    if USE_PDL:  # q and the current token's latent are the kernels before's
-        if EARLY_TRIGGER:  # a one-wave grid (bs1): the kernels after it launch and stream their weights
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     q_lat = tl.load(QLat + b64 * stride_qlb + heads[:, None] * stride_qlh + offs_r[None, :],
                     mask=h_mask[:, None] & r_mask[None, :], other=0.0)
     q_pe = tl.load(QPe + b64 * stride_qpb + heads[:, None] * stride_qph + offs_p[None, :],
                    mask=h_mask[:, None] & p_mask[None, :], other=0.0)
     if FP16_DOTS:
         q_lat, q_pe = q_lat.to(tl.float16), q_pe.to(tl.float16)
-    current = (n_mask & (offs_n == seq_len - 1))[:, None]
-    c = tl.where(current, tl.load(row + offs_r[None, :], mask=current & r_mask[None, :], other=0.0), c)
-    k_pe = tl.where(current, tl.load(row + RANK + offs_p[None, :], mask=current & p_mask[None, :], other=0.0), k_pe)
+    table = PageTable + b64 * stride_pt
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    if lo < hi:  # an empty split (a short sequence, a padded row) attends to nothing
-        m_i, l_i, acc = _attend_latent(q_lat, q_pe, c, k_pe, n_mask, m_i, l_i, acc, scale_log2, PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
         row = Cache + (page * page_size + offs_n % page_size)[:, None] * stride_cs
-        c = tl.load(row + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        k_pe = tl.load(row + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0)
-        m_i, l_i, acc = _attend_latent(q_lat, q_pe, c, k_pe, n_mask, m_i, l_i, acc, scale_log2, PRECISION)
+        c = tl.load(row + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(q_lat.dtype)
+        k_pe = tl.load(row + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # values: the c part
+        m_i = m_new
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
