@@ -3,7 +3,10 @@
     norm_gemv(x [1, K], residual [1, K] or None, norm_weight [K], eps, weight [N, K], bias [N] or None,
               out_dtype=None) -> (h [1, K], new residual [1, K], y [1, N])
 
-is add_rms_norm (or rms_norm without a residual: the first layer, whose residual is x itself)
+x may also be a one-token MoE step's weighted picks [1, k, K] (LayerOps.pick_rows): they are summed
+in fp32 in pick order and rounded once first, moe_sum's bits, so the combine's launch goes too.
+
+It is add_rms_norm (or rms_norm without a residual: the first layer, whose residual is x itself)
 followed by gemv(h, weight, bias): rmsnorm.py's numerics (s = x + residual rounded, fp32
 statistics, the normed row rounded before the weight's product, rounded again) and gemv.py's M=1
 product (fp32 FMAs, one reduction per output). Why: at batch 1 a decoder layer's two norms are
