@@ -166,6 +166,11 @@ def test_bad_requests_leave_the_engine_serving(tiny_config_path):
             eng.add_request("e", empty, GREEDY)
     with pytest.raises(ValueError, match="^prompt"):
         eng.add_request("e", [1, 99999], GREEDY)
+    for not_ids in (None, "hello", 7):  # a ValueError naming the field, not a TypeError from len()
+        with pytest.raises(ValueError, match="^prompt: must be a sequence of token ids"):
+            eng.add_request("e", not_ids, GREEDY)
+    with pytest.raises(ValueError, match="^params: must be a SamplingParams"):
+        eng.add_request("e", prompt(8), None)
     for bad in ([1.7, 2.9], [True, 2], ["a"], [None]):  # not truncated, not a TypeError from inside min()
         with pytest.raises(ValueError, match="^prompt: token ids must be integers"):
             eng.add_request("e", bad, GREEDY)

@@ -23,6 +23,11 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
 def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                      kv_capacity: int, prompt_field: str = "prompt", generated: Sequence[int] = (),
                      eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids") -> None:
+    if prompt_ids is None or isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+        # (None, text, a bare int: not a TypeError from len() inside the engine)
+        raise ValueError(f"{prompt_field}: must be a sequence of token ids, got {type(prompt_ids).__name__}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
     if len(prompt_ids) == 0:  # (a numpy array has no truth value)
         raise ValueError(f"{prompt_field}: must not be empty")
     check_token_ids(prompt_field, prompt_ids, vocab_size)
