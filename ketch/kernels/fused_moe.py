@@ -69,10 +69,11 @@ def _direct_max_tokens() -> int:
 # tokens and more, picks share experts and per-pick blocks would stream a shared expert twice.
 # KETCH_MOE_DIRECT_TOKENS=0: the alignment at batch 1 too (the GPU A/B's switch).
 DIRECT_MAX_TOKENS = _direct_max_tokens()
-# KETCH_MOE_AHEAD=1 (off until a GPU A/B says it wins): at a direct step the gate|up launch
-# lets the down launch start right after its PDL wait, and the down programs read their expert
-# and first weight tile before their own wait, so the down weights start streaming during the
-# gate|up launch's tail (moe_gemm's `ahead`).
+# KETCH_MOE_AHEAD=1 (off until a GPU A/B says it wins): at a direct step each GEMM launch lets
+# the next one start right after its PDL wait, and the down programs read their expert and
+# first weight tile before their own wait, so the down weights start streaming during the
+# gate|up launch's tail, and the next layer's first product's during the down's (moe_gemm's
+# `ahead`).
 AHEAD_TOKENS = 1 if os.environ.get("KETCH_MOE_AHEAD", "0") == "1" else 0
 
 
@@ -228,7 +229,7 @@ def _moe_gemm_kernel(
                      mask=(offs_n0 < N)[:, None] & (offs_k0 < K)[None, :], other=0.0)
     if USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
-        if DIRECT and AHEAD and GATED:  # the down GEMM may launch now (AHEAD_TOKENS)
+        if DIRECT and AHEAD:  # the next launch may start and request its weights now (AHEAD_TOKENS)
             tl.extra.cuda.gdc_launch_dependents()
     if DIRECT and AHEAD and not GATED:
         valid = tl.arange(0, BLOCK_M) == 0
@@ -236,7 +237,7 @@ def _moe_gemm_kernel(
         moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
                  stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
                  A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
-                 w0, True, True)
+                 w0, True, False)
         return
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
         expert = tl.load(ExpertIds + pid_m).to(tl.int64)
@@ -265,9 +266,9 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
     row's routing weight. c has one row per (token, slot); rows are never written twice.
     direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
     (sorted_ids and num_post_pad unread). ahead (direct, 16-bit weights; AHEAD_TOKENS): the
-    gated launch lets the next one launch right after its wait, and the down launch reads its
-    expert and first weight tile before its wait, so expert_ids must be older than the launch
-    before it (the routing kernel's, not the gate|up launch's)."""
+    launch lets the next one launch right after its wait, and a down launch reads its expert and
+    first weight tile before its wait, so expert_ids must be older than the launch before it
+    (the routing kernel's, not the gate|up launch's)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     fp8 = scale is not None
