@@ -139,7 +139,7 @@ def test_one_token_skips_the_alignment_and_keeps_the_aligned_result(dtype, top_k
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_down_launch_reading_ahead_keeps_the_direct_result(dtype, monkeypatch):
-    """AHEAD_TOKENS (KETCH_MOE_AHEAD): the down programs load their expert and K step 0's weight
+    """AHEAD (KETCH_MOE_AHEAD): the down programs load their expert and K step 0's weight
     tile before the PDL wait and start from it: the direct path's result (bit for bit in the
     interpreter, where the operations are the same in the same order); fp8 weights ignore it."""
     monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 0)
@@ -147,9 +147,9 @@ def test_the_down_launch_reading_ahead_keeps_the_direct_result(dtype, monkeypatc
     w13, w2 = experts(dtype, seed=3)
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(31)).to(DEVICE, dtype)
     weights, ids = routed(1, seed=32)
-    monkeypatch.setattr(fused_moe, "AHEAD_TOKENS", 0)
+    monkeypatch.setattr(fused_moe, "AHEAD", False)
     plain = fused_experts_triton(x, w13, w2, weights, ids)
-    monkeypatch.setattr(fused_moe, "AHEAD_TOKENS", 1)
+    monkeypatch.setattr(fused_moe, "AHEAD", True)
     ahead = fused_experts_triton(x, w13, w2, weights, ids)
     if DEVICE.type == "cpu":
         assert torch.equal(ahead, plain)

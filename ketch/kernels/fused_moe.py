@@ -74,7 +74,7 @@ DIRECT_MAX_TOKENS = _direct_max_tokens()
 # first weight tile before their own wait, so the down weights start streaming during the
 # gate|up launch's tail, and the next layer's first product's during the down's (moe_gemm's
 # `ahead`).
-AHEAD_TOKENS = 1 if os.environ.get("KETCH_MOE_AHEAD", "0") == "1" else 0
+AHEAD = os.environ.get("KETCH_MOE_AHEAD", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -217,30 +217,26 @@ def _moe_gemm_kernel(
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    if DIRECT and AHEAD and not GATED:
-        # the down GEMM (AHEAD_TOKENS): the ids are the routing's, two launches back, done before
-        # the gate|up programs passed their wait and let this kernel launch (they trigger after
-        # it): the expert and K step 0's weight tile are read before this kernel's wait (the ids
-        # through L2, .cg: no SM's L1 copy of the previous step's)
+    peeled: tl.constexpr = DIRECT and AHEAD and not GATED
+    if peeled:
+        # the down GEMM (fused_moe.AHEAD): the ids are the routing's, two launches back, done
+        # before the gate|up programs passed their wait and let this kernel launch (they trigger
+        # after it): the expert and K step 0's weight tile are read before this kernel's wait
+        # (the ids through L2, .cg: no SM's L1 copy of the previous step's)
         expert = tl.load(ExpertIds + pid_m, cache_modifier=".cg").to(tl.int64)
         offs_n0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(W + expert * stride_we + offs_n0.to(tl.int64)[:, None] * stride_wn + offs_k0[None, :],
                      mask=(offs_n0 < N)[:, None] & (offs_k0 < K)[None, :], other=0.0)
+    else:
+        w0 = 0.0
     if USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
-        if DIRECT and AHEAD:  # the next launch may start and request its weights now (AHEAD_TOKENS)
+        if DIRECT and AHEAD:  # the next launch may start and request its weights now (fused_moe.AHEAD)
             tl.extra.cuda.gdc_launch_dependents()
-    if DIRECT and AHEAD and not GATED:
-        valid = tl.arange(0, BLOCK_M) == 0
-        rows = tl.full([BLOCK_M], pid_m, tl.int64)
-        moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
-                 stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
-                 A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
-                 w0, True, False)
-        return
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
-        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        if not peeled:
+            expert = tl.load(ExpertIds + pid_m).to(tl.int64)
         valid = tl.arange(0, BLOCK_M) == 0
         rows = tl.full([BLOCK_M], pid_m, tl.int64)
     else:
@@ -254,7 +250,7 @@ def _moe_gemm_kernel(
     moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
              stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
              A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
-             0.0, False, not (DIRECT and AHEAD and GATED))
+             w0, peeled, not (DIRECT and AHEAD))
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
@@ -265,7 +261,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
     docstring); gated: c = silu(gate) * up with w's rows [gate | up]; topk_weights: times the
     row's routing weight. c has one row per (token, slot); rows are never written twice.
     direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
-    (sorted_ids and num_post_pad unread). ahead (direct, 16-bit weights; AHEAD_TOKENS): the
+    (sorted_ids and num_post_pad unread). ahead (direct, 16-bit weights; AHEAD): the
     launch lets the next one launch right after its wait, and a down launch reads its expert and
     first weight tile before its wait, so expert_ids must be older than the launch before it
     (the routing kernel's, not the gate|up launch's)."""
@@ -330,13 +326,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg.block_m)
     rows = tokens * top_k
     inter_act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    ahead = direct and AHEAD_TOKENS >= 1
     moe_gemm(x, w13, inter_act, w13_scale, None, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct, ahead=ahead)
+             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct, ahead=AHEAD)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct, ahead=ahead)
+             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct, ahead=AHEAD)
     if direct and not sum_picks:
         return out.view(tokens, top_k, hidden)
     return moe_sum(out.view(tokens, top_k, hidden))

@@ -54,6 +54,14 @@ MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/
 WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "1") != "0"
 WHOLE_K_MAX = 8192
 WHOLE_K_TILE = 16384  # bytes of weight a program holds (norm_gemv's tile)
+
+
+def whole_rows(m: int, k: int, element_size: int) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) of the whole-row path for an M x K product, None where it does not apply."""
+    if m != 1 or not WHOLE_K or k > WHOLE_K_MAX:
+        return None
+    block_k = pow2(k)
+    return (4 if interpreting() else max(1, WHOLE_K_TILE // (block_k * element_size))), block_k
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
 
 
@@ -155,9 +163,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: {m} rows > MAX_M={MAX_M}; use F.linear")
     weight = last_dim_contiguous(weight)
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    if m == 1 and n and WHOLE_K and k <= WHOLE_K_MAX:
-        block_k = pow2(k)
-        block_n = 4 if interpreting() else max(1, WHOLE_K_TILE // (block_k * weight.element_size()))
+    whole = whole_rows(m, k, weight.element_size())
+    if whole is not None and n:
+        block_n, block_k = whole
         _gemv_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, weight if bias is None else bias, y, m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0),
@@ -182,9 +190,9 @@ def picked_config(n: int, k: int, m: int) -> str | None:
     """The config for a shape, as text: the whole-row one (M = 1, WHOLE_K), else the autotuned one
     (None before the first call with it). Bf16/fp16 weights (the whole-row tile's rows depend on
     the element size)."""
-    if m == 1 and WHOLE_K and k <= WHOLE_K_MAX:
-        block_k = pow2(k)
-        return f"whole rows: BLOCK_N: {max(1, WHOLE_K_TILE // (block_k * 2))}, BLOCK_K: {block_k}"
+    whole = whole_rows(m, k, 2)
+    if whole is not None:
+        return f"whole rows: BLOCK_N: {whole[0]}, BLOCK_K: {whole[1]}"
     tuner, block_m = (_gemv_fma, 1) if m == 1 else (_gemv_dot, DOT_M)
     if len(tuner.configs) == 1:
         return str(tuner.configs[0])
