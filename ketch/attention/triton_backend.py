@@ -46,6 +46,7 @@ from ketch.kernels._common import interpreting
 from ketch.kernels.decode_attention import (
     decode_attention,
     decode_scratch,
+    decode_tickets,
     num_splits_for,
 )
 from ketch.kernels.extend_attention import extend_attention
@@ -62,6 +63,7 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [batch] int32, KV length including this step's token
     num_splits: int
     scratch: tuple[torch.Tensor, torch.Tensor]  # fp32 partial outputs / lse, reused by every layer
+    tickets: torch.Tensor  # int32 [>= batch x kv heads], zero between launches: the fused merge's counters
 
 
 @dataclass
@@ -92,6 +94,7 @@ class GraphBuffers:
     splits: dict[int, int]  # decode split count per size
     mid_o: torch.Tensor  # fp32 split-K partial outputs for the largest bs × splits
     mid_lse: torch.Tensor
+    tickets: torch.Tensor  # the fused merge's counters for the largest bs (decode_tickets)
     copied: torch.cuda.Event | None  # the last copy has read `host` (CUDA only)
 
 
@@ -123,6 +126,9 @@ class TritonAttentionBackend(AttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
         self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
+        # the eager steps' fused-merge counters, grown to the largest decode batch seen (every
+        # launch leaves them zero, so layers and steps share them; the graphs have their own)
+        self.tickets = decode_tickets(1, self.ticket_groups(), self.device)
 
     def init_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         b, t, nd = batch.num_seqs, batch.num_tokens, batch.num_decode
@@ -138,10 +144,16 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             splits = self.splits_for(nd, int(kv_lens[:nd].max()))
             scratch = decode_scratch(nd, self.num_heads, self.head_dim, splits, self.device)
-            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch)
+            if self.tickets.numel() < nd * self.ticket_groups():
+                self.tickets = decode_tickets(nd, self.ticket_groups(), self.device)
+            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch, self.tickets)
         if nd < b:
             extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(batch.num_new[nd:].max()))
         return TritonAttentionMetadata(slots_t, nd, decode, extend)
+
+    def ticket_groups(self) -> int:
+        """The decode launch's merge tickets per sequence (decode_attention's fused merge)."""
+        return self.num_kv_heads
 
     def splits_for(self, batch: int, longest: int) -> int:
         """The decode split count of a batch whose longest sequence has `longest` tokens."""
@@ -163,7 +175,8 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.decode is not None:
             d, nd = meta.decode, meta.num_decode
             decode_attention(q[:nd], kc, vc, d.page_table, d.seq_lens, self.scale, out=out[:nd],
-                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n)
+                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n,
+                             tickets=d.tickets)
         if meta.extend is not None:
             e = meta.extend
             extend_attention(q, k, v, kc, vc, e.page_table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new,
@@ -184,6 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
             table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device), splits=splits,
             mid_o=torch.empty(partials * self.head_dim, dtype=torch.float32, device=self.device),
             mid_lse=torch.empty(partials, dtype=torch.float32, device=self.device),
+            tickets=decode_tickets(max_bs, self.ticket_groups(), self.device),
             copied=torch.cuda.Event() if cuda else None,
         )
         return [(bs,) for bs in sizes]  # all at init: no capture stalls a running server
@@ -201,7 +215,7 @@ class TritonAttentionBackend(AttentionBackend):
         g, h, d = self.graph_buffers, self.num_heads, self.head_dim
         s, splits = g.stage, g.splits[bs]
         scratch = (g.mid_o[: bs * h * splits * d].view(bs, h, splits, d), g.mid_lse[: bs * h * splits].view(bs, h, splits))
-        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch)
+        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch, g.tickets)
         return GraphInputs(s[:bs], s[bs : 2 * bs], TritonAttentionMetadata(s[3 * bs : 4 * bs], bs, decode, None))
 
     def prepare_replay(self, batch: ForwardBatch, key: GraphKey) -> None:

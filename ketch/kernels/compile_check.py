@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from ketch.kernels._common import pow2
 from ketch.kernels.activation import _silu_and_mul_kernel
-from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
+from ketch.kernels.decode_attention import MERGE_SPLITS, _decode_merge_kernel, _decode_split_kernel
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel
@@ -89,21 +89,24 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "scale_log2": "fp32", "eps": "fp32",
              "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv,
              "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32",
              "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
+    split_consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
+                    "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
           "TO_FP8": kv != p},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
-         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}, 4, 2),
+         {**split_consts, "FUSED_MERGE": False, "BLOCK_S": MERGE_SPLITS}, 4, 2),
+        ("decode_fused", _decode_split_kernel,  # the splits merged by the last (KETCH_DECODE_FUSED_MERGE)
+         {**split_consts, "FUSED_MERGE": True, "BLOCK_S": MERGE_SPLITS}, 4, 2),
         ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
@@ -139,7 +142,7 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     p, kv = f"*{dtype}", f"*{kv_dtype or dtype}"
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "scale_log2": "fp32", "num_splits": "i32",
              "Cache": kv, "eps": "fp32"}
     cases = [
         ("mla_prepare", _mla_prepare_kernel,  # V2-Lite's 16 heads, interleaved rope pairs
