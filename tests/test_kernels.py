@@ -293,7 +293,7 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     rows = {name: spill for name, spill, _ in found}
     assert set(rows) == {"store_kv", "decode_split", "decode_fused", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm",
                          "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
-                         "silu_and_mul", "gemv_m1", "gemv_dot", "page_copy"}
+                         "silu_and_mul", "gemv_m1", "gemv_dot", "gemv_whole", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
     # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
     # (the norm weight; the gemv's first W tile, its prefetch); extend attention stays non-PDL

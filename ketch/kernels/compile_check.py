@@ -29,7 +29,7 @@ from ketch.kernels.activation import _silu_and_mul_kernel
 from ketch.kernels.decode_attention import MERGE_SPLITS, _decode_merge_kernel, _decode_split_kernel
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
-from ketch.kernels.gemv import _gemv_kernel
+from ketch.kernels.gemv import _gemv_kernel, whole_rows
 from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
@@ -89,12 +89,14 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "scale_log2": "fp32", "eps": "fp32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "prefetchers": "i32",
+             "prefetch": "i32", "row_bytes": "i32", "scale_log2": "fp32", "eps": "fp32",
              "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv,
              "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32",
              "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
-    gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
+    gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec, "L2_PREFETCH": False}
+    whole_n, whole_k = whole_rows(1, hidden, 4 if dtype == "fp32" else 2) or (1, pow2(hidden))
     position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
     split_consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
                     "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}
@@ -129,6 +131,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if min(1024, pow2(inter)) >= 512 else 1, 3),
         ("gemv_m1", _gemv_kernel, {**gemv_consts, "BLOCK_M": 1, **fma.kwargs}, fma.num_warps, fma.num_stages),
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
+        ("gemv_whole", _gemv_kernel,  # M = 1 whole rows (o_proj), later blocks into L2 (KETCH_L2_PREFETCH)
+         {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k, "L2_PREFETCH": True}, 8, 1),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
     return _build(cases, fixed, p, arch, pdl, early)
@@ -142,7 +146,8 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     p, kv = f"*{dtype}", f"*{kv_dtype or dtype}"
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "scale_log2": "fp32", "num_splits": "i32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "prefetchers": "i32",
+             "prefetch": "i32", "row_bytes": "i32", "scale_log2": "fp32", "num_splits": "i32",
              "Cache": kv, "eps": "fp32"}
     cases = [
         ("mla_prepare", _mla_prepare_kernel,  # V2-Lite's 16 heads, interleaved rope pairs
@@ -164,7 +169,7 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     # weight. (2-8 tokens take the fp32 "ieee" dot path, which spills at every tile, as it did
     # when x was widened by a cast launch first.)
     router = [("router_m1", _gemv_kernel, {"HAS_BIAS": False, "UPCAST": True, "PRECISION": "ieee", "BLOCK_M": 1,
-                                           **fma.kwargs}, fma.num_warps, fma.num_stages)]
+                                           "L2_PREFETCH": False, **fma.kwargs}, fma.num_warps, fma.num_stages)]
     heads_gemv = [  # the absorbed products at one row, as mla_triton_backend launches them (head_gemv's defaults)
         ("head_gemv_uk", _head_gemv_kernel, {"K": nope, "N": rank, "BLOCK_T": 16, "BLOCK_K": 64, "BLOCK_N": 64,
                                              "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 4, 3),

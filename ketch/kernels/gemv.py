@@ -45,7 +45,9 @@ from ketch.kernels._common import (
     last_dim_contiguous,
     pdl_launch,
     pow2,
+    sm_count,
 )
+from ketch.kernels.l2_prefetch import blocks_per_program, prefetch_blocks
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
 # M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring); KETCH_GEMV_WHOLE_K=0: tiled.
@@ -54,6 +56,9 @@ MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/
 WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "1") != "0"
 WHOLE_K_MAX = 8192
 WHOLE_K_TILE = 16384  # bytes of weight a program holds (norm_gemv's tile)
+# whole rows with KETCH_L2_PREFETCH: this many programs per SM (the first wave, resident during
+# the kernels before) request the later programs' blocks into L2 before their wait (l2_prefetch.py)
+PREFETCHERS_PER_SM = 2
 
 
 def whole_rows(m: int, k: int, element_size: int) -> tuple[int, int] | None:
@@ -93,12 +98,13 @@ def _k_step(acc, w, x, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["prefetchers", "prefetch", "row_bytes"])
 def _gemv_kernel(
     X, W, Bias, Y, M, N, K,
-    stride_xm, stride_wn, stride_ym,
+    stride_xm, stride_wn, stride_ym, prefetchers, prefetch, row_bytes,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,6 +125,9 @@ def _gemv_kernel(
         # previous kernel's tail; x (the previous kernel's output) only after the wait.
         k_mask = offs_k < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if L2_PREFETCH:  # whole rows: the first `prefetchers` programs ask L2 for later programs' blocks
+            if pid < prefetchers:
+                prefetch_blocks(W, pid + prefetchers, prefetchers, prefetch, N, stride_wn, row_bytes, BLOCK_N)
         tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _k_step(acc, w, x, BLOCK_M, UPCAST, PRECISION)
@@ -166,12 +175,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     whole = whole_rows(m, k, weight.element_size())
     if whole is not None and n:
         block_n, block_k = whole
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
+        n_blocks = triton.cdiv(n, block_n)
+        pdl = pdl_launch()
+        prefetchers = min(n_blocks, PREFETCHERS_PER_SM * sm_count()) if weight.is_cuda else 0
+        prefetch = blocks_per_program(weight, block_n, n_blocks, prefetchers, prefetchers) if pdl["USE_PDL"] else 0
+        _gemv_kernel[(n_blocks,)](
             x2, weight, weight if bias is None else bias, y, m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0),
+            x2.stride(0), weight.stride(0), y.stride(0), prefetchers, prefetch, k * weight.element_size(),
             HAS_BIAS=bias is not None, UPCAST=interpreting() or torch.float32 in (x.dtype, weight.dtype),
-            PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
+            PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, L2_PREFETCH=prefetch > 0,
+            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl,
         )
     elif m and n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
@@ -179,7 +192,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         fp32 = torch.float32 in (x.dtype, weight.dtype)  # the dot path's operands: both widened
         kernel[grid](
             x2, weight, weight if bias is None else bias, y, m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0),
+            x2.stride(0), weight.stride(0), y.stride(0), 0, 0, 0, L2_PREFETCH=False,
             HAS_BIAS=bias is not None, UPCAST=interpreting() or fp32,
             PRECISION=dot_precision(torch.float32 if fp32 else x.dtype), BLOCK_M=block_m, **pdl_launch(),
         )
