@@ -9,6 +9,8 @@
 #   env:   ROUNDS (2: base/new pairs per model), ARGS (bench one-batch flags; default bs1 128/128),
 #          BASE_TREE (.base; "." compares this tree with itself, e.g. under NEW_ENV),
 #          NEW_ENV (assignments for the new runs only, e.g. "KETCH_PDL_EARLY=1"),
+#          VARIANTS (instead of NEW_ENV: several new runs per round, ";"-separated assignment sets,
+#                    e.g. "KETCH_A=1;KETCH_B=1;KETCH_A=1 KETCH_B=1": base, then each, every round),
 #          TESTS (pytest files run first on this tree, e.g. "tests/test_fused_moe_kernel.py"),
 #          PROFILE=1 (then this tree once more under --profile: kernels per step, time by family)
 set -u
@@ -20,7 +22,7 @@ BASE_TREE=${BASE_TREE:-.base}
 NEW_ENV=${NEW_ENV:-}
 [ -d "$BASE_TREE/ketch" ] || { echo "no $BASE_TREE/ketch: carry a git archive of the base commit as .base" | tee -a "$LOG"; exit 2; }
 echo "=== h200_ab $(date -u '+%F %T UTC'); base $BASE_TREE $(cat "$BASE_TREE/.commit" 2>/dev/null || echo '?') vs new" \
-  "${KETCH_COMMIT:-?} ${NEW_ENV:+(with $NEW_ENV)};" \
+  "${KETCH_COMMIT:-?} ${NEW_ENV:+(with $NEW_ENV)}${VARIANTS:+(variants: $VARIANTS)};" \
   "$(nvidia-smi --query-gpu=name --format=csv,noheader); torch $(python3 -c 'import torch; print(torch.__version__)')" | tee -a "$LOG"
 if [ -n "${TESTS:-}" ]; then
   echo "== tests $(date +%T): $TESTS" | tee -a "$LOG"
@@ -37,10 +39,14 @@ bench() {  # bench LABEL TREE MODEL ENV [more flags]
     && timeout 300 python3 -m ketch.cli bench one-batch --model "configs/$model" --load-format dummy $ARGS "$@") 2>&1 \
     | grep --line-buffered -E "ketch from|decode step|GPU|kernels per step|ms/step|µs/step|Error|error" | tee -a "$LOG"
 }
+IFS=';' read -r -a NEW_RUNS <<< "${VARIANTS:-$NEW_ENV}"
+[ ${#NEW_RUNS[@]} -gt 0 ] || NEW_RUNS=("")
 for m in $MODELS; do
   for _ in $(seq "$ROUNDS"); do
     bench base "$BASE_TREE" "$m" ""
-    bench new . "$m" "$NEW_ENV"
+    for envs in "${NEW_RUNS[@]}"; do
+      bench new . "$m" "$envs"
+    done
   done
   if [ "${PROFILE:-0}" = 1 ]; then  # the whole summary: families and the top kernels
     (export PYTHONPATH="${site:+$site:}$PWD" $NEW_ENV && timeout 300 python3 -m ketch.cli bench one-batch \

@@ -94,6 +94,9 @@ class MLATritonBackend(TritonAttentionBackend):
     def ticket_groups(self) -> int:
         return 0  # MLA's splits are merged by head_gemv or a merge launch (mla_decode.py)
 
+    def positions_decode(self, meta: TritonAttentionMetadata) -> bool:
+        return False  # MLA's layer op positions q and the latent (mla_prepare)
+
     def splits_for(self, batch: int, longest: int) -> int:
         if self.decode_splits:
             return self.decode_splits

@@ -8,7 +8,10 @@ Per step (init_metadata, host side, one host→device copy):
     and is copied to the device once; the metadata holds views into it.
 Per layer (forward): store K/V into their slots, decode kernel over rows [0, num_decode),
 extend kernel over the rest, both writing into one output: no host syncs, no Python loop
-over requests, so the decode path can be captured in a CUDA graph.
+over requests, so the decode path can be captured in a CUDA graph. With KETCH_DECODE_POSITION a
+decode-only step's layer hands over its raw q | k | v instead (positions_decode, forward(rope=)),
+and the decode launch norms and rotates them and stores k and v itself (decode_position.py);
+never where a decode step may hold a speculative verify's rows (expect_verify_rows).
 
 Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
 every runner size is captured at init, key (bs,). Static buffers, shared by every graph (they
@@ -49,6 +52,8 @@ from ketch.kernels.decode_attention import (
     decode_tickets,
     num_splits_for,
 )
+from ketch.kernels import decode_attention as decode_attention_module
+from ketch.kernels.decode_position import DecodePosition
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.kv_store import store_kv
 from ketch.host_copy import to_device
@@ -126,6 +131,7 @@ class TritonAttentionBackend(AttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
         self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
+        self.verify_rows = False  # expect_verify_rows: decode rows may share a sequence
         # the eager steps' fused-merge counters, grown to the largest decode batch seen (every
         # launch leaves them zero, so layers and steps share them; the graphs have their own)
         self.tickets = decode_tickets(1, self.ticket_groups(), self.device)
@@ -165,10 +171,27 @@ class TritonAttentionBackend(AttentionBackend):
     def kv_sink(self, layer: int, meta: TritonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pool.k[layer], self.pool.v[layer], meta.slots
 
+    def expect_verify_rows(self) -> None:
+        self.verify_rows = True
+
+    def positions_decode(self, meta: TritonAttentionMetadata) -> bool:
+        # one program stores a row's K/V and attends: right only when no other row reads that K/V
+        return (decode_attention_module.POSITION and not self.verify_rows and meta.extend is None
+                and meta.decode is not None)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata,
-                stored: bool = False) -> torch.Tensor:
-        """stored: k and v are in the pool already (kv_sink)."""
+                stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+        """stored: k and v are in the pool already (kv_sink). rope given (a positions_decode
+        step): q and k are raw, put in position and k, v stored by the decode launch."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]
+        if rope is not None:
+            if not self.positions_decode(meta):
+                raise ValueError("rope: only a decode-only step positions its heads in the attention launch")
+            d = meta.decode
+            return decode_attention(q, kc, vc, d.page_table, d.seq_lens, self.scale, scratch=d.scratch,
+                                    num_splits=d.num_splits, block_n=self.decode_block_n, tickets=d.tickets,
+                                    position=DecodePosition(k, v, *rope, meta.slots, norm))
         if not stored:
             store_kv(kc, vc, k, v, meta.slots)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

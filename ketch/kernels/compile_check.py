@@ -99,7 +99,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     whole_n, whole_k = whole_rows(1, hidden, 4 if dtype == "fp32" else 2) or (1, pow2(hidden))
     position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
     split_consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-                    "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}
+                    "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16",
+                    "POSITION": False, "NORM": False, "TO_FP8": False}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
@@ -109,6 +110,9 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          {**split_consts, "FUSED_MERGE": False, "BLOCK_S": MERGE_SPLITS}, 4, 2),
         ("decode_fused", _decode_split_kernel,  # the splits merged by the last (KETCH_DECODE_FUSED_MERGE)
          {**split_consts, "FUSED_MERGE": True, "BLOCK_S": MERGE_SPLITS}, 4, 2),
+        ("decode_position", _decode_split_kernel,  # q and the new k positioned, k and v stored (KETCH_DECODE_POSITION)
+         {**split_consts, "FUSED_MERGE": True, "BLOCK_S": MERGE_SPLITS, "POSITION": True, "NORM": True,
+          "TO_FP8": kv != p}, 4, 2),
         ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch, pow2
+from ketch.kernels.decode_position import DecodePosition, check_position, positioned_rows, store_new_kv
 
 LOG2E = 1.4426950408889634
 # KETCH_DECODE_FUSED_MERGE=1: the split launch merges its partials (the last split of each kv head
@@ -45,6 +46,9 @@ LOG2E = 1.4426950408889634
 FUSED_MERGE = os.environ.get("KETCH_DECODE_FUSED_MERGE", "0") == "1"
 # the fused merge's split tile: split counts up to this share one compiled variant
 MERGE_SPLITS = 16
+# KETCH_DECODE_POSITION=1: at a decode-only step the split launch takes the raw q | k | v and
+# puts them in position itself (decode_position.py; the Triton backend's positions_decode)
+POSITION = os.environ.get("KETCH_DECODE_POSITION", "0") == "1"
 
 
 # Per-step values (the page-table width, the split count, where the step's metadata views start
@@ -53,12 +57,15 @@ MERGE_SPLITS = 16
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"], do_not_specialize_on_alignment=["PageTable", "SeqLens"])
 def _decode_split_kernel(
     Q, KCache, VCache, PageTable, SeqLens, MidO, MidLse, Out, Tickets,
+    KNew, VNew, Cos, Sin, WeightQ, WeightK, Slots,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    scale_log2, page_size, num_splits,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, stride_sb,
+    scale_log2, page_size, num_splits, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    FP16_DOTS: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    FP16_DOTS: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    POSITION: tl.constexpr, NORM: tl.constexpr, TO_FP8: tl.constexpr, USE_PDL: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -78,8 +85,19 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if POSITION:  # raw q | k | v rows: q normed and rotated here, the new k and v stored (decode_position.py)
+        b64 = b.to(tl.int64)
+        dt = Q.dtype.element_ty
+        q = positioned_rows(Q + b64 * stride_qb, heads, stride_qh, h_mask, offs_d, d_mask, Cos + b64 * stride_cb,
+                            Sin + b64 * stride_sb, WeightQ, eps, HEAD_DIM, NORM, dt)
+        if (hi == seq_len) & (hi > lo):  # this split walks the new token's position
+            store_new_kv(KNew, VNew, KCache, VCache, Slots, Cos + b64 * stride_cb, Sin + b64 * stride_sb, WeightK,
+                         eps, b64, kvh, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_ks, stride_kh,
+                         stride_vs, stride_vh, offs_h, offs_d, d_mask, HEAD_DIM, NORM, TO_FP8, dt)
+            tl.debug_barrier()  # the walk below reads that row back (its threads load other columns)
+    else:
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if FP16_DOTS:
         q = q.to(tl.float16)
     table = PageTable + b.to(tl.int64) * stride_pt
@@ -210,6 +228,7 @@ def decode_attention(
     *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
     tickets: torch.Tensor | None = None, fused_merge: bool | None = None,
+    position: DecodePosition | None = None,
 ) -> torch.Tensor:
     """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim] in q's dtype or fp8;
     page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
@@ -217,7 +236,9 @@ def decode_attention(
     fused_merge (None: FUSED_MERGE): the splits merged by the split launch, by the last program
     of each (sequence, kv head) to finish, which `tickets` counts (int32, >= batch x kv_heads,
     zero, and zero again after the launch: decode_tickets; None allocates them); else a second
-    launch merges. Returns [batch, heads, dim] (written into `out` when given). No host syncs."""
+    launch merges. position (DecodePosition): q is the raw q heads, normed (position.norm) and
+    rotated in this launch, which also stores the new k and v rows into the pool
+    (decode_position.py). Returns [batch, heads, dim] (written into `out` when given). No host syncs."""
     batch, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     if num_heads % kv_heads:
@@ -239,15 +260,26 @@ def decode_attention(
     vc = v_cache.view(-1, kv_heads, head_dim)
     group = num_heads // kv_heads
     block_d = pow2(head_dim, 16)
+    if position is not None:
+        k_new, v_new, cos, sin = check_position(position, batch, kv_heads, head_dim)
+        wq, wk, eps = position.norm if position.norm is not None else (q, q, 0.0)
+        slots = position.slots
+    else:
+        k_new = v_new = cos = sin = wq = wk = slots = q  # never read
+        eps = 0.0
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, kc, vc, page_table, seq_lens, mid_o, mid_lse, out, tickets if fused else seq_lens,
+        k_new, v_new, cos, sin, wq, wk, slots,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), scale * LOG2E, page_size, num_splits,
+        out.stride(0), out.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        cos.stride(0), sin.stride(0), scale * LOG2E, page_size, num_splits, eps,
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        FUSED_MERGE=fused, BLOCK_S=pow2(num_splits, MERGE_SPLITS),
+        FUSED_MERGE=fused, BLOCK_S=pow2(num_splits, MERGE_SPLITS), POSITION=position is not None,
+        NORM=position is not None and position.norm is not None,
+        TO_FP8=k_cache.dtype == torch.float8_e4m3fn and q.dtype != k_cache.dtype,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(batch * kv_heads * num_splits),
     )
     return out if fused else merge_splits(mid_o, mid_lse, out, num_splits)

@@ -115,6 +115,8 @@ class ModelRunner:
         self.pool = self._allocate_pool()
         self.attn = self.family.make_attention(model_config, self.pool, backend=self.attention_backend,
                                                parallel=self.parallel, device=self.device, max_model_len=max_model_len)
+        if config.speculative_algorithm:  # a verify's k + 1 decode rows of one sequence
+            self.attn.expect_verify_rows()
         self.graphs: GraphRunner | CompiledCPUDecode | None = build_graphs(self.attn) if build_graphs else \
             self._compiled_cpu_decode() if config.cpu_compile else None
         if self.memory_plan is not None:
@@ -126,6 +128,8 @@ class ModelRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
         c = self.config  # a speculative verify runs k + 1 decode rows per sequence
         rows_per_seq = 1 + c.speculative_num_draft_tokens if c.speculative_algorithm else 1
+        if c.speculative_algorithm:  # memory_plan's scratch backend too
+            attn.expect_verify_rows()
         max_bs = min(c.cuda_graph_max_bs, c.max_num_seqs * rows_per_seq)
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
