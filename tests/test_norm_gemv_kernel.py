@@ -212,11 +212,11 @@ for k in (2048, 4096, 7168):
         sig = {n: "*bf16" for n in fn.arg_names}
         sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
                    stride_xp="i32", n_blocks="i32", Ticket="*i32", Weights="*fp32", Ids="*i64", Counts="*i64",
-                   CountRows="*i64", route_scale="fp32", prefetch="i32", row_bytes="i32")
+                   CountRows="*i64", route_scale="fp32", prefetchers="i32", prefetch="i32", row_bytes="i32")
         # a plain row; a one-token MoE step's picks (LayerOps.pick_rows); a router routing in the launch
         for picks, route in ((1, False), (8, False), (8, True)):
             consts = dict(PICKS=picks, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
-                          BLOCK_K=bk, L2_PREFETCH=picks == 1, ROUTE=route, TOP_K=8, APPEND=2 if route else 0, K_PAD=16, RENORMALIZE=True,
+                          BLOCK_K=bk, L2_PREFETCH=picks == 1 and size == 2, ROUTE=route, TOP_K=8, APPEND=2 if route else 0, K_PAD=16, RENORMALIZE=True,
                           BLOCK_E=256 if route else 1, COUNT=route, COUNT_ROWS=route, USE_PDL=True)
             u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
             print(k, w, picks, route, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)

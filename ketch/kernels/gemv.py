@@ -47,7 +47,7 @@ from ketch.kernels._common import (
     pow2,
     sm_count,
 )
-from ketch.kernels.l2_prefetch import blocks_per_program, prefetch_blocks
+from ketch.kernels.l2_prefetch import PREFETCHERS_PER_SM, blocks_per_program, prefetch_blocks
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
 # M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring); KETCH_GEMV_WHOLE_K=0: tiled.
@@ -56,9 +56,6 @@ MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/
 WHOLE_K = os.environ.get("KETCH_GEMV_WHOLE_K", "1") != "0"
 WHOLE_K_MAX = 8192
 WHOLE_K_TILE = 16384  # bytes of weight a program holds (norm_gemv's tile)
-# whole rows with KETCH_L2_PREFETCH: this many programs per SM (the first wave, resident during
-# the kernels before) request the later programs' blocks into L2 before their wait (l2_prefetch.py)
-PREFETCHERS_PER_SM = 2
 
 
 def whole_rows(m: int, k: int, element_size: int) -> tuple[int, int] | None:

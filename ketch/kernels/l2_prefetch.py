@@ -6,7 +6,9 @@ before it trigger at their start) already requests the tile it holds in register
 wait (gemv.py's whole rows, norm_gemv.py); its later tiles were requested only after. Here each
 program also asks L2 for up to `count` later weight blocks before the wait,
 `cp.async.bulk.prefetch.L2` (one instruction from one thread per contiguous block, no registers,
-no result), so those bytes stream during the idle window and the program's later loads hit L2.
+no result), so those bytes stream during the idle window and the later loads hit L2. The first
+wave (PREFETCHERS_PER_SM programs an SM, each holding its own block) asks for the blocks past it,
+round robin: program p for blocks p + P, p + 2P, ... (P prefetchers), as many as the budget allows.
 o_proj is the product it is for: 16.8 MB on Qwen3-30B-A3B, ~5.7 µs at the H100's copy bandwidth,
 behind ~8 µs of head norms and attention (docs/performance.md, run 77).
 
@@ -27,6 +29,9 @@ from ketch.kernels._common import interpreting
 
 ENABLED = os.environ.get("KETCH_L2_PREFETCH", "0") == "1"
 BUDGET_BYTES = 16 << 20  # per launch
+# programs per SM that prefetch: the first wave, resident while the kernels before run. One:
+# a whole-row program at K 4096 holds 179 registers a thread (8 warps), one per SM fits
+PREFETCHERS_PER_SM = 1
 ALIGN = 16  # the bulk prefetch's address and size granularity
 
 
@@ -53,9 +58,9 @@ def prefetch_blocks(W, first, step, count, n_rows, stride_wn, row_bytes, BLOCK_N
 def blocks_per_program(weight: torch.Tensor, block_n: int, n_blocks: int, programs: int, done: int) -> int:
     """How many later blocks each of `programs` programs prefetches (0: off), of n_blocks blocks
     of block_n rows, `done` of which the programs hold anyway: within BUDGET_BYTES, only for a
-    GPU weight whose rows are contiguous and 16-byte aligned."""
-    if not ENABLED or interpreting() or not weight.is_cuda or programs <= 0:
-        return 0
+    16-bit GPU weight whose rows are contiguous and 16-byte aligned."""
+    if not ENABLED or interpreting() or not weight.is_cuda or programs <= 0 or weight.element_size() != 2:
+        return 0  # 16-bit weights only: an fp32 router is small, and its build spilled with the loop
     row_bytes = weight.shape[1] * weight.element_size()
     if weight.stride(1) != 1 or weight.stride(0) != weight.shape[1] or row_bytes % ALIGN or weight.data_ptr() % ALIGN:
         return 0

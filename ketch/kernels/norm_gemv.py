@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
-from ketch.kernels.l2_prefetch import blocks_per_program, prefetch_blocks
+from ketch.kernels.l2_prefetch import PREFETCHERS_PER_SM, blocks_per_program, prefetch_blocks
 from ketch.kernels.moe_route import check_counts, softmax_topk_row, store_route
 
 MAX_K = 8192  # the whole row in one step per program
@@ -69,10 +69,10 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
                    mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["n_blocks", "prefetch", "row_bytes"])
+@triton.jit(do_not_specialize=["n_blocks", "prefetchers", "prefetch", "row_bytes"])
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
-    Ticket, Weights, Ids, Counts, CountRows, route_scale, prefetch, row_bytes,
+    Ticket, Weights, Ids, Counts, CountRows, route_scale, prefetchers, prefetch, row_bytes,
     PICKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr,
@@ -86,8 +86,9 @@ def _norm_gemv_kernel(
     # parameters, requested before the wait: the first output block's weight tile, the norm weight
     w = _weight_tile(W, pid, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)
     nw = tl.load(NormW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    if L2_PREFETCH:  # and the program's next blocks, into L2 (l2_prefetch.py)
-        prefetch_blocks(W, pid + step, step, prefetch, N, stride_wn, row_bytes, BLOCK_N)
+    if L2_PREFETCH:  # the first wave asks L2 for the blocks no program holds yet (l2_prefetch.py)
+        if pid < prefetchers:
+            prefetch_blocks(W, pid + prefetchers, prefetchers, prefetch, N, stride_wn, row_bytes, BLOCK_N)
     if USE_PDL:  # x and the residual are earlier kernels' outputs
         tl.extra.cuda.gdc_wait()
     dt = H.dtype.element_ty
@@ -182,7 +183,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     n_blocks = triton.cdiv(n, block_n)
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
     pdl = pdl_launch()
-    prefetch = blocks_per_program(weight, block_n, n_blocks, programs, programs) if pdl["USE_PDL"] else 0
+    prefetchers = min(programs, PREFETCHERS_PER_SM * sm_count()) if weight.is_cuda else 0
+    prefetch = blocks_per_program(weight, block_n, n_blocks, prefetchers, prefetchers) if pdl["USE_PDL"] else 0
     width = (top_k + append) if route else 1
     weights = torch.empty((1, width), dtype=torch.float32, device=x.device) if route else y
     ids = torch.empty((1, width), dtype=torch.int64, device=x.device) if route else y
@@ -190,7 +192,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
         y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks,
         ticket if route else y, weights, ids, ids if counts is None else counts,
-        ids if count_rows is None else count_rows, float(scale), prefetch, k * weight.element_size(), PICKS=picks,
+        ids if count_rows is None else count_rows, float(scale), prefetchers, prefetch, k * weight.element_size(),
+        PICKS=picks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         L2_PREFETCH=prefetch > 0, ROUTE=route, TOP_K=top_k or 1, APPEND=append, K_PAD=pow2(width), RENORMALIZE=renormalize,
         BLOCK_E=pow2(n) if route else 1, COUNT=route and counts is not None,
