@@ -12,7 +12,8 @@ should do: `"fake": {"prefill": {...}, "decode": {...}}`, each one of
     {"mode": "hold", "events": K}               (stream: headers and K events first) then waits
                                                 for the peer to close the connection
     {"mode": "cut", "events": K}                stream: headers and K events, then closes
-Absent: "answer". `GET /log` lists every generation request as {"path", "body", "outcome"}:
+Absent: "answer". `GET /log` lists every generation request as {"path", "body", "outcome",
+"request_id" (its x-request-id header)}:
 outcome "pending" while it runs, then "answered", "errored", "closed_by_us" or "closed_by_peer"
 (the gateway closed the connection before the fake was done: what a real server aborts on).
 """
@@ -87,7 +88,7 @@ class Fake:
             if method == "GET":
                 writer.write(self.get(path))
             else:
-                await self.generate(path, json.loads(body), reader, writer)
+                await self.generate(path, json.loads(body), reader, writer, headers.get("x-request-id"))
             await writer.drain()
         except ConnectionError:
             pass
@@ -108,8 +109,8 @@ class Fake:
         return _json_answer(404, {"error": {"message": path, "code": "not_found"}})
 
     async def generate(self, path: str, body: dict[str, Any], reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
-        entry = {"path": path, "body": body, "outcome": "pending"}
+                       writer: asyncio.StreamWriter, request_id: str | None) -> None:
+        entry = {"path": path, "body": body, "outcome": "pending", "request_id": request_id}
         LOG.append(entry)
         how = body.get("fake", {}).get(self.role, {})
         mode, stream = how.get("mode", "answer"), body.get("stream") is True

@@ -292,3 +292,22 @@ def test_the_bootstrap_fields_replace_a_clients_own():
     body = json.dumps({"prompt": "x", "bootstrap_room": 5, "bootstrap_host": "evil"}).encode()
     assert json.loads(with_bootstrap(body, worker, 7)) == {"prompt": "x", "bootstrap_room": 7, "bootstrap_host": "::1",
                                                            "bootstrap_port": 8998}
+
+
+@pytest.mark.parametrize("sent_id", ["trace-7f3a:span/1", None, "has space"])
+def test_both_workers_of_the_pair_get_the_clients_request_id(pd: PD, sent_id: str | None):
+    """x-request-id (ketch/request_id.py): the client's usable one, else the gateway's own (a bad
+    one is replaced, not refused), goes to the prefill and the decode worker alike and comes back
+    on the answer, once."""
+    tag = uuid.uuid4().hex
+    headers = {} if sent_id is None else {"x-request-id": sent_id}
+    status, got, _ = request(pd.base, "POST", "/v1/completions",
+                             {"model": "m", "prompt": "Hi", "max_tokens": 2, "user": tag}, headers)
+    assert status == 200
+    rid = got["x-request-id"]
+    if sent_id == "trace-7f3a:span/1":
+        assert rid == sent_id
+    else:
+        assert len(rid) == 16 and int(rid, 16) >= 0
+    seen = {role: entry["request_id"] for role, (_, entry) in pd.both(tag).items()}
+    assert seen == {"prefill": rid, "decode": rid}

@@ -85,6 +85,27 @@ def test_a_stream_arrives_whole_and_the_connection_is_reused():
     run(go())
 
 
+def test_an_answer_paused_for_its_reader_leaves_a_connection_that_reads_again():
+    """A piped stream whose reader was backed up when its last piece arrived ends with reading
+    paused on its socket; the socket goes back to the pool, and the next request on it must get
+    its answer (it got nothing until the read timeout, a 504 charged to a healthy worker)."""
+    async def go():
+        worker = Worker(sse_answer)
+        async with worker as url:
+            up = Upstream(2, 1)  # a 1 s read timeout: the bug's outcome, not a wait for success
+            for _ in range(3):
+                answer = await up.request("POST", url, "/v1/completions", b"{}", {})
+                got: list[bytes] = []
+                answer.pipe(got.append, lambda: True)  # a reader that is always behind
+                while not await answer.piped():
+                    answer.resume()
+                assert b"".join(got) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+                answer.close()
+            up.close()
+        assert worker.connections == 1  # the same socket served all three
+    run(go())
+
+
 def test_a_connection_closed_by_the_worker_after_its_answer_is_not_reused_silently():
     async def answer_then_close(reader, writer, n) -> bool:  # says keep-alive, then closes (idle timeout)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")

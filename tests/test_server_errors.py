@@ -91,6 +91,29 @@ def test_fields_sdks_send_with_values_that_ask_for_nothing_are_accepted(server, 
     assert status == 200, reply
 
 
+def test_the_clients_request_id_comes_back_and_a_bad_one_is_replaced(server):
+    """x-request-id (ketch/request_id.py) on answers of every kind: a generation, a 400, a stream;
+    an unusable one (a space in it) is replaced by the server's own 16 hex digits."""
+    _, base = server
+    for path, body, want, sent in ((CMPL, {"prompt": "hi", "max_tokens": 1}, 200, "trace-1/a"),
+                                   (CHAT, {"messages": "hello"}, 400, "trace-2"),
+                                   (CMPL, {"prompt": "hi", "max_tokens": 1, "stream": True}, 200, "trace-3"),
+                                   (CMPL, {"prompt": "hi", "max_tokens": 1}, 200, "not usable")):
+        conn = connect(base)
+        try:
+            conn.request("POST", path, json.dumps(body), {"content-type": "application/json", "x-request-id": sent})
+            resp = conn.getresponse()
+            resp.read()
+            ids = [v for k, v in resp.getheaders() if k.lower() == "x-request-id"]
+        finally:
+            conn.close()
+        assert resp.status == want
+        if " " in sent:
+            assert len(ids) == 1 and len(ids[0]) == 16 and int(ids[0], 16) >= 0
+        else:
+            assert ids == [sent]
+
+
 def test_prompt_over_the_context_names_both_numbers(server):
     _, base = server
     status, body = post(base, CMPL, {"prompt": list(range(100, 100 + 9000)), "max_tokens": 1})

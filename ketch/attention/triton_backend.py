@@ -189,7 +189,8 @@ class TritonAttentionBackend(AttentionBackend):
             if not self.positions_decode(meta):
                 raise ValueError("rope: only a decode-only step positions its heads in the attention launch")
             d = meta.decode
-            return decode_attention(q, kc, vc, d.page_table, d.seq_lens, self.scale, scratch=d.scratch,
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q: a strided view into qkv
+            return decode_attention(q, kc, vc, d.page_table, d.seq_lens, self.scale, out=out, scratch=d.scratch,
                                     num_splits=d.num_splits, block_n=self.decode_block_n, tickets=d.tickets,
                                     position=DecodePosition(k, v, *rope, meta.slots, norm))
         if not stored:

@@ -30,6 +30,8 @@ from ketch.gateway.generate import GENERATION_ROUTES, Generation
 from ketch.gateway.monitor import probe_health
 from ketch.gateway.registry import DuplicateWorker
 from ketch.gateway.worker_url import WorkerAddress, parse_worker_url
+from ketch.request_id import SCOPE_KEY as REQUEST_ID_KEY
+from ketch.request_id import SendWithId, request_id
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
 
@@ -42,13 +44,17 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
 
 
 class FrontDoor:
-    """The outermost ASGI layer: the gateway's own API key on every route but /health, then the
-    generation routes straight to their plain ASGI handler (generate.py), the rest to FastAPI."""
+    """The outermost ASGI layer: the request id (ketch/request_id.py: on every answer, passed on to
+    the workers), the gateway's own API key on every route but /health, then the generation
+    routes straight to their plain ASGI handler (generate.py), the rest to FastAPI."""
 
     def __init__(self, app: Any, key: str | None, generation: Generation) -> None:
         self.app, self.key, self.generation = app, key, generation
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":  # every answer names its request (the client's x-request-id, or a new one)
+            scope[REQUEST_ID_KEY] = rid = request_id(scope["headers"])
+            send = SendWithId(send, rid)
         if scope["type"] == "http" and self.key is not None and scope["path"] not in OPEN_PATHS:
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             try:

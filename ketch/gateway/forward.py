@@ -68,12 +68,14 @@ class Forwarder:
     async def generation(self, request: RoutedRequest) -> Opened | GatewayError:
         """The answer of the worker the policy picked (or the next one, retried), else why none.
         The caller relays it; a client leaving meanwhile cancels this, which closes the attempt."""
-        return await self._forward(self._picker(request), "POST", request.path, request.body, request.route)
+        return await self._forward(self._picker(request), "POST", request.path, request.body, request.route,
+                                   request_id=request.request_id)
 
     async def continuation(self, request: RoutedRequest, body: bytes, exclude: set[str]) -> Opened | str:
         """A stream that goes on from a lost worker's (failover.py): `body` to a worker not in
         `exclude`, picked and retried as any request. Its 200 answer, still unread; or why not."""
-        opened = await self._forward(self._picker(request), "POST", request.path, body, request.route, exclude)
+        opened = await self._forward(self._picker(request), "POST", request.path, body, request.route, exclude,
+                                     request.request_id)
         if isinstance(opened, GatewayError):  # no worker took it (503), or one timed out (504)
             return opened.message
         attempt, answer = opened
@@ -108,8 +110,10 @@ class Forwarder:
         return whole_response(answer, attempt, body)
 
     async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
-                       body: bytes | None, route: str, exclude: Collection[str] = ()) -> Opened | GatewayError:
-        """The first answer a worker gave (its attempt open: the caller closes both), else the error."""
+                       body: bytes | None, route: str, exclude: Collection[str] = (),
+                       request_id: str | None = None) -> Opened | GatewayError:
+        """The first answer a worker gave (its attempt open: the caller closes both), else the error.
+        request_id: sent as the worker's x-request-id (every attempt: one request, retried)."""
         tried: set[str] = set(exclude)
         failures: list[str] = []
         retry = self.config.retry
@@ -128,17 +132,17 @@ class Forwarder:
             worker = pick(workers)
             tried.add(worker.url)
             attempt = Attempt(worker, route, self.metrics, self.clock)
-            outcome = await self._try(attempt, method, path, body, failures)
+            outcome = await self._try(attempt, method, path, body, failures, request_id)
             if outcome is not None:
                 return outcome
         self.metrics.no_worker.inc()
         return self._no_worker(failures)
 
     async def _try(self, attempt: Attempt, method: str, path: str, body: bytes | None,
-                   failures: list[str]) -> Opened | GatewayError | None:
+                   failures: list[str], request_id: str | None = None) -> Opened | GatewayError | None:
         """The worker's answer (unread), a 504, or None (recorded in `failures`): try another worker."""
         worker = attempt.worker
-        headers = {"content-type": "application/json", "accept-encoding": "identity", **worker.auth_headers()}
+        headers = worker.request_headers(request_id)
         try:
             answer = await self.upstream.request(method, worker.url, path, body, headers)
         except ConnectFailed as e:

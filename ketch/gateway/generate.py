@@ -27,6 +27,7 @@ from ketch.gateway.body import ClientGone, Receive, parse_object, read_body
 from ketch.gateway.errors import GatewayError, unavailable
 from ketch.gateway.routed import CHAT, COMPLETIONS, ROUTE_PATHS, RoutedRequest, routed_request
 from ketch.gateway.sse import DONE, event
+from ketch.request_id import SCOPE_KEY
 
 GENERATION_ROUTES = {ROUTE_PATHS[CHAT]: CHAT, ROUTE_PATHS[COMPLETIONS]: COMPLETIONS}
 Send = Callable[[dict], Awaitable[None]]
@@ -54,7 +55,7 @@ class Generation:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send, route: str) -> None:
         try:
             body = await read_body(receive, self.limit)
-            request = routed_request(route, body, parse_object(body), self.resumable)
+            request = routed_request(route, body, parse_object(body), self.resumable, scope.get(SCOPE_KEY))
         except ClientGone:
             return
         except GatewayError as e:

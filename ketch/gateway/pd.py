@@ -92,8 +92,8 @@ class PDForwarder:
         body = with_bootstrap(request.body, prefill, self.rng.getrandbits(ROOM_BITS))
         p_attempt = Attempt(prefill, request.route, self.metrics, self.clock)
         d_attempt = Attempt(decode, request.route, self.metrics, self.clock)
-        p_task = asyncio.create_task(self._prefill(p_attempt, request.path, body))
-        d_task = asyncio.create_task(self._decode(d_attempt, request.path, body))
+        p_task = asyncio.create_task(self._prefill(p_attempt, request.path, body, request.request_id))
+        d_task = asyncio.create_task(self._decode(d_attempt, request.path, body, request.request_id))
         extra = [(PREFILL_HEADER, prefill.url.encode())]
         keep_prefill = False
         try:
@@ -137,10 +137,10 @@ class PDForwarder:
         self.metrics.routed(self.decode_policy.name, d_choice)
         return p_choice.worker, d_choice.worker
 
-    async def _open(self, attempt: Attempt, path: str, body: bytes) -> Answer | GatewayError:
+    async def _open(self, attempt: Attempt, path: str, body: bytes, request_id: str | None) -> Answer | GatewayError:
         """The worker's answer (status and headers read), else the error, charged to the worker."""
         worker = attempt.worker
-        headers = {"content-type": "application/json", "accept-encoding": "identity", **worker.auth_headers()}
+        headers = worker.request_headers(request_id)  # both workers of the pair: the client's request id
         try:
             answer = await self.upstream.request("POST", worker.url, path, body, headers)
         except UpstreamTimeout:
@@ -153,9 +153,9 @@ class PDForwarder:
         attempt.answered(answer.status_code)
         return answer
 
-    async def _decode(self, attempt: Attempt, path: str, body: bytes) -> Answer | GatewayError:
+    async def _decode(self, attempt: Attempt, path: str, body: bytes, request_id: str | None) -> Answer | GatewayError:
         """The decode worker's answer once its body began (or ended); cancelled, the socket closes."""
-        opened = await self._open(attempt, path, body)
+        opened = await self._open(attempt, path, body, request_id)
         if isinstance(opened, GatewayError):
             return opened
         try:
@@ -165,11 +165,11 @@ class PDForwarder:
             raise
         return opened
 
-    async def _prefill(self, attempt: Attempt, path: str, body: bytes) -> PrefillOutcome:
+    async def _prefill(self, attempt: Attempt, path: str, body: bytes, request_id: str | None) -> PrefillOutcome:
         """The prefill leg, whole: None once its answer was read to its end (and dropped); else
         what the client gets if the decode answer has not begun yet (relayed >= 400, or 503/504)."""
         try:
-            opened = await self._open(attempt, path, body)
+            opened = await self._open(attempt, path, body, request_id)
             if isinstance(opened, GatewayError):
                 return opened
             try:

@@ -32,23 +32,25 @@ class RoutedRequest:
     # a resumable stream's body as sent (resume.continuation builds on it); None: not resumable
     fields: dict[str, Any] | None = field(default=None, compare=False)
     strip_ids: bool = False  # token_ids were asked for by the gateway, not by the client
+    request_id: str | None = field(default=None, compare=False)  # x-request-id for the worker(s): request_id.py
 
     @property
     def path(self) -> str:
         return ROUTE_PATHS[self.route]
 
 
-def routed_request(route: str, body: bytes, parsed: dict[str, Any], resumable: bool = True) -> RoutedRequest:
+def routed_request(route: str, body: bytes, parsed: dict[str, Any], resumable: bool = True,
+                   request_id: str | None = None) -> RoutedRequest:
     """`resumable=False` (PD mode: no failover) forwards every body untouched."""
     text = chat_text(parsed) if route == CHAT else prompt_text(parsed.get("prompt"))
     stream = parsed.get("stream") is True
     if not (resumable and stream and _one_sample(route, parsed)):
-        return RoutedRequest(route=route, text=text, stream=stream, body=body)
+        return RoutedRequest(route=route, text=text, stream=stream, body=body, request_id=request_id)
     fields = {**parsed, "return_token_ids": True}
     if fields.get("seed") is None:
         fields["seed"] = random.getrandbits(63)
     return RoutedRequest(route=route, text=text, stream=True, body=json.dumps(fields).encode(), fields=fields,
-                         strip_ids=parsed.get("return_token_ids") is not True)
+                         strip_ids=parsed.get("return_token_ids") is not True, request_id=request_id)
 
 
 def _one_sample(route: str, parsed: dict[str, Any]) -> bool:

@@ -282,6 +282,9 @@ class Answer:
             return
         conn.answer = None
         if self._complete and self._error is None and not conn.closed and self.keep_alive:
+            # reading paused for this answer's slow reader (its last piece made it so) must not
+            # outlive it: the next answer on the socket would never arrive
+            self.resume()
             self.pool.release(self.origin, conn)
         else:
             conn.abort()

@@ -73,6 +73,14 @@ class Worker:
     def auth_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def request_headers(self, request_id: str | None = None) -> dict[str, str]:
+        """A forwarded request's headers: a JSON body, no compression, this worker's key, and the
+        client's request id (ketch/request_id.py) where there is one."""
+        headers = {"content-type": "application/json", "accept-encoding": "identity", **self.auth_headers()}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+        return headers
+
     def describe(self, now: float) -> dict[str, Any]:
         """GET /workers: one worker's state (never its key)."""
         state = self.breaker.state(now) if self.breaker.config.enabled else BreakerState.CLOSED

@@ -1,4 +1,5 @@
-"""The outermost ASGI layer: a request id on every answer, the API key, and no bare 500.
+"""The outermost ASGI layer: a request id on every answer (the client's x-request-id when it
+sends one: ketch/request_id.py), the API key, and no bare 500.
 
     uvicorn ──▶ FrontDoor ──▶ FastAPI (its exception handler turns an unexpected exception into
                                an OpenAI-style JSON 500 naming the request id, and logs it once)
@@ -10,9 +11,10 @@ streams and disconnect watching see the real `receive`.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Awaitable, Callable
 
+from ketch.request_id import SCOPE_KEY as REQUEST_ID_KEY
+from ketch.request_id import SendWithId, request_id
 from ketch.server.errors import APIError
 from ketch.server.state import ServerState
 
@@ -21,7 +23,6 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (load balancers probe it)
-REQUEST_ID_KEY = "ketch.request_id"
 
 
 class FrontDoor:
@@ -34,14 +35,9 @@ class FrontDoor:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = os.urandom(8).hex()
-        scope[REQUEST_ID_KEY] = request_id
-        header = (b"x-request-id", request_id.encode())
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), header, *self.headers]
-            await send(message)
+        rid = request_id(scope["headers"])  # the client's x-request-id, or a new one
+        scope[REQUEST_ID_KEY] = rid
+        send_with_id = SendWithId(send, rid, self.headers)
 
         if scope["path"] not in OPEN_PATHS:
             try:
