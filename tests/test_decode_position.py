@@ -101,21 +101,26 @@ def test_a_batch_one_engine_positioning_in_the_attention_launch_keeps_the_torch_
     assert_same_tokens(want, got)
 
 
-def test_a_speculating_engine_keeps_storing_before_attention(tmp_path, monkeypatch):
-    """A verify runs k + 1 decode rows of one sequence, each reading the rows before it: the
-    backend is told so at init (expect_verify_rows) and keeps the store in the layer's launch, so
-    greedy ngram speculation with KETCH_DECODE_POSITION keeps the torch tokens."""
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_a_speculating_engine_keeps_storing_before_attention(algorithm, tmp_path, monkeypatch):
+    """A verify runs k + 1 decode rows of one sequence, each reading the rows before it, and so
+    does a draft model's catch-up: both backends are told so at init (expect_verify_rows) and
+    keep the store in the layer's launch, so greedy speculation with KETCH_DECODE_POSITION keeps
+    the torch tokens."""
     from conftest import greedy_ids_and_logprobs, make_tiny_engine
     monkeypatch.setattr(da, "POSITION", True)
     path = cut_config("llama-3.1-8b", tmp_path)
     prompt = [5, 9, 11, 5, 9, 11, 5, 9]  # repeats: the ngram proposer drafts
+    draft = {"speculative_draft_model_path": path} if algorithm == "draft" else {}
     runs = []
     for kernels in ("torch", "triton"):
         engine = make_tiny_engine(path, device=DEVICE.type, attention_backend=kernels, layer_kernels=kernels,
-                                  cuda_graph=False, speculative_algorithm="ngram", speculative_num_draft_tokens=3,
-                                  speculative_adaptive=False)
+                                  cuda_graph=False, speculative_algorithm=algorithm, speculative_num_draft_tokens=3,
+                                  speculative_adaptive=False, **draft)
         if kernels == "triton":
             assert engine.runner.attn.verify_rows
+            if draft:
+                assert engine.spec.proposer.runner.attn.verify_rows
         runs.append(greedy_ids_and_logprobs(engine, [prompt], 8))
         engine.check_invariants()
     assert_same_tokens(*runs)

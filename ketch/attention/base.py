@@ -48,8 +48,9 @@ class AttentionBackend(ABC):
 
     def expect_verify_rows(self) -> None:
         """Called at init where a decode step may hold several rows of one sequence (a
-        speculative verify, engine/step_batch.py): every row's K/V must be in the pool before any
-        row's attention reads it, so no launch may store and attend at once (positions_decode)."""
+        speculative verify, engine/step_batch.py; a draft model's catch-up): every row's K/V must
+        be in the pool before any row's attention reads it, so no launch may store and attend at
+        once (positions_decode)."""
 
     def positions_decode(self, metadata: Any) -> bool:
         """Whether this step's forward may take the raw q and k heads with rope= (cos, sin) and

@@ -11,7 +11,7 @@ extend kernel over the rest, both writing into one output: no host syncs, no Pyt
 over requests, so the decode path can be captured in a CUDA graph. With KETCH_DECODE_POSITION a
 decode-only step's layer hands over its raw q | k | v instead (positions_decode, forward(rope=)),
 and the decode launch norms and rotates them and stores k and v itself (decode_position.py);
-never where a decode step may hold a speculative verify's rows (expect_verify_rows).
+never where a decode step may hold several rows of one sequence (expect_verify_rows).
 
 Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
 every runner size is captured at init, key (bs,). Static buffers, shared by every graph (they

@@ -22,8 +22,8 @@ The model holds a `LayerOps` and calls through it; nothing in the step loop bran
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
