@@ -149,22 +149,18 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_one(MidO, MidLse, b, h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
-               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHED: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
     """One head's output from its splits' partials: sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m).
-    CACHED=False reads past L1 (.cg): partials stored by other programs of the same launch."""
+    CACHE: the loads' cache modifier, ".cg" (past L1) for partials stored by other programs of
+    the same launch, "" otherwise."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    if CACHED:
-        lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-        o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    else:
-        lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
-                      cache_modifier=".cg")
-        o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=CACHE)
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=CACHE)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
     w = tl.exp2(lse - m)
@@ -181,7 +177,7 @@ def _merge_group(MidO, MidLse, Out, b, kvh, stride_mb, stride_mh, stride_ms, str
     for j in tl.static_range(GROUP):  # unrolled: the heads' loads are independent, issued together
         h = kvh * GROUP + j
         out = _merge_one(MidO, MidLse, b, h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
-                         HEAD_DIM, BLOCK_S, BLOCK_D, False)
+                         HEAD_DIM, BLOCK_S, BLOCK_D, ".cg")
         tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
@@ -200,7 +196,7 @@ def _decode_merge_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     out = _merge_one(MidO, MidLse, b, h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, num_splits,
-                     HEAD_DIM, BLOCK_S, BLOCK_D, True)
+                     HEAD_DIM, BLOCK_S, BLOCK_D, "")
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels.kv_store import FP8_MAX
+from ketch.kernels.head_position import to_fp8
 from ketch.kernels.rotary import rotated
 
 
@@ -83,11 +83,9 @@ def store_new_kv(KNew, VNew, KCache, VCache, Slots, Cos, Sin, WeightK, eps, b, k
     keep = m & (slot >= 0)
     k_at = KCache + tl.maximum(slot, 0) * stride_ks + kvh * stride_kh + offs_h[:, None] * 0 + offs_d[None, :]
     v_at = VCache + tl.maximum(slot, 0) * stride_vs + kvh * stride_vh + offs_h[:, None] * 0 + offs_d[None, :]
-    if TO_FP8:  # scale 1.0: saturate, then round to e4m3 (kv_store.py's store)
-        tl.store(k_at, tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX).to(KCache.dtype.element_ty),
-                 mask=keep)
-        tl.store(v_at, tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX).to(VCache.dtype.element_ty),
-                 mask=keep)
+    if TO_FP8:  # scale 1.0: saturate, then round to e4m3 (head_position's store)
+        tl.store(k_at, to_fp8(k, KCache.dtype.element_ty), mask=keep)
+        tl.store(v_at, to_fp8(v, VCache.dtype.element_ty), mask=keep)
     else:
         tl.store(k_at, k.to(KCache.dtype.element_ty), mask=keep)
         tl.store(v_at, v.to(VCache.dtype.element_ty), mask=keep)

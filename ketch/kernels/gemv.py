@@ -45,9 +45,8 @@ from ketch.kernels._common import (
     last_dim_contiguous,
     pdl_launch,
     pow2,
-    sm_count,
 )
-from ketch.kernels.l2_prefetch import PREFETCHERS_PER_SM, blocks_per_program, prefetch_blocks
+from ketch.kernels.l2_prefetch import launch_plan, prefetch_blocks
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
 # M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring); KETCH_GEMV_WHOLE_K=0: tiled.
@@ -64,6 +63,8 @@ def whole_rows(m: int, k: int, element_size: int) -> tuple[int, int] | None:
         return None
     block_k = pow2(k)
     return (4 if interpreting() else max(1, WHOLE_K_TILE // (block_k * element_size))), block_k
+
+
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
 
 
@@ -174,8 +175,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         block_n, block_k = whole
         n_blocks = triton.cdiv(n, block_n)
         pdl = pdl_launch()
-        prefetchers = min(n_blocks, PREFETCHERS_PER_SM * sm_count()) if weight.is_cuda else 0
-        prefetch = blocks_per_program(weight, block_n, n_blocks, prefetchers, prefetchers) if pdl["USE_PDL"] else 0
+        prefetchers, prefetch = launch_plan(weight, block_n, n_blocks, n_blocks, pdl["USE_PDL"])
         _gemv_kernel[(n_blocks,)](
             x2, weight, weight if bias is None else bias, y, m, n, k,
             x2.stride(0), weight.stride(0), y.stride(0), prefetchers, prefetch, k * weight.element_size(),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import interpreting
+from ketch.kernels._common import interpreting, sm_count
 
 ENABLED = os.environ.get("KETCH_L2_PREFETCH", "0") == "1"
 BUDGET_BYTES = 16 << 20  # per launch
@@ -55,16 +55,18 @@ def prefetch_blocks(W, first, step, count, n_rows, stride_wn, row_bytes, BLOCK_N
             prefetch_l2(W + row.to(tl.int64) * stride_wn, tl.minimum(BLOCK_N, n_rows - row) * row_bytes)
 
 
-def blocks_per_program(weight: torch.Tensor, block_n: int, n_blocks: int, programs: int, done: int) -> int:
-    """How many later blocks each of `programs` programs prefetches (0: off), of n_blocks blocks
-    of block_n rows, `done` of which the programs hold anyway: within BUDGET_BYTES, only for a
-    16-bit GPU weight whose rows are contiguous and 16-byte aligned."""
-    if not ENABLED or interpreting() or not weight.is_cuda or programs <= 0 or weight.element_size() != 2:
-        return 0  # 16-bit weights only: an fp32 router is small, and its build spilled with the loop
+def launch_plan(weight: torch.Tensor, block_n: int, n_blocks: int, programs: int, use_pdl: bool) -> tuple[int, int]:
+    """(prefetchers, blocks each prefetches) for a launch of `programs` programs over n_blocks
+    blocks of block_n rows, each program holding one block: the first PREFETCHERS_PER_SM an SM
+    prefetch the blocks past theirs, within BUDGET_BYTES; (0, 0) where it is off: not enabled, no
+    PDL wait to prefetch before, not a 16-bit GPU weight with contiguous, 16-byte aligned rows."""
+    if not ENABLED or interpreting() or not use_pdl or not weight.is_cuda or weight.element_size() != 2:
+        return 0, 0  # 16-bit weights only: an fp32 router is small, and its build spilled with the loop
     row_bytes = weight.shape[1] * weight.element_size()
     if weight.stride(1) != 1 or weight.stride(0) != weight.shape[1] or row_bytes % ALIGN or weight.data_ptr() % ALIGN:
-        return 0
-    return within_budget(block_n * row_bytes, n_blocks - done, programs)
+        return 0, 0
+    prefetchers = min(programs, PREFETCHERS_PER_SM * sm_count())
+    return prefetchers, within_budget(block_n * row_bytes, n_blocks - prefetchers, prefetchers)
 
 
 def within_budget(block_bytes: int, later: int, programs: int, budget: int = BUDGET_BYTES) -> int:

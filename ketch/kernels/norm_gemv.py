@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
-from ketch.kernels.l2_prefetch import PREFETCHERS_PER_SM, blocks_per_program, prefetch_blocks
+from ketch.kernels.l2_prefetch import launch_plan, prefetch_blocks
 from ketch.kernels.moe_route import check_counts, softmax_topk_row, store_route
 
 MAX_K = 8192  # the whole row in one step per program
@@ -74,8 +74,8 @@ def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
     Ticket, Weights, Ids, Counts, CountRows, route_scale, prefetchers, prefetch, row_bytes,
     PICKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
+    APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -183,8 +183,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     n_blocks = triton.cdiv(n, block_n)
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
     pdl = pdl_launch()
-    prefetchers = min(programs, PREFETCHERS_PER_SM * sm_count()) if weight.is_cuda else 0
-    prefetch = blocks_per_program(weight, block_n, n_blocks, prefetchers, prefetchers) if pdl["USE_PDL"] else 0
+    prefetchers, prefetch = launch_plan(weight, block_n, n_blocks, programs, pdl["USE_PDL"])
     width = (top_k + append) if route else 1
     weights = torch.empty((1, width), dtype=torch.float32, device=x.device) if route else y
     ids = torch.empty((1, width), dtype=torch.int64, device=x.device) if route else y
@@ -195,7 +194,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         ids if count_rows is None else count_rows, float(scale), prefetchers, prefetch, k * weight.element_size(),
         PICKS=picks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        L2_PREFETCH=prefetch > 0, ROUTE=route, TOP_K=top_k or 1, APPEND=append, K_PAD=pow2(width), RENORMALIZE=renormalize,
+        L2_PREFETCH=prefetch > 0, ROUTE=route, TOP_K=top_k or 1, APPEND=append, K_PAD=pow2(width),
+        RENORMALIZE=renormalize,
         BLOCK_E=pow2(n) if route else 1, COUNT=route and counts is not None,
         COUNT_ROWS=route and counts is not None and count_rows is not None,
         num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl,
