@@ -137,54 +137,6 @@ def test_one_token_skips_the_alignment_and_keeps_the_aligned_result(dtype, top_k
                                atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_down_launch_reading_ahead_keeps_the_direct_result(dtype, monkeypatch):
-    """AHEAD (KETCH_MOE_AHEAD): the down programs load their expert and K step 0's weight
-    tile before the PDL wait and start from it: the direct path's result (bit for bit in the
-    interpreter, where the operations are the same in the same order); fp8 weights ignore it."""
-    monkeypatch.setattr(moe_decode, "DECODE_MAX_TOKENS", 0)
-    monkeypatch.setattr(fused_moe, "DIRECT_MAX_TOKENS", 1)
-    w13, w2 = experts(dtype, seed=3)
-    x = torch.randn(1, H, generator=torch.Generator().manual_seed(31)).to(DEVICE, dtype)
-    weights, ids = routed(1, seed=32)
-    monkeypatch.setattr(fused_moe, "AHEAD", False)
-    plain = fused_experts_triton(x, w13, w2, weights, ids)
-    monkeypatch.setattr(fused_moe, "AHEAD", True)
-    ahead = fused_experts_triton(x, w13, w2, weights, ids)
-    if DEVICE.type == "cpu":
-        assert torch.equal(ahead, plain)
-    else:
-        torch.testing.assert_close(ahead.float(), plain.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(ahead.float(), fused_experts_ref(x, w13, w2, weights, ids).float(),
-                               atol=TOL[dtype], rtol=TOL[dtype])
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
-def test_reading_ahead_compiles_for_sm90_and_stores_nothing_before_the_wait():
-    """AHEAD at the Qwen3-30B-A3B and DeepSeek-V2-Lite one-token configs: the down launch loads
-    (its expert, its first weight tile) before the PDL wait and stores nothing; no spills."""
-    script = """
-from ketch.kernels.compile_check import _compile, _usage
-from ketch.kernels.fused_moe import _moe_gemm_kernel as fn, pick_config
-for experts, inter, top_k in ((128, 768, 8), (66, 1408, 8)):
-    cfg = pick_config(1, experts, 2048, inter, top_k, "16")
-    for gated, g in ((True, cfg.up), (False, cfg.down)):
-        consts = dict(A_ROW_DIV=top_k if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=False, UPCAST=False,
-                      DIRECT=True, AHEAD=True, PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n,
-                      BLOCK_K=g.block_k, USE_PDL=True)
-        sig = {n: "*i64" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
-        sig.update(A="*bf16", C="*bf16", W="*bf16", Scale="*fp32", TopkWeights="*fp32")
-        sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-        u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))
-        print(experts, gated, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
-        assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
-        assert (u.loads_before_wait > 0) == (not gated), u
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
 def test_direct_tokens_switch_is_checked(monkeypatch):
     monkeypatch.setenv("KETCH_MOE_DIRECT_TOKENS", "2")
     with pytest.raises(ValueError, match="KETCH_MOE_DIRECT_TOKENS"):
@@ -268,7 +220,7 @@ for tokens, kind, which, direct in ((1, "16", "up down", True), (1, "16", "up do
     cfg = pick_config(tokens, 128, 2048, 768, 8, kind)
     for gated, g in [(w == "up", getattr(cfg, w)) for w in which.split()]:
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
-                      DIRECT=direct, AHEAD=False,
+                      DIRECT=direct,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
         sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")

@@ -103,66 +103,6 @@ def test_an_fp32_router_weight_gives_fp32_logits():
     torch.testing.assert_close(y, F.linear(h.float(), w), atol=1e-5, rtol=1e-5)
 
 
-ROUTINGS = [  # Qwen3 / Mixtral (renormalized), DeepSeek-V2 (scaled, its shared experts appended)
-    dict(top_k=4, renormalize=True),
-    dict(top_k=3, renormalize=False, scale=2.5, append=2),
-]
-
-
-@pytest.mark.parametrize("route", ROUTINGS)
-@pytest.mark.parametrize("fp32_router", [False, True])
-def test_the_routing_in_the_launch_is_the_routing_kernels(route, fp32_router):
-    """top_k given (LayerOps.route_in_norm): the program that stores the last logits routes the
-    token; weights and ids are softmax_topk_triton's of the plain launch's logits, bit for bit
-    (the same jit function on the same rounded logits), the picks counted; the ticket is zero
-    after each launch, so a second launch (a graph replay) routes right too. 60 experts: several
-    programs (3 in the interpreter), a masked last block; a padded step counts nothing."""
-    from ketch.kernels.moe_route import softmax_topk_triton
-    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
-    ticket = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    counts = torch.zeros(60, dtype=torch.int64, device=DEVICE)
-    want_counts = torch.zeros_like(counts)
-    for seed, rows in ((1, 1), (2, 1), (3, 0)):  # rows: count_rows, 0 = a padding step
-        x, residual, norm_w, w, _ = inputs(256, 60, dtype, seed=seed,
-                                           weight_dtype=torch.float32 if fp32_router else None)
-        out_dtype = torch.float32 if fp32_router else None
-        count_rows = torch.tensor([rows], dtype=torch.int64, device=DEVICE)
-        h, res, (weights, ids) = ng.norm_gemv(x, residual, norm_w, 1e-6, w, out_dtype=out_dtype, counts=counts,
-                                              count_rows=count_rows, ticket=ticket, **route)
-        assert int(ticket) == 0
-        want_h, want_res, logits = ng.norm_gemv(x, residual, norm_w, 1e-6, w, out_dtype=out_dtype)
-        want_w, want_ids = softmax_topk_triton(logits, counts=want_counts, count_rows=count_rows, **route)
-        assert torch.equal(h, want_h) and torch.equal(res, want_res)
-        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
-        assert torch.equal(counts, want_counts)
-    assert int(counts.sum()) == 2 * route["top_k"]  # the padding step's picks not counted
-
-
-def test_a_routing_launch_refuses_what_it_cannot_route():
-    x, residual, norm_w, w, _ = inputs(64, 8, torch.float32)
-    ticket = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="top_k 9"):
-        ng.norm_gemv(x, residual, norm_w, 1e-6, w, top_k=9, ticket=ticket)
-    for bad in (None, torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)):
-        with pytest.raises(ValueError, match="ticket"):
-            ng.norm_gemv(x, residual, norm_w, 1e-6, w, top_k=2, ticket=bad)
-    with pytest.raises(ValueError, match="counts"):
-        ng.norm_gemv(x, residual, norm_w, 1e-6, w, top_k=2, ticket=ticket,
-                     counts=torch.zeros(4, dtype=torch.int64, device=DEVICE))
-
-
-def test_the_op_routes_one_row_in_the_launch_and_more_after_it():
-    """LayerOps.add_rms_norm_linear with a FirstProduct.route: one row through the routing
-    launch, two rows through the two ops and the routing kernel: the same choice per row."""
-    op = triton_ops().add_rms_norm_linear
-    x, residual, norm_w, w, _ = inputs(64, 24, torch.float32, seed=7)
-    route = dict(top_k=5, renormalize=True, ticket=torch.zeros(1, dtype=torch.int32, device=DEVICE))
-    _, _, one = op(x, residual, norm_w, 1e-6, FirstProduct(w, route=route))
-    _, _, two = op(torch.cat((x, x)), torch.cat((residual, residual)), norm_w, 1e-6, FirstProduct(w, route=route))
-    assert torch.equal(one[1], two[1][:1]) and torch.equal(two[1][0], two[1][1])
-    torch.testing.assert_close(one[0], two[0][:1], atol=1e-6, rtol=1e-6)
-
-
 def test_what_it_does_not_take_is_refused(monkeypatch):
     x, residual, norm_w, w, _ = inputs(64, 8, torch.float32)
     assert ng.fits(x, w)
@@ -211,57 +151,17 @@ for k in (2048, 4096, 7168):
         bk = pow2(k)
         sig = {n: "*bf16" for n in fn.arg_names}
         sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
-                   stride_xp="i32", n_blocks="i32", Ticket="*i32", Weights="*fp32", Ids="*i64", Counts="*i64",
-                   CountRows="*i64", route_scale="fp32", prefetchers="i32", prefetch="i32", row_bytes="i32")
-        # a plain row; a one-token MoE step's picks (LayerOps.pick_rows); a router routing in the launch
-        for picks, route in ((1, False), (8, False), (8, True)):
+                   stride_xp="i32", n_blocks="i32")
+        for picks in (1, 8):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows)
             consts = dict(PICKS=picks, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
-                          BLOCK_K=bk, L2_PREFETCH=picks == 1 and size == 2, ROUTE=route, TOP_K=8, APPEND=2 if route else 0, K_PAD=16, RENORMALIZE=True,
-                          BLOCK_E=256 if route else 1, COUNT=route, COUNT_ROWS=route, USE_PDL=True)
+                          BLOCK_K=bk, USE_PDL=True)
             u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
-            print(k, w, picks, route, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
+            print(k, w, picks, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
             assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-@pytest.mark.parametrize("name,moe_layers", [("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 1)])
-def test_a_batch_one_engine_routing_in_the_router_launch_keeps_the_torch_tokens(name, moe_layers, tmp_path,
-                                                                                monkeypatch):
-    """KETCH_MOE_ROUTE_IN_NORM: every MoE layer's decode step routes in its router's launch
-    (Qwen3-MoE's top-k; DeepSeek-V2's scaled top-k with its shared expert appended) and the
-    greedy tokens stay the torch path's."""
-    monkeypatch.setattr(ng, "ROUTE_ENABLED", True)
-    routed = []
-    real = ng.norm_gemv
-
-    def recorded(x, *args, **kwargs):
-        if "top_k" in kwargs:
-            routed.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(ng, "norm_gemv", recorded)
-    want, got, rows = batch_one_on_both_paths(cut_config(name, tmp_path), DEVICE.type, ng, "norm_gemv", 5)
-    assert routed == [1] * (moe_layers * 4)  # each MoE layer of the 4 decode steps after the prefill
-    assert_same_tokens(want, got)
-
-
-def test_routing_in_the_router_launch_counts_each_experts_picks_as_the_torch_path(tmp_path, monkeypatch):
-    """--enable-expert-distribution-metrics with the routing in the router's launch: the per-layer,
-    per-expert pick counts of a batch-1 run (prefill through the routing kernel, decode through
-    the launch's last program) are the torch path's."""
-    from conftest import greedy_ids_and_logprobs, make_tiny_engine
-    monkeypatch.setattr(ng, "ROUTE_ENABLED", True)
-    path = cut_config("qwen3-30b-a3b", tmp_path)
-    counts = []
-    for kernels in ("torch", "triton"):
-        engine = make_tiny_engine(path, device=DEVICE.type, attention_backend=kernels, layer_kernels=kernels,
-                                  cuda_graph=False, enable_expert_distribution_metrics=True)
-        greedy_ids_and_logprobs(engine, [[5, 9, 11, 40, 2]], 5)
-        counts.append(engine.stats().moe_expert_tokens)
-    assert counts[0] == counts[1] and sum(counts[0][0]) == (5 + 4) * 8  # 9 tokens x top 8, layer 0
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b", "deepseek-v2-lite"])

@@ -46,19 +46,6 @@ class AttentionBackend(ABC):
         backend into the pool unless `stored` (they were written where kv_sink said). Returns
         [tokens, heads, dim]."""
 
-    def expect_verify_rows(self) -> None:
-        """Called at init where a decode step may hold several rows of one sequence (a
-        speculative verify, engine/step_batch.py; a draft model's catch-up): every row's K/V must
-        be in the pool before any row's attention reads it, so no launch may store and attend at
-        once (positions_decode)."""
-
-    def positions_decode(self, metadata: Any) -> bool:
-        """Whether this step's forward may take the raw q and k heads with rope= (cos, sin) and
-        norm= (Qwen3's q / k head-norm weights, eps, or None) and put them in position, storing
-        the new k and v, in its own launch (the Triton backend at a decode-only step with
-        KETCH_DECODE_POSITION); False (this default): the layer positions them first."""
-        return False
-
     def kv_sink(self, layer: int, metadata: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where a layer op may write the new k and v itself, in the launch that puts them in
         position (LayerOps.position_and_store): (k_cache, v_cache, slots), after which forward is

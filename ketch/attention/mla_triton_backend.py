@@ -45,7 +45,6 @@ from ketch.cache.kv_pool import KVPool
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.kernels._common import interpreting
-from ketch.kernels.decode_attention import decode_tickets
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.head_gemv import MAX_ROWS as HEAD_GEMV_MAX_ROWS
 from ketch.kernels.head_gemv import head_gemv
@@ -89,13 +88,6 @@ class MLATritonBackend(TritonAttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
         self.graph_buffers = None
-        self.tickets = decode_tickets(1, self.ticket_groups(), self.device)
-
-    def ticket_groups(self) -> int:
-        return 0  # MLA's splits are merged by head_gemv or a merge launch (mla_decode.py)
-
-    def positions_decode(self, meta: TritonAttentionMetadata) -> bool:
-        return False  # MLA's layer op positions q and the latent (mla_prepare)
 
     def splits_for(self, batch: int, longest: int) -> int:
         if self.decode_splits:

@@ -8,10 +8,7 @@ Per step (init_metadata, host side, one host→device copy):
     and is copied to the device once; the metadata holds views into it.
 Per layer (forward): store K/V into their slots, decode kernel over rows [0, num_decode),
 extend kernel over the rest, both writing into one output: no host syncs, no Python loop
-over requests, so the decode path can be captured in a CUDA graph. With KETCH_DECODE_POSITION a
-decode-only step's layer hands over its raw q | k | v instead (positions_decode, forward(rope=)),
-and the decode launch norms and rotates them and stores k and v itself (decode_position.py);
-never where a decode step may hold several rows of one sequence (expect_verify_rows).
+over requests, so the decode path can be captured in a CUDA graph.
 
 Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
 every runner size is captured at init, key (bs,). Static buffers, shared by every graph (they
@@ -49,11 +46,8 @@ from ketch.kernels._common import interpreting
 from ketch.kernels.decode_attention import (
     decode_attention,
     decode_scratch,
-    decode_tickets,
     num_splits_for,
 )
-from ketch.kernels import decode_attention as decode_attention_module
-from ketch.kernels.decode_position import DecodePosition
 from ketch.kernels.extend_attention import extend_attention
 from ketch.kernels.kv_store import store_kv
 from ketch.host_copy import to_device
@@ -68,7 +62,6 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [batch] int32, KV length including this step's token
     num_splits: int
     scratch: tuple[torch.Tensor, torch.Tensor]  # fp32 partial outputs / lse, reused by every layer
-    tickets: torch.Tensor  # int32 [>= batch x kv heads], zero between launches: the fused merge's counters
 
 
 @dataclass
@@ -99,7 +92,6 @@ class GraphBuffers:
     splits: dict[int, int]  # decode split count per size
     mid_o: torch.Tensor  # fp32 split-K partial outputs for the largest bs × splits
     mid_lse: torch.Tensor
-    tickets: torch.Tensor  # the fused merge's counters for the largest bs (decode_tickets)
     copied: torch.cuda.Event | None  # the last copy has read `host` (CUDA only)
 
 
@@ -131,10 +123,6 @@ class TritonAttentionBackend(AttentionBackend):
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
         self.graph_buffers: GraphBuffers | None = None  # init_capture's, when a graph runner is built
-        self.verify_rows = False  # expect_verify_rows: decode rows may share a sequence
-        # the eager steps' fused-merge counters, grown to the largest decode batch seen (every
-        # launch leaves them zero, so layers and steps share them; the graphs have their own)
-        self.tickets = decode_tickets(1, self.ticket_groups(), self.device)
 
     def init_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         b, t, nd = batch.num_seqs, batch.num_tokens, batch.num_decode
@@ -150,16 +138,10 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             splits = self.splits_for(nd, int(kv_lens[:nd].max()))
             scratch = decode_scratch(nd, self.num_heads, self.head_dim, splits, self.device)
-            if self.tickets.numel() < nd * self.ticket_groups():
-                self.tickets = decode_tickets(nd, self.ticket_groups(), self.device)
-            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch, self.tickets)
+            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch)
         if nd < b:
             extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(batch.num_new[nd:].max()))
         return TritonAttentionMetadata(slots_t, nd, decode, extend)
-
-    def ticket_groups(self) -> int:
-        """The decode launch's merge tickets per sequence (decode_attention's fused merge)."""
-        return self.num_kv_heads
 
     def splits_for(self, batch: int, longest: int) -> int:
         """The decode split count of a batch whose longest sequence has `longest` tokens."""
@@ -171,36 +153,17 @@ class TritonAttentionBackend(AttentionBackend):
     def kv_sink(self, layer: int, meta: TritonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pool.k[layer], self.pool.v[layer], meta.slots
 
-    def expect_verify_rows(self) -> None:
-        self.verify_rows = True
-
-    def positions_decode(self, meta: TritonAttentionMetadata) -> bool:
-        # one program stores a row's K/V and attends: right only when no other row reads that K/V
-        return (decode_attention_module.POSITION and not self.verify_rows and meta.extend is None
-                and meta.decode is not None)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TritonAttentionMetadata,
-                stored: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
-        """stored: k and v are in the pool already (kv_sink). rope given (a positions_decode
-        step): q and k are raw, put in position and k, v stored by the decode launch."""
+                stored: bool = False) -> torch.Tensor:
+        """stored: k and v are in the pool already (kv_sink)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        if rope is not None:
-            if not self.positions_decode(meta):
-                raise ValueError("rope: only a decode-only step positions its heads in the attention launch")
-            d = meta.decode
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q: a strided view into qkv
-            return decode_attention(q, kc, vc, d.page_table, d.seq_lens, self.scale, out=out, scratch=d.scratch,
-                                    num_splits=d.num_splits, block_n=self.decode_block_n, tickets=d.tickets,
-                                    position=DecodePosition(k, v, *rope, meta.slots, norm))
         if not stored:
             store_kv(kc, vc, k, v, meta.slots)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode is not None:
             d, nd = meta.decode, meta.num_decode
             decode_attention(q[:nd], kc, vc, d.page_table, d.seq_lens, self.scale, out=out[:nd],
-                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n,
-                             tickets=d.tickets)
+                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n)
         if meta.extend is not None:
             e = meta.extend
             extend_attention(q, k, v, kc, vc, e.page_table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new,
@@ -221,7 +184,6 @@ class TritonAttentionBackend(AttentionBackend):
             table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device), splits=splits,
             mid_o=torch.empty(partials * self.head_dim, dtype=torch.float32, device=self.device),
             mid_lse=torch.empty(partials, dtype=torch.float32, device=self.device),
-            tickets=decode_tickets(max_bs, self.ticket_groups(), self.device),
             copied=torch.cuda.Event() if cuda else None,
         )
         return [(bs,) for bs in sizes]  # all at init: no capture stalls a running server
@@ -239,7 +201,7 @@ class TritonAttentionBackend(AttentionBackend):
         g, h, d = self.graph_buffers, self.num_heads, self.head_dim
         s, splits = g.stage, g.splits[bs]
         scratch = (g.mid_o[: bs * h * splits * d].view(bs, h, splits, d), g.mid_lse[: bs * h * splits].view(bs, h, splits))
-        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch, g.tickets)
+        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch)
         return GraphInputs(s[:bs], s[bs : 2 * bs], TritonAttentionMetadata(s[3 * bs : 4 * bs], bs, decode, None))
 
     def prepare_replay(self, batch: ForwardBatch, key: GraphKey) -> None:

@@ -174,8 +174,7 @@ def _draft_model(config: EngineConfig, vocab_size: int, max_model_len: int) -> D
         raise ValueError(f"speculative_draft_model_path: the draft's vocab_size {model_config.vocab_size} differs "
                          f"from the target's {vocab_size} (it must share the tokenizer)")
     draft_len = min(max_model_len, model_config.max_position_embeddings)
-    # its catch-up runs up to 4 tokens of one sequence as decode rows (spec/draft.py)
-    runner = ModelRunner(dc, model_config, draft_len, source, shared_decode_rows=True)
+    runner = ModelRunner(dc, model_config, draft_len, source)
     kv = KVCacheManager(runner.pool)
     return DraftModelProposer(runner, kv, config.speculative_num_draft_tokens, draft_len)
 

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from ketch.kernels._common import pow2
 from ketch.kernels.activation import _silu_and_mul_kernel
-from ketch.kernels.decode_attention import MERGE_SPLITS, _decode_merge_kernel, _decode_split_kernel
+from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel, whole_rows
@@ -89,30 +89,22 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     group, bd = heads // kv_heads, pow2(head_dim, 16)
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "prefetchers": "i32",
-             "prefetch": "i32", "row_bytes": "i32", "scale_log2": "fp32", "eps": "fp32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "eps": "fp32",
              "num_splits": "i32", "Bias": p, "KCache": kv, "VCache": kv,
              "Src": "*i64", "Dst": "*i64", "SrcPages": "*i32", "DstPages": "*i32", "row_words": "i32",
              "blocks_per_row": "i32", "total": "i32"}
     fma, dot = _gemv_configs(dot=False)[-1], _gemv_configs(dot=True)[0]  # the widest tiles
-    gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec, "L2_PREFETCH": False}
+    gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     whole_n, whole_k = whole_rows(1, hidden, 4 if dtype == "fp32" else 2) or (1, pow2(hidden))
     position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
-    split_consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-                    "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16",
-                    "POSITION": False, "NORM": False, "TO_FP8": False}
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
           "TO_FP8": kv != p},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
-         {**split_consts, "FUSED_MERGE": False, "BLOCK_S": MERGE_SPLITS}, 4, 2),
-        ("decode_fused", _decode_split_kernel,  # the splits merged by the last (KETCH_DECODE_FUSED_MERGE)
-         {**split_consts, "FUSED_MERGE": True, "BLOCK_S": MERGE_SPLITS}, 4, 2),
-        ("decode_position", _decode_split_kernel,  # q and the new k positioned, k and v stored (KETCH_DECODE_POSITION)
-         {**split_consts, "FUSED_MERGE": True, "BLOCK_S": MERGE_SPLITS, "POSITION": True, "NORM": True,
-          "TO_FP8": kv != p}, 4, 2),
+         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
+          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}, 4, 2),
         ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
          1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
@@ -135,8 +127,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if min(1024, pow2(inter)) >= 512 else 1, 3),
         ("gemv_m1", _gemv_kernel, {**gemv_consts, "BLOCK_M": 1, **fma.kwargs}, fma.num_warps, fma.num_stages),
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
-        ("gemv_whole", _gemv_kernel,  # M = 1 whole rows (o_proj), later blocks into L2 (KETCH_L2_PREFETCH)
-         {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k, "L2_PREFETCH": True}, 8, 1),
+        ("gemv_whole", _gemv_kernel,  # M = 1 whole rows (o_proj, the routers, the LM head)
+         {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k}, 8 if whole_k >= 2048 else 4, 1),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
     return _build(cases, fixed, p, arch, pdl, early)
@@ -150,8 +142,7 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     p, kv = f"*{dtype}", f"*{kv_dtype or dtype}"
     prec = "ieee" if dtype == "fp32" else "tf32"
     fixed = {"PageTable": "*i32", "SeqLens": "*i32", "PrefixLens": "*i32", "NewLens": "*i32", "QStarts": "*i32",
-             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "Tickets": "*i32", "prefetchers": "i32",
-             "prefetch": "i32", "row_bytes": "i32", "scale_log2": "fp32", "num_splits": "i32",
+             "Slots": "*i32", "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
              "Cache": kv, "eps": "fp32"}
     cases = [
         ("mla_prepare", _mla_prepare_kernel,  # V2-Lite's 16 heads, interleaved rope pairs
@@ -173,7 +164,7 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     # weight. (2-8 tokens take the fp32 "ieee" dot path, which spills at every tile, as it did
     # when x was widened by a cast launch first.)
     router = [("router_m1", _gemv_kernel, {"HAS_BIAS": False, "UPCAST": True, "PRECISION": "ieee", "BLOCK_M": 1,
-                                           "L2_PREFETCH": False, **fma.kwargs}, fma.num_warps, fma.num_stages)]
+                                           **fma.kwargs}, fma.num_warps, fma.num_stages)]
     heads_gemv = [  # the absorbed products at one row, as mla_triton_backend launches them (head_gemv's defaults)
         ("head_gemv_uk", _head_gemv_kernel, {"K": nope, "N": rank, "BLOCK_T": 16, "BLOCK_K": 64, "BLOCK_N": 64,
                                              "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 4, 3),

@@ -69,12 +69,6 @@ def _direct_max_tokens() -> int:
 # tokens and more, picks share experts and per-pick blocks would stream a shared expert twice.
 # KETCH_MOE_DIRECT_TOKENS=0: the alignment at batch 1 too (the GPU A/B's switch).
 DIRECT_MAX_TOKENS = _direct_max_tokens()
-# KETCH_MOE_AHEAD=1 (off until a GPU A/B says it wins): at a direct step each GEMM launch lets
-# the next one start right after its PDL wait, and the down programs read their expert and
-# first weight tile before their own wait, so the down weights start streaming during the
-# gate|up launch's tail, and the next layer's first product's during the down's (moe_gemm's
-# `ahead`).
-AHEAD = os.environ.get("KETCH_MOE_AHEAD", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -154,12 +148,9 @@ def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
              stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
              A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
              UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-             w0=0.0, PEELED: tl.constexpr = False, TRIGGER: tl.constexpr = True):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """One program's tile after the PDL wait: the rows `rows` (int64 [BLOCK_M], `valid` where
-    real) of expert `expert` against its output block pid_n (also kernels/moe_route_up.py's).
-    PEELED: K step 0's weight tile is w0, loaded by the caller before the wait (16-bit weights,
-    not GATED); TRIGGER: the dependents' launch after the K loop (False: the caller did it)."""
+    real) of expert `expert` against its output block pid_n (also kernels/moe_route_up.py's)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -170,14 +161,7 @@ def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
     s_base = Scale + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = 0
-    if PEELED:  # _k_step's operations on the tile loaded before the wait
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w0.to(a.dtype)), acc, input_precision=PRECISION)
-        k_lo = BLOCK_K
-    for k0 in range(k_lo, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:  # fp32 inputs, or the interpreter (whose bf16 is wrong)
@@ -187,7 +171,7 @@ def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
         if GATED:
             acc_u = _k_step(acc_u, a, W, u_off + k0, s_base, offs_n + N, n_mask, k0, offs_k, k_mask, stride_sn,
                             stride_sk, FP8, PRECISION)
-    if USE_PDL and TRIGGER:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     dt = C.dtype.element_ty
     if GATED:  # silu(gate) * up, rounded as the reference's F.linear then silu_and_mul
@@ -212,31 +196,14 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    AHEAD: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    peeled: tl.constexpr = DIRECT and AHEAD and not GATED
-    if peeled:
-        # the down GEMM (fused_moe.AHEAD): the ids are the routing's, two launches back, done
-        # before the gate|up programs passed their wait and let this kernel launch (they trigger
-        # after it): the expert and K step 0's weight tile are read before this kernel's wait
-        # (the ids through L2, .cg: no SM's L1 copy of the previous step's)
-        expert = tl.load(ExpertIds + pid_m, cache_modifier=".cg").to(tl.int64)
-        offs_n0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k0 = tl.arange(0, BLOCK_K)
-        w0 = tl.load(W + expert * stride_we + offs_n0.to(tl.int64)[:, None] * stride_wn + offs_k0[None, :],
-                     mask=(offs_n0 < N)[:, None] & (offs_k0 < K)[None, :], other=0.0)
-    else:
-        w0 = 0.0
     if USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
-        if DIRECT and AHEAD:  # the next launch may start and request its weights now (fused_moe.AHEAD)
-            tl.extra.cuda.gdc_launch_dependents()
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
-        if not peeled:
-            expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+        expert = tl.load(ExpertIds + pid_m).to(tl.int64)
         valid = tl.arange(0, BLOCK_M) == 0
         rows = tl.full([BLOCK_M], pid_m, tl.int64)
     else:
@@ -249,22 +216,18 @@ def _moe_gemm_kernel(
         rows = rows.to(tl.int64)
     moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
              stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
-             A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
-             w0, peeled, not (DIRECT and AHEAD))
+             A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
              topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              num_post_pad: torch.Tensor, *, a_row_div: int, gated: bool, block_m: int, cfg: GemmConfig,
-             direct: bool = False, ahead: bool = False) -> None:
+             direct: bool = False) -> None:
     """c[row] = a[row // a_row_div] @ w[expert]^T for each row of each block (see the module
     docstring); gated: c = silu(gate) * up with w's rows [gate | up]; topk_weights: times the
     row's routing weight. c has one row per (token, slot); rows are never written twice.
     direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
-    (sorted_ids and num_post_pad unread). ahead (direct, 16-bit weights; AHEAD): the
-    launch lets the next one launch right after its wait, and a down launch reads its expert and
-    first weight tile before its wait, so expert_ids must be older than the launch before it
-    (the routing kernel's, not the gate|up launch's)."""
+    (sorted_ids and num_post_pad unread)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     fp8 = scale is not None
@@ -277,7 +240,6 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         *(scale.stride() if fp8 else (0, 0, 0)),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=topk_weights is not None, FP8=fp8, DIRECT=direct,
-        AHEAD=ahead and direct and not fp8,
         UPCAST=interpreting() or a.dtype == torch.float32, PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
@@ -327,11 +289,11 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     rows = tokens * top_k
     inter_act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, inter_act, w13_scale, None, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct, ahead=AHEAD)
+             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct, ahead=AHEAD)
+             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct)
     if direct and not sum_picks:
         return out.view(tokens, top_k, hidden)
     return moe_sum(out.view(tokens, top_k, hidden))

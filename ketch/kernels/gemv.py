@@ -46,7 +46,6 @@ from ketch.kernels._common import (
     pdl_launch,
     pow2,
 )
-from ketch.kernels.l2_prefetch import launch_plan, prefetch_blocks
 
 MAX_M = 8  # the kernel's own limit; callers pick their threshold (ketch/layers/ops.py)
 # M = 1 products of K <= WHOLE_K_MAX as whole rows (module docstring); KETCH_GEMV_WHOLE_K=0: tiled.
@@ -96,13 +95,12 @@ def _k_step(acc, w, x, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: t
     return acc
 
 
-@triton.jit(do_not_specialize=["prefetchers", "prefetch", "row_bytes"])
+@triton.jit
 def _gemv_kernel(
     X, W, Bias, Y, M, N, K,
-    stride_xm, stride_wn, stride_ym, prefetchers, prefetch, row_bytes,
+    stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,9 +121,6 @@ def _gemv_kernel(
         # previous kernel's tail; x (the previous kernel's output) only after the wait.
         k_mask = offs_k < K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if L2_PREFETCH:  # whole rows: the first `prefetchers` programs ask L2 for later programs' blocks
-            if pid < prefetchers:
-                prefetch_blocks(W, pid + prefetchers, prefetchers, prefetch, N, stride_wn, row_bytes, BLOCK_N)
         tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _k_step(acc, w, x, BLOCK_M, UPCAST, PRECISION)
@@ -173,15 +168,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     whole = whole_rows(m, k, weight.element_size())
     if whole is not None and n:
         block_n, block_k = whole
-        n_blocks = triton.cdiv(n, block_n)
-        pdl = pdl_launch()
-        prefetchers, prefetch = launch_plan(weight, block_n, n_blocks, n_blocks, pdl["USE_PDL"])
-        _gemv_kernel[(n_blocks,)](
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
             x2, weight, weight if bias is None else bias, y, m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0), prefetchers, prefetch, k * weight.element_size(),
+            x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, UPCAST=interpreting() or torch.float32 in (x.dtype, weight.dtype),
-            PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, L2_PREFETCH=prefetch > 0,
-            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl,
+            PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
         )
     elif m and n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
@@ -189,7 +181,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         fp32 = torch.float32 in (x.dtype, weight.dtype)  # the dot path's operands: both widened
         kernel[grid](
             x2, weight, weight if bias is None else bias, y, m, n, k,
-            x2.stride(0), weight.stride(0), y.stride(0), 0, 0, 0, L2_PREFETCH=False,
+            x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, UPCAST=interpreting() or fp32,
             PRECISION=dot_precision(torch.float32 if fp32 else x.dtype), BLOCK_M=block_m, **pdl_launch(),
         )

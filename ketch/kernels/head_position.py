@@ -43,7 +43,7 @@ class KVStore:
 
 
 @triton.jit
-def to_fp8(x, CACHE_DTYPE: tl.constexpr):
+def _to_fp8(x, CACHE_DTYPE: tl.constexpr):
     """Scale 1.0: saturate, then round to e4m3 (kv_store.py's store)."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -FP8_MAX), FP8_MAX).to(CACHE_DTYPE)
 
@@ -103,8 +103,8 @@ def _qk_rms_norm_kernel(
     tl.store(Out + t * stride_ot + h * N + offs, y, mask=mask)
     if STORE:
         if TO_FP8:
-            tl.store(KCache + kv_row, to_fp8(y, KCache.dtype.element_ty), mask=keep)
-            tl.store(VCache + kv_row, to_fp8(v, VCache.dtype.element_ty), mask=keep)
+            tl.store(KCache + kv_row, _to_fp8(y, KCache.dtype.element_ty), mask=keep)
+            tl.store(VCache + kv_row, _to_fp8(v, VCache.dtype.element_ty), mask=keep)
         else:
             tl.store(KCache + kv_row, y, mask=keep)
             tl.store(VCache + kv_row, v, mask=keep)

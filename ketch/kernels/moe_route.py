@@ -33,7 +33,7 @@ from ketch.kernels._common import pdl_launch, pow2
 
 
 @triton.jit
-def softmax_topk_row(x, scale, NUM_EXPERTS, TOP_K: tl.constexpr, APPEND: tl.constexpr,
+def softmax_topk_row(x, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr,
                      K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token's routing from its logits x [BLOCK_E] fp32 (-inf past NUM_EXPERTS) -> (weights
     fp32, ids int32), each [K_PAD]: slots 0..TOP_K-1 the picks, then the APPEND appended ones (the
@@ -75,19 +75,9 @@ def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scal
     x = tl.load(Logits + t * stride_l + offs, mask=offs < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
     if COUNT_ROWS:  # loaded beside the logits (its latency hidden by theirs)
         counted = t < tl.load(CountRows)
-    else:
-        counted = 0  # unused
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     weights, ids = softmax_topk_row(x, scale, NUM_EXPERTS, TOP_K, APPEND, K_PAD, RENORMALIZE, BLOCK_E)
-    store_route(weights, ids, t, Weights, Ids, Counts, counted, TOP_K, APPEND, K_PAD, COUNT, COUNT_ROWS)
-
-
-@triton.jit
-def store_route(weights, ids, t, Weights, Ids, Counts, counted, TOP_K: tl.constexpr, APPEND: tl.constexpr,
-                K_PAD: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr):
-    """Token t's routing (softmax_topk_row's) into its rows of Weights / Ids, its routed picks
-    added into Counts when COUNT (only where `counted` when COUNT_ROWS: a padded step's real rows)."""
     slots = tl.arange(0, K_PAD)
     width = TOP_K + APPEND
     tl.store(Weights + t * width + slots, weights, mask=slots < width)

@@ -26,15 +26,7 @@ later consumers (the residual add after the sublayer, a MoE's experts).
 
 h and the residual are those of the rmsnorm kernel but for the order of the fp32 sum of squares
 (the same bits in the interpreter: tests/test_norm_gemv_kernel.py); y is gemv's up to summation
-order. Deterministic: one program per output block.
-
-A router's launch may route too (top_k given; LayerOps.route_in_norm, KETCH_MOE_ROUTE_IN_NORM=1):
-after its logits each program takes a ticket (an acq_rel atomic on an int32 the MoE layer
-keeps), and the one that takes the last reads all N logits back past L1 and runs the routing
-kernel's softmax_topk_row and store_route on them (moe_route.py): the routing launch's bits,
-its per-expert counts included, and one launch fewer on a MoE layer's critical path at bs1
-(the routing was ~3 µs of a ~68 µs Qwen3 layer, docs/performance.md run 77). Which program
-routes varies; what it computes does not.
+order. Deterministic: no atomics, one program per output block.
 """
 from __future__ import annotations
 
@@ -45,8 +37,6 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
-from ketch.kernels.l2_prefetch import launch_plan, prefetch_blocks
-from ketch.kernels.moe_route import check_counts, softmax_topk_row, store_route
 
 MAX_K = 8192  # the whole row in one step per program
 # The weight tile a program holds, in bytes (two in registers: the current block's and the
@@ -55,9 +45,6 @@ MAX_K = 8192  # the whole row in one step per program
 _TILE_BYTES = 16384
 # KETCH_NORM_GEMV=0: the norm and the product as two launches again (the H200 A/B's switch)
 ENABLED = os.environ.get("KETCH_NORM_GEMV", "1") != "0"
-# KETCH_MOE_ROUTE_IN_NORM=1: a softmax-routed MoE layer's routing runs in its router's launch
-# (LayerOps.route_in_norm), one launch fewer a layer at one decode row
-ROUTE_ENABLED = os.environ.get("KETCH_MOE_ROUTE_IN_NORM", "0") == "1"
 PROGRAMS_PER_SM = 2  # the grid's cap (module docstring); a guess for the H200 sweep to settle
 INTERPRET_PROGRAMS = 3  # the interpreter: few programs, so the tests' small products take several blocks each
 
@@ -69,14 +56,11 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
                    mask=(offs_n < N)[:, None] & k_mask[None, :], other=0.0)
 
 
-@triton.jit(do_not_specialize=["n_blocks", "prefetchers", "prefetch", "row_bytes"])
+@triton.jit(do_not_specialize=["n_blocks"])
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
-    Ticket, Weights, Ids, Counts, CountRows, route_scale, prefetchers, prefetch, row_bytes,
     PICKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, L2_PREFETCH: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr,
-    APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -86,9 +70,6 @@ def _norm_gemv_kernel(
     # parameters, requested before the wait: the first output block's weight tile, the norm weight
     w = _weight_tile(W, pid, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)
     nw = tl.load(NormW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-    if L2_PREFETCH:  # the first wave asks L2 for the blocks no program holds yet (l2_prefetch.py)
-        if pid < prefetchers:
-            prefetch_blocks(W, pid + prefetchers, prefetchers, prefetch, N, stride_wn, row_bytes, BLOCK_N)
     if USE_PDL:  # x and the residual are earlier kernels' outputs
         tl.extra.cuda.gdc_wait()
     dt = H.dtype.element_ty
@@ -120,19 +101,6 @@ def _norm_gemv_kernel(
         w = w_next
     if USE_PDL:  # the weights are read
         tl.extra.cuda.gdc_launch_dependents()
-    if ROUTE:  # y are a router's logits: the program that stores the last of them routes the token
-        tl.debug_barrier()  # every thread's logits are stored before the release below
-        if tl.atomic_add(Ticket, 1, sem="acq_rel") == step - 1:
-            tl.store(Ticket, 0)  # zero again for the next launch (graph replays reuse it)
-            offs_e = tl.arange(0, BLOCK_E)
-            logits = tl.load(Y + offs_e, mask=offs_e < N, other=float("-inf"), cache_modifier=".cg")
-            if COUNT_ROWS:  # one token: row 0 counts unless the step is padding
-                counted = 0 < tl.load(CountRows)
-            else:
-                counted = 0  # unused
-            weights, ids = softmax_topk_row(logits.to(tl.float32), route_scale, N, TOP_K, APPEND, K_PAD, RENORMALIZE,
-                                            BLOCK_E)
-            store_route(weights, ids, 0, Weights, Ids, Counts, counted, TOP_K, APPEND, K_PAD, COUNT, COUNT_ROWS)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -148,31 +116,15 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              out_dtype: torch.dtype | None = None, top_k: int | None = None, renormalize: bool = False,
-              scale: float = 1.0, append: int = 0, counts: torch.Tensor | None = None,
-              count_rows: torch.Tensor | None = None, ticket: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, new residual, y) as above; x [1, K] or a MoE step's picks [1, k, K] (summed as moe_sum
     does), last dim contiguous; the residual [1, K] or None (then the new residual is x itself, or
-    the picks' sum). The caller checks `fits`.
-
-    top_k given: y are a router's N logits and the token is routed in this launch, y then being
-    softmax_topk_triton(y, top_k, renormalize, scale=, append=, counts=, count_rows=)'s (weights,
-    ids): the program that stores the last logits (an acq_rel ticket on `ticket`, an int32 [1]
-    that is zero and left zero) runs the routing kernel's function on them, the same bits."""
+    the picks' sum). The caller checks `fits`."""
     if not fits(x, weight) or (residual is not None and tuple(residual.shape) != (1, x.shape[-1])):
         shape = None if residual is None else tuple(residual.shape)
         raise ValueError(f"norm_gemv: x {tuple(x.shape)}, residual {shape}, weight {tuple(weight.shape)} "
                          f"{weight.dtype} do not fit (one row, K <= {MAX_K})")
     n, k = weight.shape
-    route = top_k is not None
-    if route:
-        if not 0 < top_k <= n or append < 0:
-            raise ValueError(f"norm_gemv: top_k {top_k} (+ append {append}) of {n} experts")
-        if ticket is None or ticket.dtype != torch.int32 or ticket.numel() != 1 or ticket.device != x.device:
-            raise ValueError(f"norm_gemv: ticket must be one int32 on {x.device}, got "
-                             f"{None if ticket is None else (ticket.dtype, tuple(ticket.shape), ticket.device)}")
-        check_counts(counts, n, x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     picks = x.shape[1] if x.dim() == 3 else 1
     h = torch.empty((1, k), dtype=x.dtype, device=x.device)
@@ -182,22 +134,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     block_n = max(1, _TILE_BYTES // (block_k * weight.element_size()))
     n_blocks = triton.cdiv(n, block_n)
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
-    pdl = pdl_launch()
-    prefetchers, prefetch = launch_plan(weight, block_n, n_blocks, programs, pdl["USE_PDL"])
-    width = (top_k + append) if route else 1
-    weights = torch.empty((1, width), dtype=torch.float32, device=x.device) if route else y
-    ids = torch.empty((1, width), dtype=torch.int64, device=x.device) if route else y
     _norm_gemv_kernel[(programs,)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
-        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks,
-        ticket if route else y, weights, ids, ids if counts is None else counts,
-        ids if count_rows is None else count_rows, float(scale), prefetchers, prefetch, k * weight.element_size(),
-        PICKS=picks,
+        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, PICKS=picks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        L2_PREFETCH=prefetch > 0, ROUTE=route, TOP_K=top_k or 1, APPEND=append, K_PAD=pow2(width),
-        RENORMALIZE=renormalize,
-        BLOCK_E=pow2(n) if route else 1, COUNT=route and counts is not None,
-        COUNT_ROWS=route and counts is not None and count_rows is not None,
-        num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl,
+        num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
     )
-    return h, res_out, ((weights, ids) if route else y)
+    return h, res_out, y

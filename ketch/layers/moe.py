@@ -36,9 +36,7 @@ the math is the unsharded one: no reduce, the whole intermediate size in one slo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -228,28 +226,14 @@ class MoE(nn.Module):
         # the picks left unsummed for the norm after the layer (LayerOps.pick_rows); a reduced
         # output is summed before its all-reduce
         self.experts_kw = {"sum_picks": False} if ops.pick_rows and not self.reduce else {}
-        # the softmax top-k in the router's launch (LayerOps.route_in_norm): its keywords, and
-        # the launch's counter (zero between launches; on the model's device, out of the state dict)
-        self.route_kw: dict[str, Any] | None = None
-        if ops.route_in_norm and self.route_experts is not None:
-            self.route_kw = dict(select.keywords)
-            self.register_buffer("route_ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def first_product(self) -> FirstProduct:
-        first = self.gate.first_product()
-        if self.route_kw is None:
-            return first
-        return replace(first, route={**self.route_kw, **self.gate.select_kw(), "ticket": self.route_ticket})
+        return self.gate.first_product()
 
-    def forward(self, x: torch.Tensor, first: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
-        """first: the router's logits of x, computed with the norm before (normed_input), or its
-        routing (weights, ids) where the norm's launch routed too (first_product's route). With
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        """first: the router's logits of x, computed with the norm before (normed_input). With
         LayerOps.pick_rows the result may be a one-token step's weighted picks [1, k, H]."""
-        if isinstance(first, tuple):
-            weights, ids = first
-            y = self.run_experts(x, self.experts.w13, self.experts.w2, weights, ids, **self.experts_kw)
-        elif self.route_experts is not None:
+        if self.route_experts is not None:
             logits = self.gate._logits(x) if first is None else first
             y = self.route_experts(x, logits, self.experts.w13, self.experts.w2, **self.gate.select_kw(),
                                    **self.experts_kw)

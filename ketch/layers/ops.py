@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +49,6 @@ class FirstProduct:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None
-    # a MoE router's softmax top-k of the product (LayerOps.route_in_norm): softmax_topk's
-    # keywords (top_k, renormalize, scale, append, counts, count_rows) and `ticket` (an int32 [1]
-    # zero, the one launch's counter); the product is then that routing's (weights, ids)
-    route: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +107,6 @@ class LayerOps:
     # (fused_experts(sum_picks=False)): the norms after it (add_rms_norm, add_rms_norm_linear)
     # add the picks in fp32, round once, then add the residual, as the combine then the norm
     pick_rows: bool = False
-    # whether add_rms_norm_linear takes a router's FirstProduct.route: the softmax top-k routing
-    # in the launch of its logits at one decode row (kernels/norm_gemv.py), after them otherwise
-    route_in_norm: bool = False
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,19 +173,15 @@ def triton_ops() -> LayerOps:
                             first: FirstProduct) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if norm_gemv.fits(x, first.weight):  # one decode row (or its MoE picks): one launch
             return norm_gemv.norm_gemv(x, residual, norm_weight, eps, first.weight, first.bias,
-                                       out_dtype=first.out_dtype, **(first.route or {}))
+                                       out_dtype=first.out_dtype)
         x = summed(x)
         if residual is None:
             h, residual = rms_norm(x, norm_weight, eps), x
         else:
             h, residual = add_rms_norm(x, residual, norm_weight, eps)
         if first.out_dtype == torch.float32 and h.dtype != torch.float32:  # fp32 logits (a router)
-            y = linear_fp32(h, first.weight.float())
-        else:
-            y = linear(h, first.weight, first.bias)
-        if first.route is not None:  # the router's choice, as the MoE layer would make it
-            return h, residual, softmax_topk_triton(y, **{k: v for k, v in first.route.items() if k != "ticket"})
-        return h, residual, y
+            return h, residual, linear_fp32(h, first.weight.float())
+        return h, residual, linear(h, first.weight, first.bias)
 
     def position_and_store(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, v: torch.Tensor,
                            sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -208,8 +196,7 @@ def triton_ops() -> LayerOps:
                     qk_norm=qk_rms_norm, qk_norm_rotary=qk_norm_rotary, mla_prepare=mla_prepare,
                     add_rms_norm_linear=add_rms_norm_linear, position_and_store=position_and_store,
                     mla_prepare_absorb=mla_prepare_absorb if ABSORB_ENABLED else None,
-                    softmax_topk_experts=routed_experts_triton, pick_rows=moe_combine.IN_NORM,
-                    route_in_norm=norm_gemv.ROUTE_ENABLED)
+                    softmax_topk_experts=routed_experts_triton, pick_rows=moe_combine.IN_NORM)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -72,14 +72,10 @@ class LlamaAttention(nn.Module):
         # the Triton layer ops also write k and v into the pool where the backend says where (one
         # launch less a layer); the torch ops leave that to the backend
         sink = attn.kv_sink(self.layer, meta) if self.ops.position_and_store is not None else None
-        norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        if sink is not None and attn.positions_decode(meta):  # the decode launch positions and stores them
-            o = attn.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], v, self.layer, meta, rope=rope,
-                             norm=norm)
-            return self.o_proj(o.reshape(-1, self.q_size))
         if sink is None:
             qk = self._position(qk, rope)
         else:
+            norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             qk = self.ops.position_and_store(qk, *rope, self.num_heads, v, sink, norm)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attn.forward(q, k, v, self.layer, meta, stored=sink is not None)

@@ -69,21 +69,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: FamilyConfig, max_model_len: int,
-                 source: ModelSource | None = None, parallel: ParallelContext = SINGLE,
-                 shared_decode_rows: bool = False) -> None:
+                 source: ModelSource | None = None, parallel: ParallelContext = SINGLE) -> None:
         """source: the model as the engine resolved it (None: resolve it from `config` here);
         parallel: the rank's tensor-parallel context: the model, the pool and the attention
-        backend hold this rank's heads (every rank builds its own runner; engine/tp_ranks.py);
-        shared_decode_rows: a decode step may hold several rows of one sequence, each reading the
-        K/V of the rows before it (a speculative verify, set by speculative_algorithm; a draft
-        model's catch-up, engine/build.py): the attention backend is told (expect_verify_rows)."""
+        backend hold this rank's heads (every rank builds its own runner; engine/tp_ranks.py)."""
         if config.cpu_compile and config.torch_device.type != "cpu":
             raise ValueError(f"cpu_compile: needs the CPU device, got device={config.device!r}")
         self.parallel = parallel
         self.forwards = 0  # forward passes run, idle ones included (DP attention keeps the ranks in step by it)
         self.config = config
         self.model_config = model_config
-        self.shared_decode_rows = shared_decode_rows or config.speculative_algorithm is not None
         # model, KV layout, weights and attention backend all come from the family: nothing
         # here reads a family's config fields (head counts, dims)
         self.family = family_for(model_config.architecture)
@@ -120,8 +115,6 @@ class ModelRunner:
         self.pool = self._allocate_pool()
         self.attn = self.family.make_attention(model_config, self.pool, backend=self.attention_backend,
                                                parallel=self.parallel, device=self.device, max_model_len=max_model_len)
-        if self.shared_decode_rows:
-            self.attn.expect_verify_rows()
         self.graphs: GraphRunner | CompiledCPUDecode | None = build_graphs(self.attn) if build_graphs else \
             self._compiled_cpu_decode() if config.cpu_compile else None
         if self.memory_plan is not None:
@@ -133,8 +126,6 @@ class ModelRunner:
         """Decode graphs over `attn` (the real backend, or memory_plan's scratch one)."""
         c = self.config  # a speculative verify runs k + 1 decode rows per sequence
         rows_per_seq = 1 + c.speculative_num_draft_tokens if c.speculative_algorithm else 1
-        if self.shared_decode_rows:  # memory_plan's scratch backend too
-            attn.expect_verify_rows()
         max_bs = min(c.cuda_graph_max_bs, c.max_num_seqs * rows_per_seq)
         return GraphRunner(self.model, attn, max_bs, max_model_len, self.device, future=self.future)
 
