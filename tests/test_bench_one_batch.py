@@ -36,6 +36,27 @@ def test_summary_counts_busy_time_inside_the_annotated_steps_only():
     assert s.by_name[0] == ("ampere_bf16_gemm", 60.0, 2)
     assert s.by_family["gemm/gemv"] == 60 and s.by_family["elementwise"] == 10 and s.by_family["copy/cast"] == 10
     assert "kernels per step: 1.5" in s.format()
+    # advances: the first gemm moves the frontier 110 -> 150, the overlapping one 150 -> 160
+    assert s.advance == {"ampere_bf16_gemm": 50.0, "vectorized_elementwise_kernel": 10.0, "Memcpy HtoD": 10.0}
+    assert sum(s.advance.values()) == s.busy_us
+
+
+def test_advance_charges_a_kernel_launched_early_only_past_the_one_before():
+    """PDL: a kernel launched during the one before it waits inside its programs; its duration
+    overlaps, its advance is only the time its end adds (the critical path's share)."""
+    trace = {"traceEvents": [
+        _x(STEP_ANNOTATION, "user_annotation", 0, 10),
+        _x(STEP_ANNOTATION, "user_annotation", 10, 100),  # window 10..110
+        _x("stream", "kernel", 10, 30),  # 10..40
+        _x("early_small", "kernel", 15, 28),  # launched early, waits, ends at 43: advance 3
+        _x("stream", "kernel", 40, 40),  # launched early too: 40..80, advance 80 - 43 = 37
+        _x("after_a_gap", "kernel", 90, 5),  # idle 80..90 is nobody's advance
+    ]}
+    s = summarize(trace)
+    assert s.advance == {"stream": 30.0 + 37.0, "early_small": 3.0, "after_a_gap": 5.0}
+    assert dict((n, us) for n, us, _ in s.by_name)["early_small"] == 28.0
+    assert sum(s.advance.values()) == s.busy_us == 75.0
+    assert "advance      3.0 µs/step  early_small" in s.format()  # one step in the window
 
 
 def test_summary_without_step_annotations_is_a_clear_error():

@@ -7,6 +7,12 @@
                the GPU runs one step behind the host. Kernels are clipped to the window.
     busy     = union of kernel / memcpy / memset intervals inside the window
     idle     = 1 - busy / window
+    advance  = per op, in start order, how far its end moves the frontier of finished GPU work
+               (end - max(start, the latest end before it), at least 0); the advances add up to
+               busy. With PDL a kernel launches early and waits inside its programs, so its
+               duration overlaps the kernel before it: durations add up to more than the step,
+               and a small kernel launched early looks long. The advance is what the step is
+               made of, per kernel (its share of the critical path of one stream).
 
 Profiling adds host overhead per op, so `idle` is an upper bound for the unprofiled run.
 """
@@ -42,6 +48,7 @@ class TraceSummary:
     copies: int  # memcpy + memset operations in the window
     by_name: list[tuple[str, float, int]] = field(default_factory=list)  # (name, total µs, count), descending
     by_family: dict[str, float] = field(default_factory=dict)  # family → total µs
+    advance: dict[str, float] = field(default_factory=dict)  # name → total advance µs (module docstring)
 
     @property
     def idle_fraction(self) -> float:
@@ -66,8 +73,9 @@ class TraceSummary:
         ]
         lines += [f"  {fam:24s} {us / self.steps / 1000:8.3f} ms/step  {us / max(self.busy_us, 1e-9):6.1%}"
                   for fam, us in sorted(self.by_family.items(), key=lambda kv: -kv[1])]
-        lines.append(f"top {top} kernels by GPU time:")
-        lines += [f"  {us / self.steps:9.1f} µs/step  {n / self.steps:6.1f}/step  {name[:110]}"
+        lines.append(f"top {top} kernels by GPU time (µs/step; advance: the share of the step's critical path):")
+        lines += [f"  {us / self.steps:9.1f} µs/step  {n / self.steps:6.1f}/step  "
+                  f"advance {self.advance.get(name, 0.0) / self.steps:8.1f} µs/step  {name[:100]}"
                   for name, us, n in self.by_name[:top]]
         return "\n".join(lines)
 
@@ -104,15 +112,18 @@ def summarize(trace: dict, annotation: str = STEP_ANNOTATION) -> TraceSummary:
     spans: list[tuple[float, float]] = []
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     per_family: dict[str, float] = defaultdict(float)
+    advance: dict[str, float] = defaultdict(float)
     kernels = copies = 0
-    for e in events:
-        if e.get("cat") not in GPU_CATEGORIES:
-            continue
+    frontier = lo
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: float(e["ts"]))
+    for e in gpu:
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         if end <= lo or start >= hi:
             continue
         start, end = max(start, lo), min(end, hi)
         spans.append((start, end))
+        advance[e["name"]] += max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
         if e["cat"] == "kernel":
             kernels += 1
         else:
@@ -122,7 +133,8 @@ def summarize(trace: dict, annotation: str = STEP_ANNOTATION) -> TraceSummary:
         acc[1] += 1
         per_family[family(e["name"]) if e["cat"] == "kernel" else "copy/cast"] += end - start
     by_name = sorted(((n, v[0], int(v[1])) for n, v in per_name.items()), key=lambda t: -t[1])
-    return TraceSummary(len(steps), hi - lo, _union_length(spans), kernels, copies, by_name, dict(per_family))
+    return TraceSummary(len(steps), hi - lo, _union_length(spans), kernels, copies, by_name, dict(per_family),
+                        dict(advance))
 
 
 def summarize_file(path: str, annotation: str = STEP_ANNOTATION) -> TraceSummary:
