@@ -63,8 +63,9 @@ def test_count_rows_zero_counts_nothing_and_none_counts_again(kernels, tmp_path)
     """What a graph's warm-ups run under (count_rows(0)), and the eager steps after them."""
     engine = make_tiny_engine(cut_qwen3_moe(tmp_path), layer_kernels=kernels)
     load = engine.runner.expert_load
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     layer = next(m for m in engine.runner.model.modules() if hasattr(m, "count_rows") and hasattr(m, "select"))
+    weight = next(layer.parameters())  # the engine's device and dtype (a CUDA engine on the GPU)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
     load.count_rows(0)
     layer(x)
     assert sum(map(sum, load.totals())) == 0
