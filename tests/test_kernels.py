@@ -271,7 +271,8 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
 
 # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY): at bs1 the attention kernels too
 EARLY = {"store_kv", "decode_split", "decode_merge", "mla_decode", "add_rms_norm", "qk_rms_norm", "qk_norm_rope",
-         "qk_norm_rope_store", "rope_store", "rotary", "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge"}
+         "qk_norm_rope_store", "rope_store", "rotary", "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge",
+         "head_gemv_uk", "head_gemv_uv", "head_gemv_uv_merged"}
 
 
 @pytest.mark.parametrize("mla", [False, True])

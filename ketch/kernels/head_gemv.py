@@ -67,9 +67,12 @@ def head_block(
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     """One program's work: BLOCK_N outputs of head h for every row (also mla_prepare's absorbed
-    launch, kernels/mla_prepare.py, runs it for its product programs)."""
+    launch, kernels/mla_prepare.py, runs it for its product programs). EARLY_TRIGGER (a one-wave
+    head_gemv launch, KETCH_PDL_EARLY): the dependents launch before the wait, so the o_proj
+    after W_UV requests its whole rows while this launch runs, as it does after GQA's merge."""
     h = h.to(tl.int64)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
@@ -83,6 +86,8 @@ def head_block(
     # same loads and dots in the same order as the loop: PDL on or off, the same bits.
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
+    if USE_PDL and EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -97,7 +102,7 @@ def head_block(
         x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh,
                     num_splits, dt, BLOCK_T, BLOCK_S, MERGE)
         acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
-    if USE_PDL:
+    if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     out = Out + offs_t[:, None] * stride_ot + h * stride_oh + offs_n[None, :]
     tl.store(out, acc.to(dt), mask=t_mask[:, None] & n_mask[None, :])
@@ -110,10 +115,11 @@ def _head_gemv_kernel(
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     head_block(tl.program_id(0), tl.program_id(1), X, W, Out, Lse, rows,
                stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
-               num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL)
+               num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL, EARLY_TRIGGER)
 
 
 @dataclass(frozen=True)
@@ -174,5 +180,5 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     plan = plan_head_gemv(x, w, out, lse=lse, block_k=block_k, block_n=block_n, num_warps=num_warps)
     if plan.args[4]:  # rows
         _head_gemv_kernel[(plan.heads, plan.blocks)](*plan.args, **plan.constexprs, num_warps=plan.num_warps,
-                                                      **pdl_launch())
+                                                      **pdl_launch(plan.heads * plan.blocks))
     return plan.out
