@@ -10,7 +10,9 @@
 #          BASE_TREE (.base; "." compares this tree with itself, e.g. under NEW_ENV),
 #          NEW_ENV (assignments for the new runs only, e.g. "KETCH_PDL_EARLY=1"),
 #          VARIANTS (instead of NEW_ENV: several new runs per round, ";"-separated assignment sets,
-#                    e.g. "KETCH_A=1;KETCH_B=1;KETCH_A=1 KETCH_B=1": base, then each, every round),
+#                    e.g. "KETCH_A=1;KETCH_B=1;KETCH_A=1 KETCH_B=1": base, then each, every round;
+#                    a `ketch.module.NAME=VALUE` token overrides a module constant instead, through
+#                    scripts/with_constants.py, e.g. "ketch.kernels.norm_gemv.PROGRAMS_PER_SM=3"),
 #          TESTS (pytest files run first on this tree, e.g. "tests/test_fused_moe_kernel.py"),
 #          PROFILE=1 (then this tree once more under --profile: kernels per step, time by family)
 set -u
@@ -34,10 +36,17 @@ site=""  # the carried wheels' install (device_env.sh), ahead of whichever tree 
 bench() {  # bench LABEL TREE MODEL ENV [more flags]
   local label=$1 tree=$2 model=$3 envs=$4; shift 4
   echo "== $label $model $(date +%T) $envs" | tee -a "$LOG"
+  local assign=() consts=() tok
+  for tok in $envs; do  # KEY=value: the environment; ketch.module.NAME=value: a constant
+    if [[ $tok == ketch.* ]]; then consts+=("$tok"); else assign+=("$tok"); fi
+  done
+  local run=(python3 -m ketch.cli)
+  [ ${#consts[@]} -gt 0 ] && run=(python3 "$PWD/scripts/with_constants.py" "${consts[@]}" --)
   # shellcheck disable=SC2086
-  (cd "$tree" && export PYTHONPATH="${site:+$site:}$PWD" $envs && python3 -c 'import ketch; print("ketch from", ketch.__file__)' \
-    && timeout 300 python3 -m ketch.cli bench one-batch --model "configs/$model" --load-format dummy $ARGS "$@") 2>&1 \
-    | grep --line-buffered -E "ketch from|decode step|GPU|kernels per step|ms/step|µs/step|Error|error" | tee -a "$LOG"
+  (cd "$tree" && export PYTHONPATH="${site:+$site:}$PWD" ${assign[@]+"${assign[@]}"} \
+    && python3 -c 'import ketch; print("ketch from", ketch.__file__)' \
+    && timeout 300 "${run[@]}" bench one-batch --model "configs/$model" --load-format dummy $ARGS "$@") 2>&1 \
+    | grep --line-buffered -E "ketch from|constant |decode step|GPU|kernels per step|ms/step|µs/step|Error|error" | tee -a "$LOG"
 }
 IFS=';' read -r -a NEW_RUNS <<< "${VARIANTS:-$NEW_ENV}"
 [ ${#NEW_RUNS[@]} -gt 0 ] || NEW_RUNS=("")
