@@ -198,6 +198,7 @@ def test_workers_join_and_leave_at_run_time_behind_the_gateways_own_key(workers_
         status, _, body = request(base, "GET", "/workers")
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         assert request(base, "GET", "/health")[0] == 200  # open, for load balancers
+        assert request(base, "HEAD", "/health")[:3:2] == (200, b"")  # some probe with HEAD, as a worker allows
         with pytest.raises(openai.AuthenticationError):
             sdk(base, "wrong").models.list()
         status, _, body = request(base, "POST", "/v1/completions", b"{" + b" " * 5000 + b"}", door)

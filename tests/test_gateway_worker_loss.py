@@ -159,6 +159,7 @@ def test_with_every_worker_down_health_says_why(cluster):
     wait_for(lambda: request(base, "GET", "/health")[0] == 503, "the health checks to fail every worker", 20)
     status, headers, answer = request(base, "GET", "/health")
     assert status == 503 and headers["content-type"] == "application/json"
+    assert request(base, "HEAD", "/health")[:3:2] == (503, b"")
     error = json.loads(answer)["error"]
     assert error["code"] == "no_available_workers"
     for r in rs:  # each worker, its state, and what its last health check met

@@ -3,7 +3,7 @@ the worker admin routes.
 
     POST /v1/chat/completions, /v1/completions   routed by the policy, relayed (stream or not)
     GET  /v1/models, /v1/models/{model}          relayed from the least loaded worker
-    GET  /health                                 200 while a worker is available, else 503 (no key)
+    GET  /health (or HEAD)                       200 while a worker is available, else 503 (no key)
     GET  /metrics                                the gateway's own Prometheus metrics
     GET  /workers                                every worker's state
     POST /workers {"url": ..., "api_key"?: ...}  add one (it must answer /health first); PD mode:
@@ -114,7 +114,7 @@ def build_app(gw: Gateway) -> FrontDoor:
     async def model(model: str) -> Response:
         return await gw.forwarder.plain("GET", f"/v1/models/{quote(model, safe='')}", "/v1/models/{model}")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either, as a worker's
     async def health() -> Response:
         # a request needs one worker of each role (PD mode: a prefill and a decode worker)
         available = {role: len(gw.registry.available(role=role)) for role in gw.config.roles}

@@ -10,7 +10,10 @@ routed request and the lost worker and returns the rest of the stream, or None.
 rewritten to read as one stream. If that worker is lost too, it goes on again from everything the
 client has by then, each time on a worker not tried yet, up to the retry budget
 (`--retry-max-retries`); then, or for a stream that cannot be resumed (n > 1, several prompts),
-the client gets one `worker_lost` error event and [DONE]: never a hang or a torn event.
+the client gets one `worker_lost` error event and [DONE]: never a hang or a torn event. A worker
+that answers `resume_diverged` (it made the client's last tokens otherwise: bf16 rounding that
+depends on the batch, another model behind the same name) is not the stream's continuation: its
+answer is dropped, the worker is not blamed (it is healthy), and the next one is tried.
 `NoFailover` (`--disable-failover`) always gives up.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ketch.gateway.attempt import Attempt
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.resume import Continuation, continuation, read_so_far
 from ketch.gateway.routed import RoutedRequest
-from ketch.gateway.sse import DONE, lost_event, whole_events, worker_gone_at
+from ketch.gateway.sse import DONE, diverged, lost_event, whole_events, worker_gone_at
 from ketch.gateway.upstream import Answer, UpstreamError, UpstreamTimeout
 from ketch.gateway.worker import Worker
 
@@ -79,20 +82,24 @@ class ResumeFailover:
         return self._rest(request, transcript, lost)
 
     async def _rest(self, request: RoutedRequest, transcript: StreamTranscript, lost: Worker) -> AsyncIterator[bytes]:
-        tried, why = {lost.url}, "no worker could continue it"
+        tried, why = {lost.url}, []  # why each try ended: the client's worker_lost event says them all
         for _ in range(self.attempts):
             so = read_so_far(transcript.blocks)
             plan = continuation(request.fields, so)
             self.metrics.failover_tokens.inc(len(so.ids))
             opened = await self.open(request, plan.body, tried)
             if isinstance(opened, str):
-                why = opened
+                why.append(opened)
                 break
             attempt, answer = opened
             tried.add(attempt.worker.url)
             rewrite = Continuation(so, plan, request.strip_ids)
+            forked = False
             try:
                 async for block in whole_events(answer.chunks()):
+                    if diverged(block):  # its error comes before any of its text: nothing was sent
+                        forked = True
+                        break
                     gone = worker_gone_at(block)  # it is going too: the rest stays back, as in relay.py
                     kept, sent = rewrite(block if gone < 0 else block[:gone])
                     if kept:
@@ -103,7 +110,7 @@ class ResumeFailover:
                         break
             except UpstreamError as e:
                 attempt.failed("timeout" if isinstance(e, UpstreamTimeout) else "stream_cut")
-                why = f"{attempt.worker.url} was lost too"
+                why.append(f"{attempt.worker.url} was lost too")
                 continue
             finally:  # also when the client leaves: closing the socket tells the worker
                 answer.close()
@@ -111,7 +118,11 @@ class ResumeFailover:
             if transcript.done:
                 self.metrics.failovers.labels("resumed").inc()
                 return
+            if forked:
+                self.metrics.failover_diverged.inc()
+                why.append(f"{attempt.worker.url} could not continue it exactly (resume_diverged)")
+                continue
             attempt.failed("stream_cut")
-            why = f"{attempt.worker.url} closed it before [DONE] too"
+            why.append(f"{attempt.worker.url} closed it before [DONE] too")
         self.metrics.failovers.labels("gave_up").inc()
-        yield lost_event(lost.url, why)
+        yield lost_event(lost.url, "; ".join(why) or "no worker could continue it")

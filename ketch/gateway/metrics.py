@@ -66,6 +66,9 @@ class GatewayMetrics:
         self.failovers = Counter("ketch_gateway_failovers", "Streams whose worker was lost mid-stream, by outcome: "
                                  "resumed on another worker, gave_up, not_resumable (n > 1, several prompts)",
                                  ["outcome"], registry=r)
+        self.failover_diverged = Counter("ketch_gateway_failover_diverged", "Continuations dropped: the worker made "
+                                         "the stream's last tokens otherwise (resume_diverged); the stream went "
+                                         "on on another worker or gave up", registry=r)
         self.failover_tokens = Counter("ketch_gateway_failover_tokens", "Tokens a failed-over stream's client already "
                                        "had, which the next worker went on from", registry=r)
         self.retries = Counter("ketch_gateway_retries", "Attempts beyond a request's first", registry=r)

@@ -15,6 +15,9 @@ _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[0-9,\s]*\]')
 # cannot match inside a JSON string either, and no chunk but an error has a "code".
 _ERROR_CODE = b'"code": "'
 _WORKER_GONE = (b'engine_unavailable"', b'server_shutdown"')
+# the error a continuing worker ends a resumed stream with when it made the regenerated ids
+# otherwise than the original (ketch/server/README.md, `regenerate_last`): before any of its text
+_DIVERGED = _ERROR_CODE + b'resume_diverged"'
 
 
 def event_boundary(data: bytes) -> int:
@@ -32,6 +35,12 @@ def worker_gone_at(block: bytes) -> int:
             return event_boundary(block[:at])
         at = block.find(_ERROR_CODE, at + 1)
     return -1
+
+
+def diverged(block: bytes) -> bool:
+    """Whether a block of a continuing worker's events says it could not continue the stream
+    exactly (`resume_diverged`): its answer is not this stream's rest."""
+    return _DIVERGED in block
 
 
 class EventCutter:
