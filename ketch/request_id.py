@@ -48,4 +48,3 @@ class SendWithId:
             kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != HEADER]
             message["headers"] = [*kept, self.header, *self.extra]
         await self.send(message)
-

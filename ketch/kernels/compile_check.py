@@ -29,7 +29,7 @@ from ketch.kernels.activation import _silu_and_mul_kernel
 from ketch.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
 from ketch.kernels.extend_attention import _extend_kernel
 from ketch.kernels.gemv import _configs as _gemv_configs
-from ketch.kernels.gemv import _gemv_kernel, whole_rows
+from ketch.kernels.gemv import _gemv_kernel, whole_row_warps, whole_rows
 from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
@@ -128,7 +128,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
         ("gemv_m1", _gemv_kernel, {**gemv_consts, "BLOCK_M": 1, **fma.kwargs}, fma.num_warps, fma.num_stages),
         ("gemv_dot", _gemv_kernel, {**gemv_consts, "BLOCK_M": 16, **dot.kwargs}, dot.num_warps, dot.num_stages),
         ("gemv_whole", _gemv_kernel,  # M = 1 whole rows (o_proj, the routers, the LM head)
-         {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k}, 8 if whole_k >= 2048 else 4, 1),
+         {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k}, whole_row_warps(whole_k), 1),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
     return _build(cases, fixed, p, arch, pdl, early)

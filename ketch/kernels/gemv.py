@@ -64,6 +64,12 @@ def whole_rows(m: int, k: int, element_size: int) -> tuple[int, int] | None:
     return (4 if interpreting() else max(1, WHOLE_K_TILE // (block_k * element_size))), block_k
 
 
+def whole_row_warps(block_k: int) -> int:
+    """Warps of a whole-row program (gemv's, norm_gemv's): 8 from rows of 2048 elements, so the
+    tile's registers spread over more threads."""
+    return 8 if block_k >= 2048 else 4
+
+
 DOT_M = 16  # M = 2..8 is padded to one 16-row tensor-core tile
 
 
@@ -173,7 +179,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, UPCAST=interpreting() or torch.float32 in (x.dtype, weight.dtype),
             PRECISION=dot_precision(x.dtype), BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
+            num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
         )
     elif m and n:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
+from ketch.kernels.gemv import whole_row_warps
 
 MAX_K = 8192  # the whole row in one step per program
 # The weight tile a program holds, in bytes (two in registers: the current block's and the
@@ -138,6 +139,6 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
         y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, PICKS=picks,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=8 if block_k >= 2048 else 4, num_stages=1, **pdl_launch(),
+        num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
     )
     return h, res_out, y
