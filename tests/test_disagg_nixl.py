@@ -25,7 +25,9 @@ from ketch.disagg.wire import (Abort, Heartbeat, Hello, Post, Ready, Released, W
 POOL = 16
 SRC = [5, 0, 11, 3, 7, 2]
 DST = [9, 1, 14, 4, 12, 6]
-CONFIG = dict(transfer_backend="nixl", bootstrap_port=0, heartbeat_interval_s=0.3, heartbeat_misses=3,
+# heartbeats flow, but a peer is presumed dead only after 30 s of silence: a pause of the test
+# process (a garbage collection late in the suite) is no dead peer; tests about silence shorten it
+CONFIG = dict(transfer_backend="nixl", bootstrap_port=0, heartbeat_interval_s=0.3, heartbeat_misses=100,
               bootstrap_timeout_s=30.0, waiting_timeout_s=30.0, transfer_timeout_s=30.0)
 
 
@@ -108,7 +110,8 @@ class SlowReader:
 
 @pytest.mark.parametrize("answer", ["released", "silence"])
 def test_an_aborted_sender_keeps_its_pages_until_the_reader_stopped(answer):
-    config = {**CONFIG, "heartbeat_interval_s": 0.2, "heartbeat_misses": 1}
+    # the reader sends no heartbeats: with "released" only Released can end the wait within 30 s
+    config = {**CONFIG, "heartbeat_interval_s": 0.2, "heartbeat_misses": 1 if answer == "silence" else 150}
     layers = make_layers(1, POOL)
     prefill = make_transport(DisaggConfig("prefill", **config), layers)
     reader = SlowReader(prefill.bootstrap_addr, 4, layers)

@@ -42,8 +42,10 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS)
 def pair(request):
     # tcp: 1,024-byte chunks (two page rows of a layer), so a part is several chunks
+    # heartbeats flow, but silence counts only after 60 s (past every wait here): a pause of the test
+    # process is no dead peer, and a side waiting on its peer's word cannot end by silence instead
     config = dict(transfer_backend=request.param, bootstrap_port=0, chunk_bytes=1024, window_chunks=2,
-                  heartbeat_interval_s=0.3, heartbeat_misses=3, bootstrap_timeout_s=TIMEOUT_S,
+                  heartbeat_interval_s=0.3, heartbeat_misses=200, bootstrap_timeout_s=TIMEOUT_S,
                   waiting_timeout_s=TIMEOUT_S, transfer_timeout_s=TIMEOUT_S)
     src_layers, dst_layers = make_layers(1, POOL), make_layers(2, POOL)
     prefill = make_transport(DisaggConfig("prefill", **config), src_layers)

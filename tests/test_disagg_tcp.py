@@ -23,10 +23,13 @@ POOL = 16
 SRC = [5, 0, 11, 3, 7, 2]
 DST = [9, 1, 14, 4, 12, 6]
 # one page row of every tensor of one layer is 2 x 4 x 2 x 8 x 4 = 512 bytes: 1,024-byte chunks cut
-# each layer into three chunks (six in all) and a window of two makes the sender wait for credits
-CONFIG = dict(bootstrap_port=0, chunk_bytes=1024, window_chunks=2, heartbeat_interval_s=0.3, heartbeat_misses=3,
+# each layer into three chunks (six in all) and a window of two makes the sender wait for credits.
+# heartbeats flow (0.3 s) but a peer is presumed dead only after 30 s of silence: a pause of the test
+# process (a garbage collection late in the suite) is no dead peer; tests about silence shorten it
+CONFIG = dict(bootstrap_port=0, chunk_bytes=1024, window_chunks=2, heartbeat_interval_s=0.3, heartbeat_misses=100,
               bootstrap_timeout_s=30.0, waiting_timeout_s=30.0, transfer_timeout_s=30.0)
-SILENCE = DisaggConfig("decode", **CONFIG).peer_silence_s
+SHORT = {**CONFIG, "heartbeat_misses": 3}  # the tests of a killed peer: silent after 1.2 s
+SILENCE = DisaggConfig("decode", **SHORT).peer_silence_s
 ROOM = 0x5EED_0000_0001
 
 
@@ -70,10 +73,10 @@ def assert_moved(dst: list[dict[str, torch.Tensor]], before: list[dict[str, torc
             assert torch.equal(as_bytes(dst[layer][name][untouched]), as_bytes(before[layer][name][untouched]))
 
 
-def decode_side(addr: str) -> tuple[TcpDecodeTransport, object, list, list]:
+def decode_side(addr: str, config: dict = CONFIG) -> tuple[TcpDecodeTransport, object, list, list]:
     layers = make_layers(2, POOL)
     before = [{k: t.clone() for k, t in layer.items()} for layer in layers]
-    transport = TcpDecodeTransport(DisaggConfig("decode", **CONFIG), layers)
+    transport = TcpDecodeTransport(DisaggConfig("decode", **config), layers)
     receiver = transport.receiver(ROOM, addr)
     receiver.init()
     receiver.post_buffers(DST)
@@ -143,8 +146,8 @@ def test_a_byte_flipped_on_the_wire_fails_both_sides_with_the_checksum(spawn):
 
 
 def test_a_prefill_killed_mid_transfer_fails_the_decode_side_within_the_heartbeat(spawn):
-    proc, out = spawn(prefill_main, CONFIG, 1, POOL, ROOM, SRC, 42, "stall:2")
-    transport, receiver, _, _ = decode_side(expect(out, "addr")[1])
+    proc, out = spawn(prefill_main, SHORT, 1, POOL, ROOM, SRC, 42, "stall:2")
+    transport, receiver, _, _ = decode_side(expect(out, "addr")[1], SHORT)
     try:
         expect(out, "stalled")
         wait_until(lambda: receiver.poll() not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput), 30, "chunk 0")
@@ -166,12 +169,12 @@ def test_a_decode_killed_mid_transfer_fails_the_prefill_side_within_the_heartbea
             release.wait(30)  # the decode process dies while the sender is between chunks
         return frames
 
-    transport = TcpPrefillTransport(DisaggConfig("prefill", **CONFIG), make_layers(1, POOL), wire_hook=hold_chunk_2)
+    transport = TcpPrefillTransport(DisaggConfig("prefill", **SHORT), make_layers(1, POOL), wire_hook=hold_chunk_2)
     try:
         sender = transport.sender(ROOM)
         sender.init(len(SRC))
         sender.send(SRC, Aux(7))
-        proc, out = spawn(decode_main, CONFIG, 2, POOL, ROOM, transport.bootstrap_addr, DST)
+        proc, out = spawn(decode_main, SHORT, 2, POOL, ROOM, transport.bootstrap_addr, DST)
         expect(out, "transferring")
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)

@@ -313,20 +313,21 @@ class DecodeSide(IOLoop, KVTransport):
     def _fail(self, r: DecodeReceiver, reason: str, tell: bool) -> None:
         """Fail `r`; with `tell`, its prefill peer records "peer failed: <reason>" (an Abort's
         reason is what the other side records, verbatim); without, the peer asked for it and
-        hears Released if an operation had to be stopped first."""
-        message = Abort(r.room, f"peer failed: {reason}") if tell else None
+        hears Released once no operation of this side can read its pages any more: at once, or
+        after the one in flight stopped. (Without the word, a peer-read prefill side held the
+        room's pages until its peer-silence allowance ran out.)"""
+        message = Abort(r.room, f"peer failed: {reason}") if tell else Released(r.room)
         with r.state.lock:
             if r.state.terminal or r.failing is not None:
                 return
             if r.op is not None:
-                r.failing = (reason, message if tell else Released(r.room))
+                r.failing = (reason, message)
                 return
             r.state.fail(reason)
         conn = self.conns.get(r.addr)
         if conn is not None and conn.rooms.get(r.room) is r:
             conn.rooms.pop(r.room)
-            if message is not None:
-                self._send(conn, message)
+            self._send(conn, message)
 
     def _quiesced(self, conn: Connection, r: DecodeReceiver) -> None:
         reason, message = r.failing
