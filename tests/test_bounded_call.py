@@ -11,8 +11,8 @@ import pytest
 
 from ketch.cache.storage.bounded_call import BoundedWorker, DeadlinePassed, WorkerBusy
 
-TIMEOUT_S = 0.2
-BOUND_S = TIMEOUT_S + 1.0  # slack for a loaded 2-core machine
+TIMEOUT_S = 1.0  # also the bound of a call that must fail at once: a pause of this process stays under it
+BOUND_S = TIMEOUT_S + 2.0  # slack for a loaded 2-core machine
 DEADLINE_S = 10.0
 
 

@@ -28,13 +28,15 @@ def ended(side) -> bool:
 
 @pytest.fixture
 def pair(request):
-    """A prefill and a decode transport; a test's `overrides` (indirect param) change the config,
-    and "decode_layers" the decode pool."""
+    """A prefill and a decode transport; a test's `overrides` (indirect param) change the config
+    ("prefill": {...} only the prefill side's), and "decode_layers" the decode pool."""
     opts = dict(getattr(request, "param", {}))
     decode_layers = opts.pop("decode_layers", None)
     hook = opts.pop("wire_hook", None)
+    prefill_only = opts.pop("prefill", {})
     config = {**FAST, **opts}
-    prefill = TcpPrefillTransport(DisaggConfig("prefill", **config), make_layers(1, POOL), wire_hook=hook)
+    prefill = TcpPrefillTransport(DisaggConfig("prefill", **{**config, **prefill_only}), make_layers(1, POOL),
+                                  wire_hook=hook)
     decode = TcpDecodeTransport(DisaggConfig("decode", **config), decode_layers or make_layers(2, POOL))
     yield prefill, decode
     prefill.close()
@@ -223,7 +225,9 @@ def test_a_page_count_mismatch_fails_both_sides(pair):
     assert (sender.failure, receiver.failure) == (reason, reason)
 
 
-@pytest.mark.parametrize("pair", [{"heartbeat_misses": 2}], indirect=True)
+# only the side that notices is quick to presume silence: the closing side must not fail its room
+# by silence before it closes (a pause of this process)
+@pytest.mark.parametrize("pair", [{"prefill": {"heartbeat_misses": 2}}], indirect=True)
 def test_closing_a_transport_fails_its_open_rooms_and_refuses_new_ones(pair):
     prefill, decode = pair
     sender, receiver = start(prefill, decode, 11, [0, 1], [2, 3], send=False)

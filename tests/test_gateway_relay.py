@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import socket
-import threading
 import time
 
 import pytest
@@ -108,49 +108,59 @@ EVENTS = 8_192  # 128 MiB: more than every socket buffer on the way (tcp_rmem's 
 TOTAL = EVENTS * len(EVENT)
 
 
+async def _serve_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, written) -> None:
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            if not head.startswith(b"POST"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+                continue
+            writer.write(STREAM_HEAD)
+            for _ in range(EVENTS):
+                writer.write(chunk(EVENT))
+                await writer.drain()
+                written.value += len(EVENT)
+            writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def _streaming_worker_main(ports, written) -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: _serve_stream(r, w, written), "127.0.0.1", 0)
+        ports.put(server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()  # serves until the test kills the process
+    asyncio.run(main())
+
+
 class StreamingWorker:
-    """A worker on its own thread: GETs get 200 {}, a POST gets EVENTS events and [DONE] as fast
-    as its socket takes them; `written` counts the stream's bytes its socket accepted."""
+    """A worker in a process of its own: GETs get 200 {}, a POST gets EVENTS events and [DONE] as
+    fast as its socket takes them; `written` counts the stream's bytes its socket accepted. Not a
+    thread of this process: a pause of this process (the client's) must not pause the worker too,
+    or the gateway sees a silent worker, which is not this test's subject."""
 
     def __init__(self) -> None:
-        self.written = 0
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        ctx = mp.get_context("spawn")
+        self._written = ctx.Value("q", 0)
+        ports = ctx.Queue()
+        self.proc = ctx.Process(target=_streaming_worker_main, args=(ports, self._written), daemon=True)
+        self.proc.start()
+        self.port = ports.get(timeout=60)
 
-    async def _start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                if not head.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
-                    await writer.drain()
-                    continue
-                writer.write(STREAM_HEAD)
-                for _ in range(EVENTS):
-                    writer.write(chunk(EVENT))
-                    await writer.drain()
-                    self.written += len(EVENT)
-                writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    @property
+    def written(self) -> int:
+        return self._written.value
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.proc.kill()
+        self.proc.join(10)
 
 
 def test_a_client_that_stops_reading_holds_the_worker_back_and_gets_the_whole_stream():

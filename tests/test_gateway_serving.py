@@ -95,7 +95,9 @@ def test_a_stream_is_relayed_as_it_is_generated(gw_rr):
     total = time.monotonic() - first
     conn.close()
     # events, not tokens: the detokenizer may hold a token back until the text is whole
-    assert events >= 24 and total > whole / 2  # 47 more tokens took most of a whole answer's time ...
+    # 47 more tokens took a good part of a whole answer's time (a quarter, not more: a pause of a
+    # loaded machine while the yardstick ran must not fail it) ...
+    assert events >= 24 and total > whole / 4
     assert resp.getheader("content-type").startswith("text/event-stream")
     # ... and arrived over that while, not at once at the end (a buffering relay: total ≈ 0)
 

@@ -190,7 +190,9 @@ def test_decode_waiting_for_room_fails_after_the_timeout(tiny_config_path):
 
 
 def test_decode_without_prefill_fails_within_timeout_and_frees_pages(tiny_config_path):
-    prefill, decode = pair(tiny_config_path, timeout=0.5)
+    # the timeouts cover the room that must succeed too: 5 s, not less, so that a pause of this
+    # process (a garbage collection late in the suite) cannot fail it
+    prefill, decode = pair(tiny_config_path, timeout=5.0)
     try:
         decode.add_request("lost", prompt(20), GREEDY, bootstrap=boot(prefill, 7))  # prefill never hears of room 7
         decode.add_request("ok", prompt(9, 5), GREEDY, bootstrap=boot(prefill, 8))

