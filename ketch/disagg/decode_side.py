@@ -60,7 +60,7 @@ class DecodeReceiver(KVReceiver):
         self.parts: deque[Ready] = deque()  # nixl, mooncake: Readys not yet read, in order (loop thread)
         self.expect = 0  # the page_start the next Ready must have
         self.last_ready = False  # the Ready with the Aux came
-        self.failing: tuple[str, object | None] | None = None  # (reason, message for the peer) once quiet
+        self.failing: tuple[str, object] | None = None  # (reason, message for the peer) once quiet
         self._aux: Aux | None = None
         self._initialised = False
 
@@ -334,8 +334,7 @@ class DecodeSide(IOLoop, KVTransport):
         with r.state.lock:
             r.state.fail(reason)
         conn.rooms.pop(r.room, None)
-        if message is not None:
-            self._send(conn, message)
+        self._send(conn, message)
 
     def close_sockets(self) -> None:
         for conn in self.conns.values():
