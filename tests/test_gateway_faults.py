@@ -10,6 +10,7 @@ The tests run in file order: each one's faults are the next one's starting point
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 
@@ -61,6 +62,26 @@ def gateway_metrics(base: str) -> dict[str, float]:
 
 def errors(m: dict[str, float], url: str, kind: str) -> float:
     return m.get(f'ketch_gateway_worker_errors_total{{kind="{kind}",worker="{url}"}}', 0.0)
+
+
+def test_a_hung_worker_holds_get_models_for_the_health_timeout_not_the_generation_one(cluster: Cluster):
+    """A worker that takes connections and never answers (a stopped process: the kernel still
+    completes the handshake) is first in line for GET /v1/models (equal loads, listed first, not
+    yet failed by health checks): the gateway gives it the health check's timeout, then asks the
+    next worker. Before, the read waited --request-timeout-secs (1800 s by default)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # never accepted, never answered
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        live = cluster.replicas[0].url
+        with running_gateway("--worker-urls", hung_url, live, "--health-check-interval-secs", "600",
+                             "--health-check-timeout-secs", "1", "--request-timeout-secs", "120") as (_, base):
+            assert workers(base)[hung_url]["available"]  # the one failed start-up check is not enough
+            status, headers, body = request(base, "GET", "/v1/models", timeout=60)
+            assert status == 200, body
+            assert [m["id"] for m in json.loads(body)["data"]] == [MODEL]
+            assert headers["x-ketch-worker"] == live
+            assert errors(gateway_metrics(base), hung_url, "timeout") == 1  # it was asked first
 
 
 def test_a_port_with_nothing_listening_is_skipped_and_its_breaker_opens(cluster: Cluster):

@@ -5,7 +5,9 @@
       connect refused / lost before   ─▶ charged to the worker, next attempt
         an answer / 502 / 503
       silent past the timeout         ─▶ charged to the worker, 504 (it may still be working:
-                                         the request is not sent twice)
+                                         the request is not sent twice); a plain GET (no side
+                                         effect, answered at once by a healthy worker) waits the
+                                         health check's timeout, then goes to the next worker
       any other answer                ─▶ relayed as it is (status, headers, body), 4xx and 5xx too
 
 Why those retry: a refused connection or a 502/503 (the worker shutting down, its engine gone)
@@ -95,7 +97,8 @@ class Forwarder:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy
         state untouched; the answer read whole and passed on. `route`: the metrics label (the
         route's template, never a client-chosen path: each distinct label is a new series)."""
-        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, route)
+        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, route,
+                                     read_timeout=self._plain_timeout())
         if isinstance(opened, GatewayError):
             return opened.response()
         attempt, answer = opened
@@ -109,11 +112,18 @@ class Forwarder:
             attempt.close()
         return whole_response(answer, attempt, body)
 
+    def _plain_timeout(self) -> float:
+        """A plain route's silence limit: a hung worker (stopped, its event loop stuck) must not hold
+        GET /v1/models for the generation timeout (30 min by default) while others could answer."""
+        return min(self.config.request_timeout_secs, self.config.health.check_timeout_secs)
+
     async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
                        body: bytes | None, route: str, exclude: Collection[str] = (),
-                       request_id: str | None = None) -> Opened | GatewayError:
+                       request_id: str | None = None, read_timeout: float | None = None) -> Opened | GatewayError:
         """The first answer a worker gave (its attempt open: the caller closes both), else the error.
-        request_id: sent as the worker's x-request-id (every attempt: one request, retried)."""
+        request_id: sent as the worker's x-request-id (every attempt: one request, retried).
+        read_timeout: given for a request with no side effect, whose silence is then one more
+        failure to try another worker after (None: the generation timeout, a 504 at once)."""
         tried: set[str] = set(exclude)
         failures: list[str] = []
         retry = self.config.retry
@@ -132,27 +142,31 @@ class Forwarder:
             worker = pick(workers)
             tried.add(worker.url)
             attempt = Attempt(worker, route, self.metrics, self.clock)
-            outcome = await self._try(attempt, method, path, body, failures, request_id)
+            outcome = await self._try(attempt, method, path, body, failures, request_id, read_timeout)
             if outcome is not None:
                 return outcome
         self.metrics.no_worker.inc()
         return self._no_worker(failures)
 
     async def _try(self, attempt: Attempt, method: str, path: str, body: bytes | None,
-                   failures: list[str], request_id: str | None = None) -> Opened | GatewayError | None:
+                   failures: list[str], request_id: str | None = None,
+                   read_timeout: float | None = None) -> Opened | GatewayError | None:
         """The worker's answer (unread), a 504, or None (recorded in `failures`): try another worker."""
         worker = attempt.worker
         headers = worker.request_headers(request_id)
         try:
-            answer = await self.upstream.request(method, worker.url, path, body, headers)
+            answer = await self.upstream.request(method, worker.url, path, body, headers, read_timeout)
         except ConnectFailed as e:
             attempt.close()
             attempt.failed("connect")
             failures.append(f"{worker.url}: {e}")
             return None
-        except UpstreamTimeout:
+        except UpstreamTimeout as e:
             attempt.close()
             attempt.failed("timeout")
+            if read_timeout is not None:  # no side effect: the next worker may answer
+                failures.append(f"{worker.url}: {e}")
+                return None
             return GatewayError(504, f"the worker {worker.url} did not answer within {self.config.request_timeout_secs} s",
                                 "worker_timeout", type="timeout")
         except UpstreamError as e:

@@ -67,8 +67,8 @@ class UpstreamTimeout(UpstreamError):
 class _Connection(asyncio.Protocol):
     """One socket to a worker; at most one answer in flight on it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout: float) -> None:
-        self.loop, self.read_timeout = loop, read_timeout
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -112,8 +112,10 @@ class _Connection(asyncio.Protocol):
 class Answer:
     """A worker's answer: status and headers at once, the body as it arrives."""
 
-    def __init__(self, conn: _Connection, pool: Upstream, origin: tuple[str, str, int]) -> None:
+    def __init__(self, conn: _Connection, pool: Upstream, origin: tuple[str, str, int],
+                 read_timeout: float) -> None:
         self.conn, self.pool, self.origin = conn, pool, origin
+        self.read_timeout = read_timeout  # the longest silence of the worker, before or after the headers
         self.parser = httptools.HttpResponseParser(self)
         self.status_code = 0
         self.keep_alive = False
@@ -129,7 +131,7 @@ class Answer:
         self._paused = False
         self._sink: Callable[[bytes], None] | None = None  # pipe(): the body's taker, called as it arrives
         self._backed_up: Callable[[], bool] = _never
-        self._timer: asyncio.TimerHandle | None = conn.loop.call_at(self.last_data + conn.read_timeout, self._check_silence)
+        self._timer: asyncio.TimerHandle | None = conn.loop.call_at(self.last_data + read_timeout, self._check_silence)
 
     # ------------------------------------------------------------ httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -171,7 +173,7 @@ class Answer:
         self._wake()
 
     def _check_silence(self) -> None:
-        loop, timeout = self.conn.loop, self.conn.read_timeout
+        loop, timeout = self.conn.loop, self.read_timeout
         now, due = loop.time(), self.last_data + timeout
         if self._paused:  # reading paused for a slow client: its silence is not the worker's
             self._timer = loop.call_at(now + timeout, self._check_silence)
@@ -180,7 +182,7 @@ class Answer:
             self._timer = loop.call_at(due, self._check_silence)
             return
         self._timer = None
-        self.fail(UpstreamTimeout(f"no byte from the worker for {self.conn.read_timeout:g} s"))
+        self.fail(UpstreamTimeout(f"no byte from the worker for {self.read_timeout:g} s"))
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -299,22 +301,24 @@ class Upstream:
         self._ssl: ssl.SSLContext | None = None
 
     async def request(self, method: str, url: str, path: str, body: bytes | None,
-                      headers: dict[str, str]) -> Answer:
+                      headers: dict[str, str], read_timeout: float | None = None) -> Answer:
         """Send it and wait for the status line and headers; the body is read from the Answer,
-        which the caller must close."""
+        which the caller must close. read_timeout: this answer's longest silence (default: the
+        pool's; a metadata read that any healthy worker answers at once takes a shorter one)."""
         origin = _origin(url)
         head = _request_head(method, origin, path, body, headers)
+        timeout = self.read_timeout if read_timeout is None else read_timeout
         conn = self._take(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, origin, head, body)
+                return await self._exchange(conn, origin, head, body, timeout)
             except _Unanswered:
                 pass  # the worker closed it as it idled out, most likely: once more, fresh
-        return await self._exchange(await self._connect(origin), origin, head, body)
+        return await self._exchange(await self._connect(origin), origin, head, body, timeout)
 
     async def _exchange(self, conn: _Connection, origin: tuple[str, str, int], head: bytes,
-                        body: bytes | None) -> Answer:
-        answer = Answer(conn, self, origin)
+                        body: bytes | None, read_timeout: float) -> Answer:
+        answer = Answer(conn, self, origin, read_timeout)
         conn.answer = answer
         assert conn.transport is not None
         conn.transport.write(head + body if body else head)
@@ -358,7 +362,7 @@ class Upstream:
             context = self._ssl
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(loop, self.read_timeout),
+                _, conn = await loop.create_connection(lambda: _Connection(loop),
                                                        host.strip("[]"), port, ssl=context)
         except TimeoutError:
             raise ConnectFailed(f"connect timeout ({self.connect_timeout:g} s)", timed_out=True) from None
