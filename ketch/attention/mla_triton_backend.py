@@ -67,12 +67,18 @@ def expand(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[t
     return k, torch.einsum("...r,hvr->...hv", c, w_uv)
 
 
+# Decode defaults (read when a backend is built: GPU sweeps set them through scripts/with_constants.py):
+# latent rows per split step, and the most splits of a sequence
+DECODE_BLOCK_N = 32
+MAX_SPLITS = 16
+
+
 class MLATritonBackend(TritonAttentionBackend):
     """The model's MLA layers call `forward(q, latent, layer, meta, w_uk, w_uv)` (mla_backend.py's)."""
 
     def __init__(self, pool: KVPool, name: str, num_heads: int, kv_lora_rank: int, scale: float,
-                 device: torch.device, *, decode_block_h: int = 16, decode_block_n: int = 32,
-                 decode_splits: int | None = None, max_splits: int = 16, decode_splits_len: int | None = None,
+                 device: torch.device, *, decode_block_h: int = 16, decode_block_n: int | None = None,
+                 decode_splits: int | None = None, max_splits: int | None = None, decode_splits_len: int | None = None,
                  extend_block_m: int = 64, extend_block_n: int = 32, extend_warps: int = 8) -> None:
         # not the MHA __init__: the pool has no k/v, and the head dim of the decode scratch is the rank
         self.device = torch.device(device)
@@ -82,8 +88,9 @@ class MLATritonBackend(TritonAttentionBackend):
             raise ValueError(f"decode_splits: must be >= 1, got {decode_splits}")
         self.pool, self.name, self.page_size = pool, name, pool.page_size
         self.num_heads, self.head_dim, self.scale = num_heads, kv_lora_rank, scale
-        self.decode_block_h, self.decode_block_n = decode_block_h, decode_block_n
-        self.decode_splits, self.max_splits, self.decode_splits_len = decode_splits, max_splits, decode_splits_len
+        self.decode_block_h, self.decode_block_n = decode_block_h, decode_block_n or DECODE_BLOCK_N
+        self.decode_splits, self.decode_splits_len = decode_splits, decode_splits_len
+        self.max_splits = max_splits or MAX_SPLITS
         self.extend_block_m, self.extend_block_n, self.extend_warps = extend_block_m, extend_block_n, extend_warps
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms

@@ -95,12 +95,19 @@ class GraphBuffers:
     copied: torch.cuda.Event | None  # the last copy has read `host` (CUDA only)
 
 
+# Decode defaults (read when a backend is built: GPU sweeps set them through scripts/with_constants.py):
+# the KV rows a split program takes per step, and the most splits of a sequence (the scratch size)
+DECODE_BLOCK_N = 64
+MAX_SPLITS = 16
+
+
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int, device: torch.device, *,
-                 decode_block_n: int = 64, decode_splits: int | None = None, max_splits: int = 16,
+                 decode_block_n: int | None = None, decode_splits: int | None = None, max_splits: int | None = None,
                  decode_splits_len: int | None = None, extend_block_m: int = 64, extend_block_n: int = 64) -> None:
         """decode_splits: a fixed split count; None picks one per step (`splits_for`), up to
-        max_splits, assuming sequences of decode_splits_len tokens (None: the step's longest)."""
+        max_splits, assuming sequences of decode_splits_len tokens (None: the step's longest).
+        decode_block_n / max_splits None: the module's DECODE_BLOCK_N / MAX_SPLITS."""
         self.pool = pool
         self.page_size = pool.page_size
         self.num_heads = num_heads
@@ -114,9 +121,9 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads: {num_heads} is not a multiple of the pool's {self.num_kv_heads} kv heads")
         if decode_splits is not None and decode_splits < 1:
             raise ValueError(f"decode_splits: must be >= 1, got {decode_splits}")
-        self.decode_block_n = decode_block_n
+        self.decode_block_n = decode_block_n or DECODE_BLOCK_N
         self.decode_splits = decode_splits
-        self.max_splits = max_splits
+        self.max_splits = max_splits or MAX_SPLITS
         self.decode_splits_len = decode_splits_len
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n

@@ -149,11 +149,17 @@ def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int,
             torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device))
 
 
+# The split kernel's launch shape (None in a call: these, read at call time, so that a GPU sweep
+# can set them through scripts/with_constants.py)
+SPLIT_WARPS = 4
+SPLIT_STAGES = 2
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
     *, out: torch.Tensor | None = None, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int = 1, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    num_splits: int = 1, block_n: int = 64, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q: [batch, heads, dim]; k_cache/v_cache: [pages, page_size, kv_heads, dim] in q's dtype or fp8;
     page_table: [batch, max_pages] int32 (padding entries may be any valid page id);
@@ -182,7 +188,8 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(batch * kv_heads * num_splits),
+        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES,
+        **pdl_launch(batch * kv_heads * num_splits),
     )
     return merge_splits(mid_o, mid_lse, out, num_splits)
 

@@ -32,6 +32,12 @@ from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch
 from ketch.kernels.decode_attention import LOG2E, decode_scratch, merge_splits, num_splits_for
 
 
+# The split kernel's launch shape when a call gives none (read at call time: GPU sweeps set them
+# through scripts/with_constants.py)
+SPLIT_WARPS = 4
+SPLIT_STAGES = 2
+
+
 # Per-step values are not specialized on (a new page-table width or split count would compile
 # a variant mid-serving): see decode_attention.py.
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"], do_not_specialize_on_alignment=["PageTable", "SeqLens"])
@@ -113,7 +119,7 @@ def mla_decode(
     q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None, num_splits: int = 1,
-    block_h: int = 16, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+    block_h: int = 16, block_n: int = 32, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """q_lat: [batch, heads, rank] (W_UK folded in); q_pe: [batch, heads, rope] (rotated);
     cache: [pages, page_size, rank + rope] in q's dtype or fp8; page_table [batch, max_pages]
@@ -132,7 +138,8 @@ def mla_decode(
 def mla_decode_partials(
     q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_splits: int = 1, block_h: int = 16, block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+    num_splits: int = 1, block_h: int = 16, block_n: int = 32, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 alone: (partials [batch, heads, splits, rank], lse [batch, heads, splits]), fp32,
     views of the scratch, for a consumer that merges them itself (head_gemv(lse=): the W_UV
@@ -158,7 +165,8 @@ def mla_decode_partials(
         BLOCK_H=block_h, BLOCK_R=pow2(rank, 16), BLOCK_P=pow2(rope, 16), BLOCK_N=block_n,
         PRECISION=dot_precision(q_lat.dtype),
         FP16_DOTS=cache.dtype == torch.float8_e4m3fn and q_lat.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(batch * triton.cdiv(heads, block_h) * num_splits),
+        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES,
+        **pdl_launch(batch * triton.cdiv(heads, block_h) * num_splits),
     )
     return mid_o[:batch], mid_lse[:batch]
 
