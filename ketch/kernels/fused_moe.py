@@ -196,14 +196,11 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
     if USE_PDL:  # the ids, the expert of the block and A are all this step's
-        if EARLY_TRIGGER:  # DOWN_EARLY_TRIGGER_PROGRAMS: the next layer's first product launches now
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
         expert = tl.load(ExpertIds + pid_m).to(tl.int64)
@@ -219,15 +216,7 @@ def _moe_gemm_kernel(
         rows = rows.to(tl.int64)
     moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
              stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
-             A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-             USE_PDL and not EARLY_TRIGGER)
-
-
-# The down GEMM of a grid of at most this many programs lets its dependents (the next layer's
-# first product, whose weight tile is requested before its PDL wait) launch before its own
-# wait rather than after its K loop. 0: never. Off until a same-run GPU A/B says it wins
-# (scripts/h200_ab.sh VARIANTS="ketch.kernels.fused_moe.DOWN_EARLY_TRIGGER_PROGRAMS=264").
-DOWN_EARLY_TRIGGER_PROGRAMS = 0
+             A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
@@ -244,8 +233,6 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
     fp8 = scale is not None
     num_m_blocks = expert_ids.shape[0]
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    pdl = pdl_launch()
-    early = pdl["USE_PDL"] and not gated and grid[0] <= DOWN_EARLY_TRIGGER_PROGRAMS
     _moe_gemm_kernel[grid](
         a, w, c, scale if fp8 else w, c if topk_weights is None else topk_weights,
         sorted_ids, expert_ids, num_post_pad,
@@ -255,7 +242,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=topk_weights is not None, FP8=fp8, DIRECT=direct,
         UPCAST=interpreting() or a.dtype == torch.float32, PRECISION=dot_precision(a.dtype),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, EARLY_TRIGGER=early, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
 
 
