@@ -92,7 +92,7 @@ def test_an_answer_paused_for_its_reader_leaves_a_connection_that_reads_again():
     async def go():
         worker = Worker(sse_answer)
         async with worker as url:
-            up = Upstream(2, 1)  # a 1 s read timeout: the bug's outcome, not a wait for success
+            up = Upstream(2, 5)  # the bug's outcome is this read timeout, not a wait for success
             for _ in range(3):
                 answer = await up.request("POST", url, "/v1/completions", b"{}", {})
                 got: list[bytes] = []
@@ -168,7 +168,9 @@ def test_silence_past_the_read_timeout_fails_before_and_after_the_headers():
                 await up.request("POST", url, "/v1/completions", b"{}", {})
         worker = Worker(one_event_then_silence)
         async with worker as url:
-            answer = await up.request("POST", url, "/v1/completions", b"{}", {})
+            # the head and the first event must beat the timeout: 1.5 s, room for a pause of this
+            # process (the worker runs in it) between the request and its answer
+            answer = await up.request("POST", url, "/v1/completions", b"{}", {}, read_timeout=1.5)
             got = []
             with pytest.raises(UpstreamTimeout):
                 async for data in answer.chunks():
@@ -236,9 +238,9 @@ def test_a_client_that_stops_reading_pauses_the_worker_not_the_timeout():
 
     async def go():
         async with Worker(big) as url:
-            up = Upstream(2, 0.3)
+            up = Upstream(2, 1.0)  # the head must come within it, even if this process pauses
             answer = await up.request("GET", url, "/", None, {})
-            await asyncio.sleep(1.0)  # the client is slow; bounded wait, the assertion is below
+            await asyncio.sleep(2.5)  # the client is slow, past the timeout; bounded wait, the assertion is below
             assert answer._buffered <= 2 * _HIGH_WATER  # paused near the high-water mark
             assert len(await answer.read()) == total
             answer.close()
