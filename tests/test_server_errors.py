@@ -306,6 +306,8 @@ def test_full_queue_is_429_and_sigterm_drains(tmp_path):
         assert body["error"]["type"] == "rate_limit_error"
         status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2, "n": 4})
         _assert_error(status, body, 400, param="n")  # could never fit: not a retry-later
+        status, body = post(base, CMPL, {"prompt": ["Hi"] * 4, "max_tokens": 2})  # four prompts, n = 1
+        _assert_error(status, body, 400, param="prompt")
         assert metrics(base)['ketch_requests_rejected_total{reason="queue_full"}'] == 1
 
         def in_engine() -> float:

@@ -143,7 +143,7 @@ class Generation:
                                                          self.bootstrap))
                     for rid, ids in self.prompts.items()]
         try:
-            self._admission.acquire(len(self.samples))
+            self._admission.acquire(len(self.samples), "n" if self.params.n > 1 else "prompt")
         except APIError as e:
             if e.status == 429:
                 self._metrics.rejected.labels(e.code).inc()

@@ -28,13 +28,15 @@ class Admission:
     # count must be current in its metric file, not only when a scrape reaches that process)
     watch: Callable[[int], None] | None = None
 
-    def acquire(self, n: int) -> None:
+    def acquire(self, n: int, param: str = "n") -> None:
+        """n sequences; `param`: the field to name when they could never fit ("prompt" when a
+        batch of prompts with n = 1 is what makes them many)."""
         if self.limit is None:
             self._add(n)
             return
         if n > self.limit:
-            raise APIError(400, f"n: this request needs {n} sequences (prompts × n); the server holds at most "
-                                f"{self.limit} at a time", param="n")
+            raise APIError(400, f"{param}: this request needs {n} sequences (prompts × n); the server holds at most "
+                                f"{self.limit} at a time", param=param)
         if self.in_flight + n > self.limit:
             raise APIError(429, f"the server is at capacity ({self.in_flight} of {self.limit} sequences running "
                                 "or queued); retry later", type="rate_limit_error", code="queue_full")
