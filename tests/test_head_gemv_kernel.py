@@ -2,6 +2,7 @@
 stored ([heads, nope, rank]) and W_UV transposed ([heads, rank, v] as a view), views of one
 kv_b_proj weight as the model passes them, 1 to 8 rows, sizes off the block sizes, written into
 a strided output. Without CUDA the kernel runs in Triton's CPU interpreter (fp32, fp16)."""
+import math
 import os
 
 import torch
@@ -46,6 +47,38 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         head_gemv(x[:1], torch.zeros(HEADS, NOPE + 1, RANK, device=DEVICE))
     assert head_gemv(x[:0], torch.zeros(HEADS, NOPE, RANK, device=DEVICE)).shape == (0, HEADS, RANK)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_merged_form_past_one_merge_tile_reads_only_the_nonempty_splits(dtype):
+    """More splits than decode_attention.MERGE_BLOCK: the nonempty ones (a prefix, as the split
+    kernels leave them) merged a tile at a time, the partials of the empty ones never read (NaN
+    here: any read shows); the merge kernel then the product, and a torch merge, agree."""
+    from ketch.kernels.decode_attention import MERGE_BLOCK, merge_splits
+
+    splits = 3 * MERGE_BLOCK + 1
+    g = torch.Generator().manual_seed(splits)
+    rank = 520
+    parts = torch.randn(1, HEADS, splits, rank, generator=g).to(DEVICE)
+    lse = (torch.randn(1, HEADS, splits, generator=g) * 4).to(DEVICE)
+    used = [splits, 2 * MERGE_BLOCK + 3, 0]  # nonempty splits of each of the HEADS heads
+    for h, n in enumerate(used):
+        lse[0, h, n:] = float("-inf")
+        parts[0, h, n:] = float("nan")
+    w_uv = (torch.randn(HEADS, V, rank, generator=g) / 8).to(DEVICE, dtype)
+    merged = torch.empty(1, HEADS, rank, dtype=dtype, device=DEVICE)
+    want = head_gemv(merge_splits(parts, lse, merged, splits), w_uv.transpose(1, 2))
+    out = torch.empty(1, HEADS, V, dtype=dtype, device=DEVICE)
+    head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out, want)
+    else:
+        torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
+    weights = torch.softmax(lse[0] * math.log(2), -1).nan_to_num(0.0)  # 2^(lse - m) / sum
+    torch_merged = (weights[..., None] * parts[0].nan_to_num(0.0)).sum(1)  # [heads, rank]
+    ref = torch.einsum("hr,hvr->hv", torch_merged.to(dtype).float(), w_uv.float())
+    torch.testing.assert_close(out[0].float(), ref, atol=TOL[dtype] * 8, rtol=TOL[dtype] * 8)
+    assert (out[0, 2] == 0).all()  # every split empty: a zero row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

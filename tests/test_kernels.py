@@ -113,6 +113,31 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, page_size: int, 
     close(out[0], vc.view(-1, KVH, D)[table[0, 0].long() * page_size].repeat_interleave(H // KVH, 0), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_more_splits_than_one_merge_tile_read_only_the_nonempty_ones(dtype: torch.dtype) -> None:
+    """Past MERGE_BLOCK splits (a long context at a small batch) an empty split writes its lse
+    alone and the merge reads the nonempty splits only, MERGE_BLOCK at a time: with the scratch
+    full of NaN beforehand, any read of a partial that was never written shows in the output."""
+    from ketch.kernels.decode_attention import MERGE_BLOCK, decode_scratch, skips_empty
+
+    splits = 2 * MERGE_BLOCK + 5
+    assert skips_empty(splits) and not skips_empty(MERGE_BLOCK)
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 7, 600, 33, 0]  # 600: 19 nonempty splits of 32 tokens, past one merge tile; 0: a padded row
+    kc, vc = random_pool(64, 16, dtype, gen)
+    table = page_tables(lens, 16, 64, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), H, D, generator=gen).to(DEVICE, dtype)
+    mid_o, mid_lse = decode_scratch(len(lens), H, D, splits, DEVICE)
+    mid_o.fill_(float("nan"))
+    mid_lse.fill_(float("nan"))
+    out = decode_attention(q, kc, vc, table, seq_lens, D**-0.5, scratch=(mid_o, mid_lse), num_splits=splits,
+                           block_n=16)
+    close(out, decode_attention_ref(q, kc, vc, table, seq_lens, D**-0.5), dtype)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    assert mid_o[0, :, 1:].isnan().all()  # one token: splits past the first wrote nothing
+
+
 def test_decode_attention_mha_and_wide_group() -> None:
     gen = torch.Generator().manual_seed(3)
     for heads, kv_heads in ((2, 2), (16, 1)):
@@ -251,7 +276,8 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     rows = {name: spill for name, spill, _ in found}
-    assert set(rows) == {"store_kv", "decode_split", "decode_merge", "extend", "add_rms_norm", "qk_rms_norm",
+    assert set(rows) == {"store_kv", "decode_split", "decode_split_skip", "decode_merge", "decode_merge_blocks",
+                         "extend", "add_rms_norm", "qk_rms_norm",
                          "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
                          "silu_and_mul", "gemv_m1", "gemv_dot", "gemv_whole", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
@@ -264,15 +290,16 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["gemv_whole"] > 0, proc.stdout
     assert loads["add_rms_norm"] > 0, proc.stdout
     assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0 and loads["qk_norm_rope_store"] > 0, proc.stdout
-    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_merge", "rotary", "rope_store",
-                                       "silu_and_mul")), proc.stdout
+    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_split_skip", "decode_merge",
+                                       "decode_merge_blocks", "rotary", "rope_store", "silu_and_mul")), proc.stdout
     assert "trigger first" not in proc.stdout  # the default: dependents launch after the loads
 
 
 # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY): at bs1 the attention kernels too
-EARLY = {"store_kv", "decode_split", "decode_merge", "mla_decode", "add_rms_norm", "qk_rms_norm", "qk_norm_rope",
-         "qk_norm_rope_store", "rope_store", "rotary", "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge",
-         "head_gemv_uk", "head_gemv_uv", "head_gemv_uv_merged"}
+EARLY = {"store_kv", "decode_split", "decode_split_skip", "decode_merge", "decode_merge_blocks", "mla_decode",
+         "mla_decode_skip", "add_rms_norm", "qk_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
+         "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge", "mla_merge_blocks", "head_gemv_uk",
+         "head_gemv_uv", "head_gemv_uv_merged", "head_gemv_uv_merged_blocks"}
 
 
 @pytest.mark.parametrize("mla", [False, True])

@@ -72,6 +72,42 @@ def test_mla_decode_matches_reference(dtype: torch.dtype, heads: int, splits: in
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_decode_past_one_merge_tile_writes_and_reads_only_the_nonempty_splits(dtype: torch.dtype) -> None:
+    """More splits than decode_attention.MERGE_BLOCK (a long context at a small batch): an empty
+    split writes its lse alone, and both consumers (the merge, and at one row the W_UV product
+    that merges itself) read the nonempty ones only. The scratch starts as NaN, so a partial that
+    was read but never written shows."""
+    from ketch.kernels.decode_attention import MERGE_BLOCK, decode_scratch
+    from ketch.kernels.head_gemv import head_gemv
+    from ketch.kernels.mla_decode import mla_decode_partials
+
+    gen, heads, splits = torch.Generator().manual_seed(5), 16, 2 * MERGE_BLOCK + 1
+    lens = [300, 1, 0]  # 300: 19 nonempty splits of 16 tokens; 1: one; 0: a padded row
+    table = page_table(lens, 48, gen)
+    cache = torch.randn(48, PAGE, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+    q_lat = (torch.randn(len(lens), heads, RANK, generator=gen) / 4).to(DEVICE, dtype)
+    q_pe = torch.randn(len(lens), heads, ROPE, generator=gen).to(DEVICE, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+    def nan_scratch(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mid_o, mid_lse = decode_scratch(batch, heads, RANK, splits, DEVICE)
+        return mid_o.fill_(float("nan")), mid_lse.fill_(float("nan"))
+
+    ref = mla_decode_ref(q_lat, q_pe, cache, table, seq_lens, 0.15)
+    out = mla_decode(q_lat, q_pe, cache, table, seq_lens, 0.15, scratch=nan_scratch(len(lens)), num_splits=splits,
+                     block_n=16)
+    close(out, ref, dtype)
+    assert torch.count_nonzero(out[2]) == 0
+    w_uv = weights(heads, gen, dtype)[1]
+    parts, lse = mla_decode_partials(q_lat[:1], q_pe[:1], cache, table[:1], seq_lens[:1], 0.15,
+                                     scratch=nan_scratch(1), num_splits=splits, block_n=16)
+    assert parts[0, :, 19:].isnan().all() and (lse[0, :, 19:] == float("-inf")).all()
+    merged = head_gemv(parts, w_uv.transpose(1, 2), out=torch.empty(1, heads, VDIM, dtype=dtype, device=DEVICE),
+                       lse=lse)
+    close(merged[0], torch.einsum("hr,hvr->hv", ref[0], w_uv), dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_decode_with_w_uv_is_the_absorbed_form(dtype: torch.dtype) -> None:
     """q_nope W_UK in, W_UV out: mla_backend.py's `mla_absorbed` over the gathered, masked pages;
     a padded row (length 0) gives zeros."""
@@ -185,6 +221,27 @@ def test_mla_triton_backend_matches_torch_backend(dtype: torch.dtype, kv_dtype: 
         assert torch.equal(pools[0].tensor(layer, "latent"), pools[1].tensor(layer, "latent"))
 
 
+def test_mla_triton_backend_with_more_splits_than_one_merge_tile_matches_torch() -> None:
+    """max_splits 64 with the splits sized for a 4,096-token context, as a graph of a long-context
+    server sizes them: short sequences leave most splits empty (no partial written, none read),
+    at one decode row (W_UV merges) and at two (the merge kernel), against the torch backend."""
+    gen, heads = torch.Generator().manual_seed(8), 16
+    pools, ref, _ = backends(heads, torch.float32, 40, gen, layers=1)
+    tri = MLATritonBackend(pools[1], "latent", heads, RANK, 0.13, DEVICE, decode_block_n=16, max_splits=64,
+                           decode_splits_len=4096)
+    w = weights(heads, gen, torch.float32)
+    perm = torch.randperm(40, generator=gen).tolist()
+    for seqs in ([SeqChunk(start=300, num_new=1, page_table=perm[0:19])],
+                 [SeqChunk(start=300, num_new=1, page_table=perm[0:19]), SeqChunk(start=4, num_new=1,
+                                                                                  page_table=perm[19:20])]):
+        batch = ForwardBatch.build(seqs, PAGE)
+        tri_meta = tri.init_metadata(batch)
+        assert tri_meta.decode.num_splits == 64
+        q, latent = layer_inputs(batch.num_tokens, heads, torch.float32, gen)
+        close(tri.forward(q, latent, 0, tri_meta, *w), ref.forward(q, latent, 0, ref.init_metadata(batch), *w),
+              torch.float32, scale=2)
+
+
 def test_mla_triton_decode_graph_inputs_match_eager_and_padding_writes_nothing() -> None:
     """The inherited graph hooks with a [heads, rank] scratch: a step of 3 rows through a size-4
     graph's static buffers computes the eager step's rows; the padded row writes no latent."""
@@ -230,10 +287,10 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     # parameters before the wait: K step 0's weight tile, mla_prepare's norm weight
-    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv", "head_gemv_uv_merged", "mla_prepare",
-                     "mla_prepare_absorb"}
-    assert {name for name, _, _ in found} == {"mla_prepare", "mla_store_rows", "mla_decode", "mla_merge", "mla_extend",
-                                              *weights_first}, proc.stdout
+    weights_first = {"router_m1", "head_gemv_uk", "head_gemv_uv", "head_gemv_uv_merged", "head_gemv_uv_merged_blocks",
+                     "mla_prepare", "mla_prepare_absorb"}
+    assert {name for name, _, _ in found} == {"mla_prepare", "mla_store_rows", "mla_decode", "mla_decode_skip",
+                                              "mla_merge", "mla_merge_blocks", "mla_extend", *weights_first}, proc.stdout
     assert all(spill == "0" for _, spill, _ in found), proc.stdout
     waits = {name: wait for name, _, wait in found}
     assert all(waits[n] in ("0 loads / 0 stores", "no wait") for n in waits if n not in weights_first), proc.stdout

@@ -104,9 +104,16 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         ("decode_split", _decode_split_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}, 4, 2),
-        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd},
+          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": False},
+         4, 2),
+        ("decode_split_skip", _decode_split_kernel,  # past MERGE_BLOCK splits: no partial for an empty split
+         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
+          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": True},
+         4, 2),
+        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd, "ALL_S": 0},
          1 if head_dim <= 64 else 2, 3),
+        ("decode_merge_blocks", _decode_merge_kernel,  # 64 splits, merged 16 at a time
+         {"HEAD_DIM": head_dim, "BLOCK_S": 16, "BLOCK_D": bd, "ALL_S": 64}, 1 if head_dim <= 64 else 2, 3),
         ("extend", _extend_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "V_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd,
           "BLOCK_DV": bd, "PRECISION": prec}, 4, 2),
@@ -153,8 +160,15 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
         ("mla_decode", _mla_decode_split_kernel,
          {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
           "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
-          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16"}, 4, 2),
-        ("mla_merge", _decode_merge_kernel, {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16)}, 4, 3),
+          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": False}, 4, 2),
+        ("mla_decode_skip", _mla_decode_split_kernel,
+         {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
+          "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
+          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": True}, 4, 2),
+        ("mla_merge", _decode_merge_kernel, {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": 0},
+         4, 3),
+        ("mla_merge_blocks", _decode_merge_kernel,
+         {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": 64}, 4, 3),
         ("mla_extend", _extend_kernel,  # expanded form, K/V up-projected in the model's dtype
          {"GROUP": 1, "HEAD_DIM": nope + rope, "V_DIM": v_dim, "BLOCK_M": 64, "BLOCK_N": 32,
           "BLOCK_D": pow2(nope + rope, 16), "BLOCK_DV": pow2(v_dim, 16), "PRECISION": prec}, 8, 2),
@@ -167,14 +181,15 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
                                            **fma.kwargs}, fma.num_warps, fma.num_stages)]
     heads_gemv = [  # the absorbed products at one row, as mla_triton_backend launches them (head_gemv's defaults)
         ("head_gemv_uk", _head_gemv_kernel, {"K": nope, "N": rank, "BLOCK_T": 16, "BLOCK_K": 64, "BLOCK_N": 64,
-                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 4, 3),
+                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec, "ALL_S": 0}, 4, 3),
         ("head_gemv_uv", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16,
-                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec}, 2, 3),
+                                             "BLOCK_S": 1, "MERGE": False, "PRECISION": prec, "ALL_S": 0}, 2, 3),
     ]
     # at one row W_UV's product merges the 16 splits' fp32 partials itself (no merge launch)
-    merged = [("head_gemv_uv_merged", _head_gemv_kernel, {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256,
-                                                          "BLOCK_N": 16, "BLOCK_S": 16, "MERGE": True,
-                                                          "PRECISION": prec}, 2, 3)]
+    merged = [(f"head_gemv_uv_merged{'_blocks' if all_s else ''}", _head_gemv_kernel,
+               {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16, "BLOCK_S": 16, "MERGE": True,
+                "PRECISION": prec, "ALL_S": all_s}, 2, 3)
+              for all_s in (0, 64)]  # 64: more splits than one tile, merged 16 at a time
     ints = {"rows": "i32", "num_splits": "i32"}
     # a few decode rows: the prepare's program beside the W_UK product's (mla_prepare_absorb)
     absorb = [("mla_prepare_absorb", _mla_prepare_absorb_kernel,

@@ -10,7 +10,8 @@
 
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
 chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
-ignored by stage 2. `splits` is fixed per launch (not per sequence), so the grid depends only
+ignored by stage 2 (past MERGE_BLOCK splits they write nothing else, and stage 2 reads only the
+nonempty ones, which are a prefix). `splits` is fixed per launch (not per sequence), so the grid depends only
 on the batch size, which is what CUDA-graph capture needs; it is a runtime argument, so a new
 split count does not compile a new kernel (the merge compiles once per power-of-two bound). A sequence of length 0 (a padded
 row) gets zeros.
@@ -46,7 +47,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, SKIP_EMPTY: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -99,8 +100,36 @@ def _decode_split_kernel(
     o = tl.where(nonempty, acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     mid = MidO + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :]
-    tl.store(mid, o, mask=h_mask[:, None] & d_mask[None, :])
+    o_mask = h_mask[:, None] & d_mask[None, :]
+    if SKIP_EMPTY:  # past MERGE_BLOCK splits the consumers read only the nonempty ones (merge_splits)
+        o_mask = o_mask & nonempty
+    tl.store(mid, o, mask=o_mask)
     tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def merge_split_blocks(MidO, MidLse, num_splits, offs_d, d_mask, stride_ms,
+                       ALL_S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """More splits than one tile holds (MERGE_BLOCK): sum_s 2^(lse_s - m) * o_s and its weights
+    over the nonempty splits only, BLOCK_S at a time. Those are a prefix (split s holds tokens iff
+    s * chunk < L), the rest wrote no partial (SKIP_EMPTY). MidO / MidLse: this head's rows.
+    Returns (the weighted sum [BLOCK_D], the sum of the weights), fp32."""
+    offs_a = tl.arange(0, ALL_S)
+    lse_all = tl.load(MidLse + offs_a, mask=offs_a < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
+    used = tl.sum((lse_all > float("-inf")).to(tl.int32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for s0 in range(0, used, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < used
+        w = tl.exp2(tl.load(MidLse + offs_s, mask=s_mask, other=float("-inf")) - m)
+        o = tl.load(MidO + offs_s[:, None] * stride_ms + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        denom += tl.sum(w, 0)
+    return acc, denom
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -108,8 +137,10 @@ def _decode_merge_kernel(
     MidO, MidLse, Out,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0,
 ):
+    """ALL_S 0: every split in one [BLOCK_S, BLOCK_D] tile; else the splits' power-of-two bound,
+    merged BLOCK_S at a time over the nonempty ones (merge_split_blocks)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -120,16 +151,23 @@ def _decode_merge_kernel(
         if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    denom = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0, denom, 1.0)
+    if ALL_S:
+        acc, denom = merge_split_blocks(MidO + b * stride_mb + h * stride_mh, MidLse + b * stride_lb + h * stride_lh,
+                                        num_splits, offs_d, d_mask, stride_ms, ALL_S, BLOCK_S, BLOCK_D)
+        if USE_PDL and not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+    else:
+        lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
+        w = tl.exp2(lse - m)
+        o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        if USE_PDL and not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        denom = tl.sum(w, 0)
+        acc = tl.sum(w[:, None] * o, 0)
+    out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
@@ -153,6 +191,10 @@ def decode_scratch(batch: int, num_heads: int, head_dim: int, num_splits: int,
 # can set them through scripts/with_constants.py)
 SPLIT_WARPS = 4
 SPLIT_STAGES = 2
+# The splits a consumer merges in one tile: up to this many, all of them at once (empty ones
+# weigh 0); past it (a long context at a small batch may want more splits than 16: MAX_SPLITS in
+# the attention backends) the nonempty ones only, this many at a time.
+MERGE_BLOCK = 16
 
 
 def decode_attention(
@@ -188,10 +230,23 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES,
+        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES, SKIP_EMPTY=skips_empty(num_splits),
         **pdl_launch(batch * kv_heads * num_splits),
     )
     return merge_splits(mid_o, mid_lse, out, num_splits)
+
+
+def skips_empty(num_splits: int) -> bool:
+    """Past MERGE_BLOCK splits the split kernels store no partial for an empty split and the
+    consumers read the nonempty ones only, MERGE_BLOCK at a time; up to it, one tile of all."""
+    return num_splits > MERGE_BLOCK
+
+
+def merge_blocks(num_splits: int) -> dict[str, int]:
+    """The merge's tile constexprs: BLOCK_S, and ALL_S (0: one tile of every split)."""
+    if skips_empty(num_splits):
+        return {"BLOCK_S": MERGE_BLOCK, "ALL_S": pow2(num_splits)}
+    return {"BLOCK_S": pow2(num_splits), "ALL_S": 0}
 
 
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
@@ -201,7 +256,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, 
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=dim, BLOCK_S=pow2(num_splits), BLOCK_D=pow2(dim, 16),
+        HEAD_DIM=dim, BLOCK_D=pow2(dim, 16), **merge_blocks(num_splits),
         num_warps=1 if dim <= 64 else (2 if dim <= 128 else 4), **pdl_launch(batch * num_heads),
     )
     return out

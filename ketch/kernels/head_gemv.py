@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels._common import dot_precision, pdl_launch, pow2
+from ketch.kernels._common import dot_precision, pdl_launch
+from ketch.kernels.decode_attention import merge_blocks, merge_split_blocks
 
 MAX_ROWS = 8
 _ROWS_TILE = 16  # tl.dot's smallest tile
@@ -41,8 +42,15 @@ _ROWS_TILE = 16  # tl.dot's smallest tile
 
 @triton.jit
 def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
-            dt: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, MERGE: tl.constexpr):
-    """The [BLOCK_T, BLOCK_K] x tile: loaded, or (MERGE, one row) row 0 merged from the splits."""
+            dt: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, MERGE: tl.constexpr,
+            ALL_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_T, BLOCK_K] x tile: loaded, or (MERGE, one row) row 0 merged from the splits
+    (ALL_S: more of them than one tile holds, decode_attention.merge_blocks)."""
+    if MERGE and ALL_S:
+        acc, denom = merge_split_blocks(X + h * stride_xh, Lse + h * stride_lh, num_splits, offs_k, k_mask,
+                                        stride_xs, ALL_S, BLOCK_S, BLOCK_K)
+        merged = (acc / tl.where(denom > 0, denom, 1.0)).to(dt)
+        return tl.where(offs_t[:, None] == 0, merged[None, :], tl.zeros([BLOCK_T, 1], dt))
     if MERGE:
         offs_s = tl.arange(0, BLOCK_S)
         s_mask = offs_s < num_splits
@@ -67,7 +75,7 @@ def head_block(
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr = False, ALL_S: tl.constexpr = 0,
 ):
     """One program's work: BLOCK_N outputs of head h for every row (also mla_prepare's absorbed
     launch, kernels/mla_prepare.py, runs it for its product programs). EARLY_TRIGGER (a one-wave
@@ -93,14 +101,14 @@ def head_block(
         tl.extra.cuda.gdc_wait()
     dt = Out.dtype.element_ty
     x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
-                dt, BLOCK_T, BLOCK_S, MERGE)
+                dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
     acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh,
-                    num_splits, dt, BLOCK_T, BLOCK_S, MERGE)
+                    num_splits, dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
         acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -115,11 +123,12 @@ def _head_gemv_kernel(
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0,
 ):
     head_block(tl.program_id(0), tl.program_id(1), X, W, Out, Lse, rows,
                stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
-               num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL, EARLY_TRIGGER)
+               num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL, EARLY_TRIGGER,
+               ALL_S)
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     args = (x, w, out, lse if merge else x, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             x_split_stride, lse_head_stride, splits)
-    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_S=pow2(splits),
+    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, **merge_blocks(splits),
                       MERGE=merge, PRECISION=dot_precision(out.dtype))
     return HeadGemvLaunch(out, heads, triton.cdiv(n, block_n), args, constexprs, num_warps or (2 if long_k else 4))
 

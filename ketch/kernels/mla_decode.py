@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch, pow2
-from ketch.kernels.decode_attention import LOG2E, decode_scratch, merge_splits, num_splits_for
+from ketch.kernels.decode_attention import LOG2E, decode_scratch, merge_splits, num_splits_for, skips_empty
 
 
 # The split kernel's launch shape when a call gives none (read at call time: GPU sweeps set them
@@ -49,7 +49,7 @@ def _mla_decode_split_kernel(
     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr, SKIP_EMPTY: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -104,7 +104,10 @@ def _mla_decode_split_kernel(
     o = tl.where(nonempty, acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     mid = MidO + b64 * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_r[None, :]
-    tl.store(mid, o, mask=h_mask[:, None] & r_mask[None, :])
+    o_mask = h_mask[:, None] & r_mask[None, :]
+    if SKIP_EMPTY:  # past MERGE_BLOCK splits the consumers read only the nonempty ones
+        o_mask = o_mask & nonempty
+    tl.store(mid, o, mask=o_mask)
     tl.store(MidLse + b64 * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
@@ -165,7 +168,7 @@ def mla_decode_partials(
         BLOCK_H=block_h, BLOCK_R=pow2(rank, 16), BLOCK_P=pow2(rope, 16), BLOCK_N=block_n,
         PRECISION=dot_precision(q_lat.dtype),
         FP16_DOTS=cache.dtype == torch.float8_e4m3fn and q_lat.dtype == torch.bfloat16,
-        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES,
+        num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES, SKIP_EMPTY=skips_empty(num_splits),
         **pdl_launch(batch * triton.cdiv(heads, block_h) * num_splits),
     )
     return mid_o[:batch], mid_lse[:batch]

@@ -126,7 +126,7 @@ def _mla_prepare_absorb_kernel(
     STORE: tl.constexpr, TO_FP8: tl.constexpr,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
-    PRODUCT_PROGRAMS: tl.constexpr, PRODUCT_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
+    PRODUCT_PROGRAMS: tl.constexpr, PRODUCT_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr, ALL_S: tl.constexpr = 0,
 ):
     """The first PRODUCT_PROGRAMS programs: head_gemv's (q_nope W_UK, one head and output block
     each); the rest: one token's prepare each. Independent work (the product reads q's nope part,
