@@ -331,7 +331,10 @@ def step_inputs(seqs: list[SeqChunk], layers: int, dtype: torch.dtype, gen: torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("splits", [{}, {"max_splits": 64, "decode_splits_len": 4096}], ids=["default", "many-splits"])
+def test_triton_backend_matches_torch_backend(dtype: torch.dtype, splits: dict) -> None:
+    """many-splits: sized for a 4,096-token context (a long-context server's graphs) with up to 64
+    splits, past one merge tile: the short sequences here leave most of them empty."""
     gen = torch.Generator().manual_seed(5)
     page_size, layers, num_pages = 8, 2, 48
     pools = [KVPool(KVSpec.mha(layers, KVH, D), num_pages, page_size, dtype, DEVICE) for _ in range(2)]
@@ -340,7 +343,8 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
             getattr(pools[0], t)[layer].copy_(torch.randn(num_pages, page_size, KVH, D, generator=gen))
             getattr(pools[1], t)[layer].copy_(getattr(pools[0], t)[layer])
     ref = TorchAttentionBackend(pools[0], D, DEVICE)
-    tri = TritonAttentionBackend(pools[1], H, D, DEVICE, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    tri = TritonAttentionBackend(pools[1], H, D, DEVICE, decode_block_n=16, extend_block_m=16, extend_block_n=16,
+                                 **splits)
     perm = torch.randperm(num_pages, generator=gen).tolist()
     steps = [
         [  # mixed: decodes (one a 1-token prompt) first, then prefill with prefix, then fresh prefill
@@ -355,6 +359,7 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype) -> None:
     for seqs in steps:
         batch = ForwardBatch.build(seqs, page_size)
         ref_meta, tri_meta = ref.init_metadata(batch), tri.init_metadata(batch)
+        assert (tri_meta.decode.num_splits > 16) == bool(splits)
         for layer, (q, k, v) in enumerate(step_inputs(seqs, layers, dtype, gen)):
             close(tri.forward(q, k, v, layer, tri_meta), ref.forward(q, k, v, layer, ref_meta), dtype)
     for layer in range(layers):
