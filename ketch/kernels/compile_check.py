@@ -102,18 +102,13 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
           "TO_FP8": kv != p},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
-        ("decode_split", _decode_split_kernel,
-         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": False},
-         4, 2),
-        ("decode_split_skip", _decode_split_kernel,  # past MERGE_BLOCK splits: no partial for an empty split
-         {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd,
-          "BLOCK_N": 64, "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": True},
-         4, 2),
-        ("decode_merge", _decode_merge_kernel, {"HEAD_DIM": head_dim, "BLOCK_S": 8, "BLOCK_D": bd, "ALL_S": 0},
-         1 if head_dim <= 64 else 2, 3),
-        ("decode_merge_blocks", _decode_merge_kernel,  # 64 splits, merged 16 at a time
-         {"HEAD_DIM": head_dim, "BLOCK_S": 16, "BLOCK_D": bd, "ALL_S": 64}, 1 if head_dim <= 64 else 2, 3),
+        *[(f"decode_split{'_skip' if skip else ''}", _decode_split_kernel,  # _skip: past MERGE_BLOCK splits
+           {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd, "BLOCK_N": 64,
+            "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": skip}, 4, 2)
+          for skip in (False, True)],
+        *[(f"decode_merge{'_blocks' if all_s else ''}", _decode_merge_kernel,  # _blocks: 64 splits, 16 at a time
+           {"HEAD_DIM": head_dim, "BLOCK_S": 16 if all_s else 8, "BLOCK_D": bd, "ALL_S": all_s},
+           1 if head_dim <= 64 else 2, 3) for all_s in (0, 64)],
         ("extend", _extend_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "V_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd,
           "BLOCK_DV": bd, "PRECISION": prec}, 4, 2),
@@ -157,18 +152,12 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
           "BLOCK_ROPE": pow2(rope), "BLOCK_RANK": pow2(rank), "STORE": True, "TO_FP8": kv != p}, 4, 3),
         ("mla_store_rows", _store_rows_kernel,
          {"WIDTH": rank + rope, "BLOCK": pow2(rank + rope), "TO_FP8": kv != p}, 4 if rank + rope >= 1024 else 2, 3),
-        ("mla_decode", _mla_decode_split_kernel,
-         {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
-          "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
-          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": False}, 4, 2),
-        ("mla_decode_skip", _mla_decode_split_kernel,
-         {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
-          "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
-          "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": True}, 4, 2),
-        ("mla_merge", _decode_merge_kernel, {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": 0},
-         4, 3),
-        ("mla_merge_blocks", _decode_merge_kernel,
-         {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": 64}, 4, 3),
+        *[(f"mla_decode{'_skip' if skip else ''}", _mla_decode_split_kernel,  # _skip: past MERGE_BLOCK splits
+           {"HEADS": heads, "RANK": rank, "ROPE": rope, "BLOCK_H": 16, "BLOCK_R": pow2(rank, 16),
+            "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
+            "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": skip}, 4, 2) for skip in (False, True)],
+        *[(f"mla_merge{'_blocks' if all_s else ''}", _decode_merge_kernel,  # _blocks: 64 splits, 16 at a time
+           {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": all_s}, 4, 3) for all_s in (0, 64)],
         ("mla_extend", _extend_kernel,  # expanded form, K/V up-projected in the model's dtype
          {"GROUP": 1, "HEAD_DIM": nope + rope, "V_DIM": v_dim, "BLOCK_M": 64, "BLOCK_N": 32,
           "BLOCK_D": pow2(nope + rope, 16), "BLOCK_DV": pow2(v_dim, 16), "PRECISION": prec}, 8, 2),

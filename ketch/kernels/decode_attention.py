@@ -11,10 +11,10 @@
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
 chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
 ignored by stage 2 (past MERGE_BLOCK splits they write nothing else, and stage 2 reads only the
-nonempty ones, which are a prefix). `splits` is fixed per launch (not per sequence), so the grid depends only
-on the batch size, which is what CUDA-graph capture needs; it is a runtime argument, so a new
-split count does not compile a new kernel (the merge compiles once per power-of-two bound). A sequence of length 0 (a padded
-row) gets zeros.
+nonempty ones, which are a prefix). `splits` is fixed per launch (not per sequence), so the grid
+depends only on the batch size, which is what CUDA-graph capture needs; it is a runtime argument,
+so a new split count does not compile a new kernel (the merge compiles once per power-of-two
+bound). A sequence of length 0 (a padded row) gets zeros.
 
 The pool may be fp8 e4m3 (EngineConfig.kv_cache_dtype): each K/V tile is cast up after its load
 (exact) and the dot products run as for a pool of q's dtype, on half the bytes. With a bf16 model
