@@ -90,7 +90,15 @@ def build_hf(config_path: str, engine: Engine, device: str, dtype: torch.dtype |
     finally:
         torch.set_default_dtype(saved)
     weights = DummyWeights(weight_shapes(engine.model_config), engine.runner.dtype, seed=engine.config.seed, device=device)
-    hf.load_state_dict({name: t.to(dtype) for name, t in weights}, strict=True)
+    # tensor by tensor into HF's own parameters: a whole state dict beside both models (the full
+    # 8B cast to fp32 is 32 GB more) does not fit an 80 GB card
+    state = hf.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, t in weights:
+            state[name].copy_(t)  # exact: the engine's dtype cast up (or the same dtype)
+            loaded.add(name)
+    assert loaded == set(state), f"weights without a tensor: {sorted(set(state) - loaded)[:5]}"
     ours = engine.runner.model
     assert torch.equal(hf.model.embed_tokens.weight.to(ours.embed_tokens.weight.dtype), ours.embed_tokens.weight)
     assert torch.equal(hf.lm_head.weight.to(ours.lm_head.weight.dtype), ours.lm_head.weight)

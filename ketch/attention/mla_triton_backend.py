@@ -70,7 +70,7 @@ def expand(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[t
 # Decode defaults (read when a backend is built: GPU sweeps set them through scripts/with_constants.py):
 # latent rows per split step, and the most splits of a sequence
 DECODE_BLOCK_N = 32
-MAX_SPLITS = 16
+MAX_SPLITS = 64
 
 
 class MLATritonBackend(TritonAttentionBackend):

@@ -98,7 +98,7 @@ class GraphBuffers:
 # Decode defaults (read when a backend is built: GPU sweeps set them through scripts/with_constants.py):
 # the KV rows a split program takes per step, and the most splits of a sequence (the scratch size)
 DECODE_BLOCK_N = 64
-MAX_SPLITS = 16
+MAX_SPLITS = 32
 
 
 class TritonAttentionBackend(AttentionBackend):
