@@ -105,12 +105,19 @@ def running_server(*extra: str, new_session: bool = False) -> Iterator[tuple[sub
 def post(base: str, path: str, body: dict | bytes | str, headers: dict | None = None,
          timeout: float = 60) -> tuple[int, dict]:
     """POST a JSON body (a dict) or raw bytes; returns the status and the parsed JSON answer."""
+    status, _, answer = post_with_headers(base, path, body, headers, timeout)
+    return status, answer
+
+
+def post_with_headers(base: str, path: str, body: dict | bytes | str, headers: dict | None = None,
+                      timeout: float = 60) -> tuple[int, dict[str, str], dict]:
+    """`post`, and the answer's headers (names in lower case)."""
     data = json.dumps(body) if isinstance(body, dict) else body
     conn = connect(base, timeout)
     try:
         conn.request("POST", path, data, {"content-type": "application/json", **(headers or {})})
         resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read())
     finally:
         conn.close()
 

@@ -11,7 +11,8 @@ import threading
 import time
 
 import pytest
-from server_util import connect, health, metrics, open_stream, pages_all_back, post, running_server, wait_for
+from server_util import (connect, health, metrics, open_stream, pages_all_back, post, post_with_headers,
+                         running_server, wait_for)
 
 from ketch.server.http_protocol import MAX_HEADER_BYTES
 
@@ -301,9 +302,10 @@ def test_full_queue_is_429_and_sigterm_drains(tmp_path):
     with running_server("--max-running-requests", "3", "--max-queued-requests", "0",
                         "--shutdown-timeout", str(timeout)) as (proc, base):
         streams = [open_stream(base, CMPL, LONG) for _ in range(3)]
-        status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2})
+        status, headers, body = post_with_headers(base, CMPL, {"prompt": "Hi", "max_tokens": 2})
         _assert_error(status, body, 429, code="queue_full")
         assert body["error"]["type"] == "rate_limit_error"
+        assert int(headers["retry-after"]) >= 1  # when to come back (the openai client waits it out)
         status, body = post(base, CMPL, {"prompt": "Hi", "max_tokens": 2, "n": 4})
         _assert_error(status, body, 400, param="n")  # could never fit: not a retry-later
         status, body = post(base, CMPL, {"prompt": ["Hi"] * 4, "max_tokens": 2})  # four prompts, n = 1

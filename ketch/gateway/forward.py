@@ -4,6 +4,8 @@
       no worker left to try           ─▶ 503 no_available_workers (at once: never waits for one)
       connect refused / lost before   ─▶ charged to the worker, next attempt
         an answer / 502 / 503
+      429 (the worker's queue full)   ─▶ next attempt, not charged (busy is not broken); when
+                                         every worker tried was busy: 429 with their Retry-After
       silent past the timeout         ─▶ charged to the worker, 504 (it may still be working:
                                          the request is not sent twice); a plain GET (no side
                                          effect, answered at once by a healthy worker) waits the
@@ -11,8 +13,9 @@
       any other answer                ─▶ relayed as it is (status, headers, body), 4xx and 5xx too
 
 Why those retry: a refused connection or a 502/503 (the worker shutting down, its engine gone)
-means the worker did not take the request, so another may; a reset before any answer means it
-died with it, and a generation has no side effect worth protecting. Once the client has a byte
+means the worker did not take the request, so another may; so does a 429, which a worker gives
+before it takes anything (its admission count is full) while another may have room; a reset
+before any answer means it died with it, and a generation has no side effect worth protecting. Once the client has a byte
 of the answer nothing is retried here: a stream whose worker is lost goes on elsewhere from what the
 client has (failover.py, through `continuation`).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
 from starlette.responses import Response
@@ -27,7 +31,7 @@ from starlette.responses import Response
 from ketch.gateway.attempt import Attempt
 from ketch.gateway.body import Receive
 from ketch.gateway.config import GatewayConfig
-from ketch.gateway.errors import GatewayError, unavailable
+from ketch.gateway.errors import GatewayError, all_busy, unavailable
 from ketch.gateway.failover import Failover
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.policies import RoutingPolicy
@@ -40,7 +44,28 @@ from ketch.gateway.worker import Worker
 Opened = tuple[Attempt, Answer]  # a worker's answer (status and headers read, body not) and its attempt
 
 RETRY_STATUSES = frozenset({502, 503})
-_ERROR_BODY_PREVIEW = 300  # characters of a refused answer quoted in the final 503
+BUSY_STATUS = 429
+_ERROR_BODY_PREVIEW = 300  # characters of a refused answer quoted in the final 503 / 429
+_DEFAULT_RETRY_AFTER = "1"  # a busy worker that sent none (ketch serve sends one)
+
+
+@dataclass
+class Refusals:
+    """Why the workers tried so far did not take a request: failures (down, lost, 502/503) and
+    busy ones (429), with the shortest Retry-After those sent."""
+
+    failures: list[str] = field(default_factory=list)
+    busy: list[str] = field(default_factory=list)
+    retry_after: int | None = None
+
+    def add_busy(self, why: str, retry_after: bytes | None) -> None:
+        self.busy.append(why)
+        try:
+            seconds = max(0, int(retry_after)) if retry_after is not None else None
+        except ValueError:  # an HTTP date: not parsed, the default stands
+            seconds = None
+        if seconds is not None and (self.retry_after is None or seconds < self.retry_after):
+            self.retry_after = seconds
 
 
 def backoff_seconds(retry: int, initial_ms: float, max_ms: float, multiplier: float, jitter: float,
@@ -125,7 +150,7 @@ class Forwarder:
         read_timeout: given for a request with no side effect, whose silence is then one more
         failure to try another worker after (None: the generation timeout, a 504 at once)."""
         tried: set[str] = set(exclude)
-        failures: list[str] = []
+        refusals = Refusals()
         retry = self.config.retry
         for attempt_no in range(retry.attempts):
             workers = self.registry.available(exclude=tried, role=self.role)
@@ -142,16 +167,20 @@ class Forwarder:
             worker = pick(workers)
             tried.add(worker.url)
             attempt = Attempt(worker, route, self.metrics, self.clock)
-            outcome = await self._try(attempt, method, path, body, failures, request_id, read_timeout)
+            outcome = await self._try(attempt, method, path, body, refusals, request_id, read_timeout)
             if outcome is not None:
                 return outcome
+        if refusals.busy and not refusals.failures:
+            retry_after = _DEFAULT_RETRY_AFTER if refusals.retry_after is None else str(refusals.retry_after)
+            return all_busy("every worker tried is at capacity: " + "; ".join(refusals.busy), retry_after)
         self.metrics.no_worker.inc()
-        return self._no_worker(failures)
+        return self._no_worker(refusals.failures + refusals.busy)
 
     async def _try(self, attempt: Attempt, method: str, path: str, body: bytes | None,
-                   failures: list[str], request_id: str | None = None,
+                   refusals: Refusals, request_id: str | None = None,
                    read_timeout: float | None = None) -> Opened | GatewayError | None:
-        """The worker's answer (unread), a 504, or None (recorded in `failures`): try another worker."""
+        """The worker's answer (unread), a 504, or None (recorded in `refusals`): try another worker."""
+        failures = refusals.failures
         worker = attempt.worker
         headers = worker.request_headers(request_id)
         try:
@@ -180,6 +209,10 @@ class Forwarder:
         attempt.answered(answer.status_code)
         if answer.status_code in RETRY_STATUSES:
             failures.append(f"{worker.url}: {await _refused(attempt, answer)}")
+            return None
+        if answer.status_code == BUSY_STATUS:
+            retry_after = dict(answer.headers).get(b"retry-after")
+            refusals.add_busy(f"{worker.url}: {await _refused(attempt, answer)}", retry_after)
             return None
         return attempt, answer
 

@@ -13,6 +13,10 @@ from ketch.server.metrics import ServerMetrics
 from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer
 
+# A full queue's 429 says when to come back (RFC 9110 Retry-After, whole seconds): a slot frees
+# when any sequence ends, which at decode speed is well within a second of a busy server; OpenAI's
+# clients honour the header (the openai package waits it out before its own retry).
+RETRY_AFTER_S = "1"
 
 @dataclass
 class Admission:
@@ -39,7 +43,8 @@ class Admission:
                                 f"{self.limit} at a time", param=param)
         if self.in_flight + n > self.limit:
             raise APIError(429, f"the server is at capacity ({self.in_flight} of {self.limit} sequences running "
-                                "or queued); retry later", type="rate_limit_error", code="queue_full")
+                                "or queued); retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S})
         self._add(n)
 
     def release(self, n: int = 1) -> None:
