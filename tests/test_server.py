@@ -112,6 +112,20 @@ def test_completion_text_offsets_stream_as_whole(client, model, smollm_path):
     assert streamed == offsets
 
 
+def test_completion_stream_sends_no_empty_chunks_inside_a_character(client, model, smollm_path):
+    """Tokens that end inside a character (the pieces of two emoji, forced by logit_bias) give no
+    text yet: without logprobs or token ids a stream sends nothing for them (as chat does), and
+    what it sends joins into the whole answer's text."""
+    tok = Tokenizer.load(smollm_path)
+    pieces = [i for i in tok.encode("🎉🐍", add_special_tokens=False) if "\ufffd" in tok.decode([i])]
+    kw = dict(model=model, prompt="Party:", max_tokens=6, temperature=0, logit_bias={str(i): 100 for i in pieces})
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert all(c.text for c in chunks if c.finish_reason is None), [c.text for c in chunks]
+    assert "".join(c.text for c in chunks) == whole
+    assert len(chunks) < 6  # fewer than one per token: some tokens ended inside a character
+
+
 def test_n_and_seed(client, model):
     kw = dict(model=model, messages=STORY, max_tokens=12, temperature=0.8, seed=1234)
     a = client.chat.completions.create(n=2, **kw)

@@ -109,6 +109,8 @@ async def _chunks(state: ServerState, gen: Generation, head: dict, include_usage
         logprobs = None
         if gen.params.wants_logprobs:
             logprobs = completion_logprobs(state.tokenizer, ev.logprobs, offsets[ev.index])
+        elif not ev.text and not with_ids and ev.finish_reason is None:
+            continue  # tokens inside one character (its bytes not all there yet): nothing to send, as in chat
         choice = {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         if with_ids:
             choice["token_ids"] = ev.token_ids
