@@ -15,9 +15,9 @@
 Why those retry: a refused connection or a 502/503 (the worker shutting down, its engine gone)
 means the worker did not take the request, so another may; so does a 429, which a worker gives
 before it takes anything (its admission count is full) while another may have room; a reset
-before any answer means it died with it, and a generation has no side effect worth protecting. Once the client has a byte
-of the answer nothing is retried here: a stream whose worker is lost goes on elsewhere from what the
-client has (failover.py, through `continuation`).
+before any answer means it died with it, and a generation has no side effect worth protecting.
+Once the client has a byte of the answer nothing is retried here: a stream whose worker is lost
+goes on elsewhere from what the client has (failover.py, through `continuation`).
 """
 from __future__ import annotations
 

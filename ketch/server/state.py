@@ -18,6 +18,7 @@ from ketch.text.tokenizer import Tokenizer
 # clients honour the header (the openai package waits it out before its own retry).
 RETRY_AFTER_S = "1"
 
+
 @dataclass
 class Admission:
     """Sequences (prompts × n) in the engine, running or queued, as the API process counts them.
