@@ -23,6 +23,7 @@ from ketch.engine.outboxes import Outboxes
 from ketch.server.config import ServerConfig
 
 PROCESS_HEADER = "x-ketch-api-process"
+INSTANCE_HEADER = "x-ketch-instance"
 MAX_TRIES = 64  # new connections until the kernel hands one to a given process: 2**-64 to fail
 DEATH_DEADLINE_S = 10
 REQUESTS = [
@@ -166,6 +167,34 @@ def test_every_answer_is_the_one_process_servers_whichever_process_gives_it(one,
             for process in (0, 1):
                 got = answered_by(base2, process, path, body, stream)
                 assert without_cache_hits(got) == without_cache_hits(want), (path, body, stream, process)
+
+
+def test_both_processes_name_one_server_and_another_server_another(one, two):
+    """x-ketch-instance (ketch/instance_id.py): the engine's id on every answer, whichever API
+    process gives it; another server has its own (the gateway refuses a server it has already)."""
+    seen: dict[int, set[str]] = {0: set(), 1: set()}
+    for _ in range(MAX_TRIES):
+        conn = connect(two[1])
+        try:
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            seen[int(resp.getheader(PROCESS_HEADER))].add(resp.getheader(INSTANCE_HEADER))
+        finally:
+            conn.close()
+        if seen[0] and seen[1]:
+            break
+    assert seen[0] == seen[1] and len(seen[0]) == 1, seen
+    (instance,) = seen[0]
+    conn = connect(one[1])
+    try:
+        conn.request("GET", "/v1/models")
+        resp = conn.getresponse()
+        resp.read()
+        other = resp.getheader(INSTANCE_HEADER)
+    finally:
+        conn.close()
+    assert len(instance) == len(other) == 32 and other != instance
 
 
 API_SIDE = ('ketch_requests_finished_total{finish_reason="length"}', "ketch_time_to_first_token_seconds_count",

@@ -216,6 +216,13 @@ def test_workers_join_and_leave_at_run_time_behind_the_gateways_own_key(workers_
             assert error["param"] in ("url", "extra") and error["message"]
         status, _, body = request(base, "POST", "/workers", {"url": b}, door)
         assert status == 201 and json.loads(body)["url"] == b
+        # the same server under another name (its x-ketch-instance says so): counted twice, it would
+        # get two shares of the requests and two half prefix trees
+        alias = b.replace("127.0.0.1", "localhost")
+        status, _, body = request(base, "POST", "/workers", {"url": alias}, door)
+        error = json.loads(body)["error"]
+        assert (status, error["code"], error["param"]) == (409, "worker_exists", "url") and b in error["message"], body
+        assert sorted(workers(base, door)) == sorted([a, b])
         client = sdk(base, "gw-key")
         seen = {client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
                 .headers["x-ketch-worker"] for _ in range(4)}

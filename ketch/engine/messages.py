@@ -118,6 +118,7 @@ class EngineReady(msgspec.Struct, tag=True, frozen=True):
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int  # prompt + max_tokens may not exceed this either
+    instance_id: str  # drawn at the engine's start: the server's x-ketch-instance (ketch/instance_id.py)
 
 
 class EngineError(msgspec.Struct, tag=True, frozen=True):

@@ -36,6 +36,7 @@ import zmq
 from ketch.config import EngineConfig
 from ketch.engine import messages as m
 from ketch.engine.outboxes import Outboxes
+from ketch.instance_id import new_instance_id
 
 _IDLE_POLL_MS = 1000  # idle: wake this often to check that the parent is still alive
 
@@ -155,7 +156,7 @@ def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
         # ~0.15 s each in long runs.
         gc.freeze()
         capacity = engine.runner.pool.num_pages * config.page_size
-        outboxes.send_all(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity))
+        outboxes.send_all(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity, new_instance_id()))
         beat.start()  # after EngineReady: start-up has its own deadline in the API process
         _loop(engine, inbox, outboxes, parent_pid, progress)
         engine.close()

@@ -147,12 +147,12 @@ def build_app(gw: Gateway) -> FrontDoor:
             raise GatewayError(409, f"worker {address.url} is already registered", "worker_exists", param="url")
         key = address.api_key or gw.config.worker_api_key
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        problem = await probe_health(gw.client, address.url, headers, gw.config.health.check_timeout_secs)
-        if problem is not None:
-            raise GatewayError(400, f"worker {address.url} did not pass its health check: {problem}",
+        probe = await probe_health(gw.client, address.url, headers, gw.config.health.check_timeout_secs)
+        if probe.problem is not None:
+            raise GatewayError(400, f"worker {address.url} did not pass its health check: {probe.problem}",
                                "worker_unreachable", param="url")
-        try:  # checked again: another POST may have added it while this one probed
-            worker = gw.registry.add(address, role, bootstrap_port)
+        try:  # checked again (and by instance: the same server under another address), after the probe
+            worker = gw.registry.add(address, role, bootstrap_port, probe.instance)
         except DuplicateWorker as e:
             raise GatewayError(409, str(e), "worker_exists", param="url") from None
         return JSONResponse(worker.describe(gw.clock()), status_code=201)

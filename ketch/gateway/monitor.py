@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import httpx2 as httpx
@@ -16,6 +17,7 @@ from ketch.gateway.config import GatewayConfig
 from ketch.gateway.policies import RoutingPolicy
 from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.worker import Worker
+from ketch.instance_id import HEADER as INSTANCE_HEADER
 
 log = logging.getLogger("ketch.gateway")
 
@@ -34,16 +36,22 @@ def queue_length(metrics_text: bytes) -> int:
     return int(sum(found.values()))
 
 
+@dataclass(frozen=True)
+class HealthProbe:
+    problem: str | None  # None: GET /health answered 200 in time; else what went wrong
+    instance: str | None = None  # the server's x-ketch-instance (ketch/instance_id.py), when it sent one
+
+
 async def probe_health(client: httpx.AsyncClient, worker_url: str, headers: dict[str, str],
-                       timeout: float) -> str | None:
-    """None if GET /health answers 200 within `timeout`, else what went wrong."""
+                       timeout: float) -> HealthProbe:
     try:
         response = await client.get(worker_url + "/health", headers=headers, timeout=timeout)
     except httpx.TransportError as e:
-        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return HealthProbe(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+    instance = response.headers.get(INSTANCE_HEADER.decode())
     if response.status_code != 200:
-        return f"/health answered {response.status_code}: {response.text[:200]}"
-    return None
+        return HealthProbe(f"/health answered {response.status_code}: {response.text[:200]}", instance)
+    return HealthProbe(None, instance)
 
 
 class Monitor:
@@ -77,7 +85,10 @@ class Monitor:
         await asyncio.gather(*(self._check(w) for w in self.registry.all()))
 
     async def _check(self, worker: Worker) -> None:
-        error = await probe_health(self.client, worker.url, worker.auth_headers(), self.config.health.check_timeout_secs)
+        probe = await probe_health(self.client, worker.url, worker.auth_headers(), self.config.health.check_timeout_secs)
+        error = probe.problem
+        if probe.instance is not None:  # a worker of --worker-urls learns it here; a restart draws a new one
+            worker.instance = probe.instance
         was = worker.health.healthy
         worker.health.record(error is None, error)
         if was != worker.health.healthy:

@@ -24,11 +24,19 @@ class WorkerRegistry:
         self._workers: dict[str, Worker] = {}
         self.on_removed: list[Callable[[str], None]] = []  # e.g. the cache-aware policy drops its tree
 
-    def add(self, address: WorkerAddress, role: str = "normal", bootstrap_port: int | None = None) -> Worker:
+    def add(self, address: WorkerAddress, role: str = "normal", bootstrap_port: int | None = None,
+            instance: str | None = None) -> Worker:
+        """instance: the server's x-ketch-instance as a probe saw it; a server registered already
+        under another address (localhost vs 127.0.0.1, a name vs its IP) is refused as well."""
         if address.url in self._workers:
             raise DuplicateWorker(f"worker {address.url} is already registered")
+        same = next((w for w in self._workers.values() if instance is not None and w.instance == instance), None)
+        if same is not None:
+            raise DuplicateWorker(f"worker {address.url} is the server registered already as {same.url} "
+                                  f"(the same x-ketch-instance)")
         worker = Worker(address, address.api_key or self.default_api_key, self.breaker, self.health, role,
                         bootstrap_port)
+        worker.instance = instance
         self._workers[address.url] = worker
         return worker
 

@@ -49,6 +49,7 @@ class Worker:
         self.in_flight = 0
         self.external = 0  # sequences the worker reported beyond this gateway's in-flight requests
         self.scraped: int | None = None  # running + waiting at the last good scrape
+        self.instance: str | None = None  # which server it is (x-ketch-instance), once a probe saw it
 
     @property
     def load(self) -> int:
@@ -86,7 +87,7 @@ class Worker:
         state = self.breaker.state(now) if self.breaker.config.enabled else BreakerState.CLOSED
         described = {"url": self.url, "role": self.role, "available": self.available(now), "healthy": self.health.healthy,
                 "breaker": state.name.lower(), "in_flight": self.in_flight, "load": self.load,
-                "scraped_load": self.scraped, "last_health_error": self.health.last_error}
+                "scraped_load": self.scraped, "last_health_error": self.health.last_error, "instance": self.instance}
         if self.bootstrap_port is not None:
             described["bootstrap_port"] = self.bootstrap_port
         return described

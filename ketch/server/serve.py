@@ -23,6 +23,7 @@ from typing import Callable
 
 from ketch.config import EngineConfig
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
+from ketch.instance_id import HEADER as INSTANCE_HEADER
 from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
@@ -81,6 +82,8 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
                         max_n=sc.max_n, max_request_samples=sc.max_request_samples,
                         request_timeout=sc.request_timeout, metrics=ServerMetrics(metrics_dir))
     which = ((b"x-ketch-api-process", str(client.origin).encode()),) if share > 1 else ()
+    assert client.ready is not None  # started or attached: the engine's EngineReady came
+    which += ((INSTANCE_HEADER, client.ready.instance_id.encode()),)  # which server answered: instance_id.py
     app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
     connections = None if sc.max_connections is None else -(-sc.max_connections // share)
     protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections, sc.max_header_bytes)
