@@ -232,6 +232,21 @@ def test_draw_never_picks_a_zero_probability_token() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_knobs_past_float32s_range_draw_the_best_token_not_nan(device: str) -> None:
+    """A top_p or repetition_penalty below float32's range (they are float32 on the device: 1e-46
+    is 0 there; 1e-39 is subnormal, 0 where denormals are flushed) is near-greedy, not a NaN softmax that falls back to token 0. Token 3
+    is the best after each row's knobs: top_p keeps it alone; the penalty puts the prompt's token 3
+    past every other logit (saturated: l / r overflows), also at a temperature below 1, where
+    even the saturated logit would overflow once divided."""
+    vals = [0.5, 1.0, 2.5, 2.0, -1.0, 0.0]  # token 2 is the raw best
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0, -1.0, 0.0]] + [vals] * 2, device=device)
+    rows = [seeded_row(7, device, temperature=1.0, top_p=1e-46)]
+    rows += [SamplingRow(SamplingParams(temperature=t, repetition_penalty=1e-46), prompt_ids=[3], seed=7)
+             for t in (1.0, 0.5)]
+    assert run(logits, rows).token_ids == [3, 3, 3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_unseeded_rows_differ(device: str) -> None:
     logits = torch.zeros(1, 5000, device=device)  # uniform over 5000 tokens
     runs = []

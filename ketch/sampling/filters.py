@@ -46,6 +46,7 @@ def top_k_top_p_(
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1).sub_(probs)
     remove_p = mass_before >= top_p
+    remove_p[:, 0] = False  # the best token, whatever top_p is (one below float32's range is 0 here)
     remove = remove_p if remove is None else remove_p.logical_or_(remove)
     # Back to vocabulary order: position order[i, j] gets the verdict of candidate j; tokens
     # that were never candidates stay removed.

@@ -96,7 +96,9 @@ class Penalties:
         if self.repetition is not None:
             seen = (out_counts + counts[1]) > 0
             r = self.repetition
-            penalized = torch.where(logits > 0, logits / r, logits * r)
+            # saturated, not inf: a penalty near 0 (below ~1e-37 it rounds to 0 in float32) makes
+            # l / r overflow, and an inf logit turns the softmax into NaN; the seen tokens tie instead
+            penalized = torch.where(logits > 0, logits / r, logits * r).clamp_(max=torch.finfo(logits.dtype).max)
             logits.copy_(torch.where(seen, penalized, logits))
         if self.frequency is not None:
             assert self.presence is not None

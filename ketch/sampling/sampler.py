@@ -144,7 +144,10 @@ def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
-    scaled = logits / rows.temperature  # a new tensor: the filters below work in place
+    # a new tensor (the filters below work in place), each row's best logit at 0 before the
+    # temperature: the softmax is the same, and nothing overflows to inf (huge logits from a
+    # penalty, over a temperature as small as MIN_TEMPERATURE), whose softmax would be NaN
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / rows.temperature
     if rows.top_p is not None:
         top_k_top_p_(scaled, rows.top_k, rows.top_p, rows.max_top_k)
     elif rows.top_k is not None:
