@@ -127,6 +127,8 @@ def test_content_parts_are_flattened(tok):
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"content\[0\].*image_url"),
         ([{"role": "user", "content": None}], "null"),
+        ([{"role": "user", "content": []}], r"messages\[0\]\.content: an empty list"),
+        ([{"role": "user", "content": "x", "name": 5}], r"messages\[0\]\.name: expected a string"),
     ],
 )
 def test_bad_messages_are_value_errors(tok, messages, match):

@@ -109,6 +109,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         content = msg.get("content")
         if content is None and not calls_only:
             raise ValueError(f"{where}.content: null is only allowed for assistant messages with tool_calls")
+        if isinstance(content, list) and not content and not calls_only:  # OpenAI refuses it too
+            raise ValueError(f"{where}.content: an empty list (expected at least one text part)")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):  # templates print it as a string
+            raise ValueError(f"{where}.name: expected a string, got {type(msg['name']).__name__}")
         out.append({**msg, "content": None if content is None else _flatten_content(content, where, role)})
     return out
 
