@@ -147,7 +147,7 @@ def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
     # a new tensor (the filters below work in place), each row's best logit at 0 before the
     # temperature: the softmax is the same, and nothing overflows to inf (huge logits from a
     # penalty, over a temperature as small as MIN_TEMPERATURE), whose softmax would be NaN
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / rows.temperature
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)).div_(rows.temperature)
     if rows.top_p is not None:
         top_k_top_p_(scaled, rows.top_k, rows.top_p, rows.max_top_k)
     elif rows.top_k is not None:
