@@ -6,7 +6,8 @@ being ketch/<pkg>/ or a top-level module (ketch/config.py is `config`, ketch/__i
 `ketch`). Each edge must be in ALLOWED or in PENDING_REMOVAL; each pending edge must still exist
 (the list only shrinks); the packages may not import each other in a cycle.
 
-    cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package but http_shutdown, request_id)
+    cli ─┬─▶ gateway (speaks HTTP to servers; imports no other package but http_shutdown, request_id,
+         │           instance_id)
          ├─▶ server ──▶ engine ──▶ scheduler ──▶ cache ──────────────────────▶ kernels (page copy)
          │   (parsers)     │ ├──────▶ disagg (PD KV transport)
          │                 │ └──────▶ runner ──▶ models ──▶ layers ──▶ kernels, native (C, CPU)
@@ -35,14 +36,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     "cli": frozenset({"bench", "cli_args", "gateway", "llm", "server"}) | LEAVES,
     # the router talks to `ketch serve` over HTTP only: no engine, no server code; both stop
     # uvicorn the same way (http_shutdown: the deadline's answers, exit 0 on SIGTERM)
-    "gateway": frozenset({"http_shutdown", "request_id"}),
+    "gateway": frozenset({"http_shutdown", "instance_id", "request_id"}),
     "cli_args": frozenset({"sampling"}) | LEAVES,  # engine flags, shared by cli and bench
     "bench": frozenset({"cli_args", "engine", "sampling", "server"}) | LEAVES,  # beside cli
     "llm": frozenset({"engine", "sampling"}) | LEAVES,  # the in-process API, beside server
-    "server": frozenset({"engine", "http_shutdown", "parsers", "request_id", "sampling"}) | LEAVES,
+    "server": frozenset({"engine", "http_shutdown", "instance_id", "parsers", "request_id", "sampling"}) | LEAVES,
     "parsers": LEAVES,  # below server, beside text
     # models: the config; parallel: the engine starts the TP ranks and hands each its context
-    "engine": frozenset({"cache", "disagg", "models", "parallel", "runner", "sampling", "scheduler", "spec"}) | LEAVES,
+    # instance_id: the engine draws its server's id at start
+    "engine": frozenset({"cache", "disagg", "instance_id", "models", "parallel", "runner", "sampling", "scheduler",
+                         "spec"}) | LEAVES,
     # proposers guess (draft: its own runner and cache; block: a head built of the models' layers)
     "spec": frozenset({"cache", "layers", "runner", "sampling"}) | LEAVES,
     "disagg": LOW_LEAVES,  # PD transport: moves the pool's tensors it is handed; no scheduler, no cache code
@@ -64,6 +67,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "hf_config": frozenset(),  # a config.json's fields checked, the sliding window derived
     "host_memory": frozenset(),
     "request_id": frozenset(),  # the x-request-id of `ketch serve` and `ketch gateway` alike
+    "instance_id": frozenset(),  # the x-ketch-instance a server sends and the gateway reads
     "http_shutdown": frozenset(),  # uvicorn's graceful shutdown as `ketch serve` and `ketch gateway` run it
     "kv_dtype": frozenset(),  # the KV pages' element type, shared by cache/ and kernels/
     "text": frozenset({"config", "user_cache", "weights"}),  # a tokenizer can come out of a GGUF file
