@@ -16,6 +16,7 @@ import time
 
 import pytest
 import zmq
+from gateway_util import request as raw_request
 from server_util import connect, gone, open_stream, parse_metrics, post, running_server, wait_for
 
 from ketch.engine import messages as m
@@ -174,26 +175,13 @@ def test_both_processes_name_one_server_and_another_server_another(one, two):
     process gives it; another server has its own (the gateway refuses a server it has already)."""
     seen: dict[int, set[str]] = {0: set(), 1: set()}
     for _ in range(MAX_TRIES):
-        conn = connect(two[1])
-        try:
-            conn.request("GET", "/health")
-            resp = conn.getresponse()
-            resp.read()
-            seen[int(resp.getheader(PROCESS_HEADER))].add(resp.getheader(INSTANCE_HEADER))
-        finally:
-            conn.close()
+        _, headers, _ = raw_request(two[1], "GET", "/health")
+        seen[int(headers[PROCESS_HEADER])].add(headers[INSTANCE_HEADER])
         if seen[0] and seen[1]:
             break
     assert seen[0] == seen[1] and len(seen[0]) == 1, seen
     (instance,) = seen[0]
-    conn = connect(one[1])
-    try:
-        conn.request("GET", "/v1/models")
-        resp = conn.getresponse()
-        resp.read()
-        other = resp.getheader(INSTANCE_HEADER)
-    finally:
-        conn.close()
+    other = raw_request(one[1], "GET", "/v1/models")[1][INSTANCE_HEADER]
     assert len(instance) == len(other) == 32 and other != instance
 
 
