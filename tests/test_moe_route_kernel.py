@@ -58,6 +58,8 @@ def test_routing_kernel_is_softmax_topk(experts, top_k, renormalize):
 
     logits = 3.0 * torch.randn(37, experts, generator=torch.Generator().manual_seed(experts + renormalize))
     logits[5, EMPTY] = float("-inf")  # an expert at probability 0
+    logits[6] -= 100.0  # every logit negative (the kernel's max compares float bits as integers)
+    logits[7] += 100.0  # every logit positive
     weights, ids = softmax_topk_triton(logits.to(DEVICE), top_k, renormalize)
     ref_w, ref_ids = softmax_topk(logits, top_k, renormalize)
     assert weights.dtype == ref_w.dtype and ids.dtype == ref_ids.dtype and ids.shape == ref_ids.shape
@@ -198,8 +200,9 @@ def test_deepseek_routing_uses_the_kernel_where_no_group_is_masked(tmp_path, met
     ref_w, ref_ids = routing(cfg)(logits, **bias)
     # the shared experts folded in (2 slots after the 64 routed): the kernel appends them in its
     # launch, the torch path after grouped_topk
+    on_device = {name: t.to(DEVICE) for name, t in bias.items()}
     for appended in (0, 2):
-        weights, ids = routing(cfg, triton_ops(), appended)(logits.to(DEVICE), **bias)
+        weights, ids = routing(cfg, triton_ops(), appended)(logits.to(DEVICE), **on_device)
         want_w, want_ids = append_picks(ref_w, ref_ids, 64, appended)
         assert torch.equal(ids.cpu(), want_ids)
         torch.testing.assert_close(weights.cpu(), want_w, atol=1e-6, rtol=0)

@@ -11,7 +11,7 @@ result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py 
     `count_rows`, of the first count_rows[0] tokens only (a padded decode graph's real rows).
 
 One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
-two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask. Replaces
+two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask on the probabilities' int32 bits. Replaces
 torch's softmax + topk (radix sort, gatherTopK and a bitonic sort kernel: ~15 µs a layer at bs1
 on the H200, docs/performance.md) and the renormalising division.
 
@@ -40,18 +40,26 @@ def softmax_topk_row(x, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, A
     fused MoE's gate|up kernel runs this too, at one token: kernels/moe_route_up.py)."""
     offs = tl.arange(0, BLOCK_E)
     real = offs < NUM_EXPERTS
-    p = tl.exp(x - tl.max(x, axis=0))
+    # the max as an int32 reduction too: a float's bits, the magnitude bits flipped when negative,
+    # order as the floats do (-inf the lowest; -0 below +0, either a right max)
+    xb = x.to(tl.int32, bitcast=True)
+    top = tl.max(xb ^ ((xb >> 31) & 0x7FFFFFFF), axis=0)
+    p = tl.exp(x - (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
     p = p / tl.sum(p, axis=0)
-    p = tl.where(real, p, -1.0)  # below every probability: padding is never picked
+    # Each round's two warp reductions on int32 (a max, then the lowest index holding it): a
+    # probability is >= +0, so its fp32 bits order as integers do, and an int32 reduction is one
+    # redux.sync instruction where a float max is a chain of shuffles (a round is dependent
+    # latency: the routing launch's time). Padding's -1 is below every probability's bits.
+    bits = tl.where(real, p.to(tl.int32, bitcast=True), -1)
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros([K_PAD], dtype=tl.float32)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
-        weights = tl.where(slots == j, best, weights)
+        best = tl.max(bits, axis=0)
+        pick = tl.min(tl.where(bits == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
+        weights = tl.where(slots == j, best.to(tl.float32, bitcast=True), weights)
         ids = tl.where(slots == j, pick, ids)
-        p = tl.where(offs == pick, -2.0, p)  # below the padding: picked once
+        bits = tl.where(offs == pick, -2, bits)  # below the padding: picked once
     if RENORMALIZE:
         weights = weights / tl.sum(tl.where(slots < TOP_K, weights, 0.0), axis=0)
     weights = weights * scale  # x 1.0 is exact: no scale, the same bits
