@@ -65,11 +65,15 @@ def test_the_norm_and_the_product_of_the_two_launches(dtype, k, n, with_residual
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_a_moe_steps_picks_are_summed_as_the_combine_does(dtype, with_residual):
+@pytest.mark.parametrize("at_once", [True, False], ids=["one-load", "row-at-a-time"])
+def test_a_moe_steps_picks_are_summed_as_the_combine_does(dtype, with_residual, at_once, monkeypatch):
     """x as a one-token MoE step's weighted picks [1, k, K] (LayerOps.pick_rows): h, the new
     residual and y as moe_sum's row through the plain kernel, bit for bit in the interpreter;
-    and the op set's norms (with and without a first product) sum them too."""
+    and the op set's norms (with and without a first product) sum them too. Both ways of
+    reading the picks: one [k, K] tile, or a row at a time (past MAX_PICK_TILE)."""
     from ketch.kernels.moe_combine import moe_sum
+    if not at_once:
+        monkeypatch.setattr(ng, "MAX_PICK_TILE", 0)
     k, n, top_k = 70, 13, 6
     _, residual, norm_w, w, bias = inputs(k, n, dtype, seed=21)
     picks = (torch.randn(1, top_k, k, generator=torch.Generator().manual_seed(22)) * 2).to(DEVICE, dtype)
@@ -145,15 +149,15 @@ def test_the_kernel_compiles_for_sm90_without_spills():
     script = """
 from ketch.kernels._common import pow2
 from ketch.kernels.compile_check import _compile, _usage
-from ketch.kernels.norm_gemv import _TILE_BYTES, _norm_gemv_kernel as fn
+from ketch.kernels.norm_gemv import _TILE_BYTES, _norm_gemv_kernel as fn, pick_constants
 for k in (2048, 4096, 7168):
     for w, size in (("*bf16", 2), ("*fp32", 4)):
         bk = pow2(k)
         sig = {n: "*bf16" for n in fn.arg_names}
         sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
                    stride_xp="i32", n_blocks="i32")
-        for picks in (1, 8):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows)
-            consts = dict(PICKS=picks, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
+        for picks in (1, 8, 9):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows), 9: DeepSeek-V3's
+            consts = dict(**pick_constants(picks, bk), HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
                           BLOCK_K=bk, USE_PDL=True)
             u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
             print(k, w, picks, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)

@@ -47,6 +47,9 @@ _TILE_BYTES = 16384
 # KETCH_NORM_GEMV=0: the norm and the product as two launches again (the H200 A/B's switch)
 ENABLED = os.environ.get("KETCH_NORM_GEMV", "1") != "0"
 PROGRAMS_PER_SM = 2  # the grid's cap (module docstring); a guess for the H200 sweep to settle
+# The picks' rows loaded as one [pow2(picks), BLOCK_K] tile up to this many elements (8 picks of
+# K 2048: Qwen3-30B-A3B, DeepSeek-V2-Lite with its shared experts); beyond, a row at a time.
+MAX_PICK_TILE = 16384
 INTERPRET_PROGRAMS = 3  # the interpreter: few programs, so the tests' small products take several blocks each
 
 
@@ -60,7 +63,7 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
 @triton.jit(do_not_specialize=["n_blocks"])
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
-    PICKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PICKS: tl.constexpr, PICKS_PAD: tl.constexpr, PICKS_AT_ONCE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -74,15 +77,28 @@ def _norm_gemv_kernel(
     if USE_PDL:  # x and the residual are earlier kernels' outputs
         tl.extra.cuda.gdc_wait()
     dt = H.dtype.element_ty
+    if HAS_RESIDUAL:  # requested first, so that its round trip overlaps x's
+        r = tl.load(Residual + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if PICKS == 1:
         s = tl.load(X + offs_k, mask=k_mask, other=0.0)
-    else:  # a MoE step's weighted picks: summed in fp32 in pick order, rounded once (moe_sum's)
+    elif PICKS_AT_ONCE:  # a MoE step's weighted picks, in one load
+        # every pick's row requested at once: one L2 round trip after the wait, not one per pick
+        # (the loop below leaves the compiler to issue a few loads ahead). The picks axis lies in
+        # each thread's registers, so selecting row j is exact in-register arithmetic (+0s).
+        offs_p = tl.arange(0, PICKS_PAD)
+        rows = tl.load(X + offs_p[:, None] * stride_xp + offs_k[None, :],
+                       mask=(offs_p < PICKS)[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for j in range(PICKS):  # a loop, not unrolled: one row in registers at a time (K 7168: no spills)
+        for j in tl.static_range(PICKS):  # summed in fp32 in pick order, rounded once (moe_sum's)
+            acc += tl.sum(tl.where(offs_p[:, None] == j, rows, 0.0), axis=0)
+        s = acc.to(dt)
+    else:  # the same sum a row at a time (DeepSeek-V3's 9 picks of 7168: no spills)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for j in range(PICKS):
             acc += tl.load(X + j * stride_xp + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         s = acc.to(dt)
     if HAS_RESIDUAL:
-        s = (s.to(tl.float32) + tl.load(Residual + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
+        s = (s.to(tl.float32) + r).to(dt)
     sf = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(sf * sf, 0) / K + eps)
     h = ((sf * rstd).to(dt).to(tl.float32) * nw).to(dt)
@@ -102,6 +118,11 @@ def _norm_gemv_kernel(
         w = w_next
     if USE_PDL:  # the weights are read
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def pick_constants(picks: int, block_k: int) -> dict[str, int | bool]:
+    """The kernel's constexprs for a row (picks 1) or a MoE step's picks to sum first."""
+    return {"PICKS": picks, "PICKS_PAD": pow2(picks), "PICKS_AT_ONCE": pow2(picks) * block_k <= MAX_PICK_TILE}
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -137,7 +158,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
     _norm_gemv_kernel[(programs,)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
-        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, PICKS=picks,
+        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, **pick_constants(picks, block_k),
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
     )
