@@ -49,27 +49,31 @@ def test_shapes_that_do_not_fit_are_refused():
     assert head_gemv(x[:0], torch.zeros(HEADS, NOPE, RANK, device=DEVICE)).shape == (0, HEADS, RANK)
 
 
+SPLIT_BLOCK = 16  # the split kernel's tokens per tile, for the count of nonempty splits
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_merged_form_past_one_merge_tile_reads_only_the_nonempty_splits(dtype):
+@pytest.mark.parametrize("used", [49, 35, 1, 0])
+def test_the_merged_form_past_one_merge_tile_reads_only_the_nonempty_splits(dtype, used):
     """More splits than decode_attention.MERGE_BLOCK: the nonempty ones (a prefix, as the split
-    kernels leave them) merged a tile at a time, the partials of the empty ones never read (NaN
-    here: any read shows); the merge kernel then the product, and a torch merge, agree."""
+    kernels leave them, counted from the row's seq len: 16 tokens a split here) merged a tile at
+    a time, the partials of the empty ones never read (NaN here: any read shows); the merge
+    kernel then the product, and a torch merge, agree; a padded row (length 0) gives zeros."""
     from ketch.kernels.decode_attention import MERGE_BLOCK, merge_splits
 
     splits = 3 * MERGE_BLOCK + 1
-    g = torch.Generator().manual_seed(splits)
+    g = torch.Generator().manual_seed(splits + used)
     rank = 520
     parts = torch.randn(1, HEADS, splits, rank, generator=g).to(DEVICE)
     lse = (torch.randn(1, HEADS, splits, generator=g) * 4).to(DEVICE)
-    used = [splits, 2 * MERGE_BLOCK + 3, 0]  # nonempty splits of each of the HEADS heads
-    for h, n in enumerate(used):
-        lse[0, h, n:] = float("-inf")
-        parts[0, h, n:] = float("nan")
+    lse[0, :, used:] = float("-inf")
+    parts[0, :, used:] = float("nan")
+    seq_lens = torch.tensor([used * SPLIT_BLOCK], dtype=torch.int32, device=DEVICE)  # `used` splits of 16 hold it
     w_uv = (torch.randn(HEADS, V, rank, generator=g) / 8).to(DEVICE, dtype)
     merged = torch.empty(1, HEADS, rank, dtype=dtype, device=DEVICE)
-    want = head_gemv(merge_splits(parts, lse, merged, splits), w_uv.transpose(1, 2))
+    want = head_gemv(merge_splits(parts, lse, merged, splits, seq_lens, SPLIT_BLOCK), w_uv.transpose(1, 2))
     out = torch.empty(1, HEADS, V, dtype=dtype, device=DEVICE)
-    head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse)
+    head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse, seq_lens=seq_lens, split_block=SPLIT_BLOCK)
     if DEVICE.type == "cpu":
         assert torch.equal(out, want)
     else:
@@ -78,7 +82,10 @@ def test_the_merged_form_past_one_merge_tile_reads_only_the_nonempty_splits(dtyp
     torch_merged = (weights[..., None] * parts[0].nan_to_num(0.0)).sum(1)  # [heads, rank]
     ref = torch.einsum("hr,hvr->hv", torch_merged.to(dtype).float(), w_uv.float())
     torch.testing.assert_close(out[0].float(), ref, atol=TOL[dtype] * 8, rtol=TOL[dtype] * 8)
-    assert (out[0, 2] == 0).all()  # every split empty: a zero row
+    if used == 0:
+        assert (out == 0).all()  # every split empty: zero rows
+    with pytest.raises(ValueError, match="seq_lens"):
+        head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,13 +106,15 @@ def test_the_merged_form_is_the_merge_then_the_product(dtype, splits):
     lse[0, 2] = float("-inf")
     w_uv = (torch.randn(HEADS, V, rank, generator=g) / 8).to(DEVICE, dtype)
     merged = torch.empty(1, HEADS, rank, dtype=dtype, device=DEVICE)
-    want = head_gemv(merge_splits(parts, lse, merged, splits), w_uv.transpose(1, 2))
+    seq_lens = torch.tensor([splits * SPLIT_BLOCK], dtype=torch.int32, device=DEVICE)
+    want = head_gemv(merge_splits(parts, lse, merged, splits, seq_lens, SPLIT_BLOCK), w_uv.transpose(1, 2))
     out = torch.full((3, HEADS, V), 7.0, dtype=dtype, device=DEVICE)
-    head_gemv(parts, w_uv.transpose(1, 2), out=out[:1], lse=lse)
+    head_gemv(parts, w_uv.transpose(1, 2), out=out[:1], lse=lse, seq_lens=seq_lens, split_block=SPLIT_BLOCK)
     if DEVICE.type == "cpu":
         assert torch.equal(out[:1], want)
     else:  # compiled, the two kernels may reduce over the splits in other orders
         torch.testing.assert_close(out[:1].float(), want.float(), atol=TOL[dtype] * 8, rtol=TOL[dtype])
     assert (out[0, 2] == 0).all() and (out[1:] == 7).all()
     with pytest.raises(ValueError, match="one row"):
-        head_gemv(parts.expand(2, -1, -1, -1), w_uv.transpose(1, 2), out=out[:2], lse=lse.expand(2, -1, -1))
+        head_gemv(parts.expand(2, -1, -1, -1), w_uv.transpose(1, 2), out=out[:2], lse=lse.expand(2, -1, -1),
+                  seq_lens=seq_lens, split_block=SPLIT_BLOCK)

@@ -103,7 +103,7 @@ def test_mla_decode_past_one_merge_tile_writes_and_reads_only_the_nonempty_split
                                      scratch=nan_scratch(1), num_splits=splits, block_n=16)
     assert parts[0, :, 19:].isnan().all() and (lse[0, :, 19:] == float("-inf")).all()
     merged = head_gemv(parts, w_uv.transpose(1, 2), out=torch.empty(1, heads, VDIM, dtype=dtype, device=DEVICE),
-                       lse=lse)
+                       lse=lse, seq_lens=seq_lens[:1], split_block=16)
     close(merged[0], torch.einsum("hr,hvr->hv", ref[0], w_uv), dtype, scale=2)
 
 
@@ -272,7 +272,8 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     """DeepSeek-V2-Lite shapes (16 heads, rank 512 + rope 64, qk 192 / v 128) for an sm_90 target
     (the ptxas in the triton wheel, no GPU needed), with the router's one-token product (bf16 x,
     fp32 weight) and the absorbed per-head products: no spills, nothing stored or loaded before
-    the PDL wait but the products' first weight tiles (parameters, prefetched)."""
+    the PDL wait but the products' first weight tiles (parameters, prefetched) and, where more
+    splits than one merge tile are merged, the row's seq len (written by the step's host copy)."""
     import re
     import subprocess
     import sys
@@ -293,6 +294,7 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
                                               "mla_merge", "mla_merge_blocks", "mla_extend", *weights_first}, proc.stdout
     assert all(spill == "0" for _, spill, _ in found), proc.stdout
     waits = {name: wait for name, _, wait in found}
+    assert waits.pop("mla_merge_blocks") == "1 loads / 0 stores", proc.stdout  # the row's seq len (host-written)
     assert all(waits[n] in ("0 loads / 0 stores", "no wait") for n in waits if n not in weights_first), proc.stdout
     assert all(waits[n].endswith(" loads / 0 stores") and waits[n] != "0 loads / 0 stores" for n in weights_first), \
         proc.stdout

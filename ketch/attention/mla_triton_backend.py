@@ -163,7 +163,8 @@ class MLATritonBackend(TritonAttentionBackend):
         if nd == 1:  # the W_UV product merges the splits itself: the merge's launch goes
             parts, lse = mla_decode_partials(q_lat, q[:, :, nope:], cache, d.page_table, d.seq_lens, self.scale,
                                              **splits)
-            head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse)
+            head_gemv(parts, w_uv.transpose(1, 2), out=out, lse=lse, seq_lens=d.seq_lens,
+                      split_block=splits["block_n"])
             return
         o_lat = mla_decode(q_lat, q[:, :, nope:], cache, d.page_table, d.seq_lens, self.scale, **splits)
         if few:

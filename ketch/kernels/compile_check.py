@@ -107,7 +107,7 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
             "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": skip}, 4, 2)
           for skip in (False, True)],
         *[(f"decode_merge{'_blocks' if all_s else ''}", _decode_merge_kernel,  # _blocks: 64 splits, 16 at a time
-           {"HEAD_DIM": head_dim, "BLOCK_S": 16 if all_s else 8, "BLOCK_D": bd, "ALL_S": all_s},
+           {"HEAD_DIM": head_dim, "BLOCK_S": 16 if all_s else 8, "BLOCK_D": bd, "ALL_S": all_s, "SPLIT_BLOCK": 64},
            1 if head_dim <= 64 else 2, 3) for all_s in (0, 64)],
         ("extend", _extend_kernel,
          {"GROUP": group, "HEAD_DIM": head_dim, "V_DIM": head_dim, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": bd,
@@ -157,7 +157,8 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
             "BLOCK_P": pow2(rope, 16), "BLOCK_N": 32, "PRECISION": prec,
             "FP16_DOTS": kv == "*fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": skip}, 4, 2) for skip in (False, True)],
         *[(f"mla_merge{'_blocks' if all_s else ''}", _decode_merge_kernel,  # _blocks: 64 splits, 16 at a time
-           {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": all_s}, 4, 3) for all_s in (0, 64)],
+           {"HEAD_DIM": rank, "BLOCK_S": 16, "BLOCK_D": pow2(rank, 16), "ALL_S": all_s, "SPLIT_BLOCK": 32}, 4, 3)
+          for all_s in (0, 64)],
         ("mla_extend", _extend_kernel,  # expanded form, K/V up-projected in the model's dtype
          {"GROUP": 1, "HEAD_DIM": nope + rope, "V_DIM": v_dim, "BLOCK_M": 64, "BLOCK_N": 32,
           "BLOCK_D": pow2(nope + rope, 16), "BLOCK_DV": pow2(v_dim, 16), "PRECISION": prec}, 8, 2),
@@ -177,9 +178,9 @@ def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64
     # at one row W_UV's product merges the 16 splits' fp32 partials itself (no merge launch)
     merged = [(f"head_gemv_uv_merged{'_blocks' if all_s else ''}", _head_gemv_kernel,
                {"K": rank, "N": v_dim, "BLOCK_T": 16, "BLOCK_K": 256, "BLOCK_N": 16, "BLOCK_S": 16, "MERGE": True,
-                "PRECISION": prec, "ALL_S": all_s}, 2, 3)
+                "PRECISION": prec, "ALL_S": all_s, "SPLIT_BLOCK": 32}, 2, 3)
               for all_s in (0, 64)]  # 64: more splits than one tile, merged 16 at a time
-    ints = {"rows": "i32", "num_splits": "i32"}
+    ints = {"rows": "i32", "num_splits": "i32", "SeqLens": "*i32"}
     # a few decode rows: the prepare's program beside the W_UK product's (mla_prepare_absorb)
     absorb = [("mla_prepare_absorb", _mla_prepare_absorb_kernel,
                {**cases[0][2], **heads_gemv[0][2], "PRODUCT_PROGRAMS": heads * rank // 64, "PRODUCT_BLOCKS": rank // 64},

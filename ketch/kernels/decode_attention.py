@@ -108,20 +108,34 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def merge_split_blocks(MidO, MidLse, num_splits, offs_d, d_mask, stride_ms,
+def nonempty_splits(seq_len, num_splits, SPLIT_BLOCK: tl.constexpr):
+    """How many of a sequence's splits hold tokens (a prefix of them): the split kernels' chunking
+    (chunk = ceil(ceil(L / splits) / SPLIT_BLOCK) * SPLIT_BLOCK); 0 for a padded row (L = 0)."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_BLOCK) * SPLIT_BLOCK
+    return tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
+
+
+@triton.jit
+def merge_split_blocks(MidO, MidLse, used, offs_d, d_mask, stride_ms,
                        ALL_S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """More splits than one tile holds (MERGE_BLOCK): sum_s 2^(lse_s - m) * o_s and its weights
-    over the nonempty splits only, BLOCK_S at a time. Those are a prefix (split s holds tokens iff
-    s * chunk < L), the rest wrote no partial (SKIP_EMPTY). MidO / MidLse: this head's rows.
+    over the `used` nonempty splits only (nonempty_splits: the consumers take the count from the
+    sequence's length, before their PDL wait), BLOCK_S at a time; the rest wrote no partial
+    (SKIP_EMPTY). The lse of all of them and the first block's partials are requested together,
+    one round trip: a short context needs no more. MidO / MidLse: this head's rows.
     Returns (the weighted sum [BLOCK_D], the sum of the weights), fp32."""
     offs_a = tl.arange(0, ALL_S)
-    lse_all = tl.load(MidLse + offs_a, mask=offs_a < num_splits, other=float("-inf"))
+    lse_all = tl.load(MidLse + offs_a, mask=offs_a < used, other=float("-inf"))
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < used
+    lse = tl.load(MidLse + offs_s, mask=s_mask, other=float("-inf"))
+    o = tl.load(MidO + offs_s[:, None] * stride_ms + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     m = tl.max(lse_all, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights all 0, output 0
-    used = tl.sum((lse_all > float("-inf")).to(tl.int32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    denom = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    for s0 in range(0, used, BLOCK_S):
+    w = tl.exp2(lse - m)
+    acc = tl.sum(w[:, None] * o, 0)
+    denom = tl.sum(w, 0)
+    for s0 in range(BLOCK_S, used, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_mask = offs_s < used
         w = tl.exp2(tl.load(MidLse + offs_s, mask=s_mask, other=float("-inf")) - m)
@@ -134,26 +148,29 @@ def merge_split_blocks(MidO, MidLse, num_splits, offs_d, d_mask, stride_ms,
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    MidO, MidLse, Out,
+    MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0,
+    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0, SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """ALL_S 0: every split in one [BLOCK_S, BLOCK_D] tile; else the splits' power-of-two bound,
-    merged BLOCK_S at a time over the nonempty ones (merge_split_blocks)."""
+    merged BLOCK_S at a time over the nonempty ones (merge_split_blocks; SPLIT_BLOCK: the split
+    kernel's BLOCK_N, for their count)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
+    if ALL_S:  # the step's seq lens: its host copy, before every kernel of the step (README rules)
+        used = nonempty_splits(tl.load(SeqLens + b), num_splits, SPLIT_BLOCK)
     if USE_PDL:  # the split kernel's partials
         if EARLY_TRIGGER:  # a one-wave grid (KETCH_PDL_EARLY): the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if ALL_S:
         acc, denom = merge_split_blocks(MidO + b * stride_mb + h * stride_mh, MidLse + b * stride_lb + h * stride_lh,
-                                        num_splits, offs_d, d_mask, stride_ms, ALL_S, BLOCK_S, BLOCK_D)
+                                        used, offs_d, d_mask, stride_ms, ALL_S, BLOCK_S, BLOCK_D)
         if USE_PDL and not EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
     else:
@@ -233,7 +250,7 @@ def decode_attention(
         num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES, SKIP_EMPTY=skips_empty(num_splits),
         **pdl_launch(batch * kv_heads * num_splits),
     )
-    return merge_splits(mid_o, mid_lse, out, num_splits)
+    return merge_splits(mid_o, mid_lse, out, num_splits, seq_lens, block_n)
 
 
 def skips_empty(num_splits: int) -> bool:
@@ -242,21 +259,24 @@ def skips_empty(num_splits: int) -> bool:
     return num_splits > MERGE_BLOCK
 
 
-def merge_blocks(num_splits: int) -> dict[str, int]:
-    """The merge's tile constexprs: BLOCK_S, and ALL_S (0: one tile of every split)."""
+def merge_blocks(num_splits: int, split_block: int) -> dict[str, int]:
+    """The merge's tile constexprs: BLOCK_S, ALL_S (0: one tile of every split) and the split
+    kernel's block (SPLIT_BLOCK: the consumers count the nonempty splits from the seq lens)."""
     if skips_empty(num_splits):
-        return {"BLOCK_S": MERGE_BLOCK, "ALL_S": pow2(num_splits)}
-    return {"BLOCK_S": pow2(num_splits), "ALL_S": 0}
+        return {"BLOCK_S": MERGE_BLOCK, "ALL_S": pow2(num_splits), "SPLIT_BLOCK": split_block}
+    return {"BLOCK_S": pow2(num_splits), "ALL_S": 0, "SPLIT_BLOCK": split_block}
 
 
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> torch.Tensor:
-    """Stage 2: out [batch, heads, dim] from the partials of `num_splits` splits (also MLA's, mla_decode.py)."""
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                 seq_lens: torch.Tensor, split_block: int) -> torch.Tensor:
+    """Stage 2: out [batch, heads, dim] from the partials of `num_splits` splits of split_block-
+    token tiles over seq_lens [batch] (also MLA's, mla_decode.py)."""
     batch, num_heads, dim = out.shape
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=dim, BLOCK_D=pow2(dim, 16), **merge_blocks(num_splits),
+        HEAD_DIM=dim, BLOCK_D=pow2(dim, 16), **merge_blocks(num_splits, split_block),
         num_warps=1 if dim <= 64 else (2 if dim <= 128 else 4), **pdl_launch(batch * num_heads),
     )
     return out

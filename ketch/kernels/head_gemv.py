@@ -34,20 +34,20 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import dot_precision, pdl_launch
-from ketch.kernels.decode_attention import merge_blocks, merge_split_blocks
+from ketch.kernels.decode_attention import merge_blocks, merge_split_blocks, nonempty_splits
 
 MAX_ROWS = 8
 _ROWS_TILE = 16  # tl.dot's smallest tile
 
 
 @triton.jit
-def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
+def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits, used,
             dt: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, MERGE: tl.constexpr,
             ALL_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """The [BLOCK_T, BLOCK_K] x tile: loaded, or (MERGE, one row) row 0 merged from the splits
     (ALL_S: more of them than one tile holds, decode_attention.merge_blocks)."""
     if MERGE and ALL_S:
-        acc, denom = merge_split_blocks(X + h * stride_xh, Lse + h * stride_lh, num_splits, offs_k, k_mask,
+        acc, denom = merge_split_blocks(X + h * stride_xh, Lse + h * stride_lh, used, offs_k, k_mask,
                                         stride_xs, ALL_S, BLOCK_S, BLOCK_K)
         merged = (acc / tl.where(denom > 0, denom, 1.0)).to(dt)
         return tl.where(offs_t[:, None] == 0, merged[None, :], tl.zeros([BLOCK_T, 1], dt))
@@ -70,12 +70,12 @@ def _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride
 
 @triton.jit
 def head_block(
-    h, block, X, W, Out, Lse, rows,
+    h, block, X, W, Out, Lse, SeqLens, rows,
     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr = False, ALL_S: tl.constexpr = 0,
+    EARLY_TRIGGER: tl.constexpr = False, ALL_S: tl.constexpr = 0, SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """One program's work: BLOCK_N outputs of head h for every row (also mla_prepare's absorbed
     launch, kernels/mla_prepare.py, runs it for its product programs). EARLY_TRIGGER (a one-wave
@@ -97,18 +97,21 @@ def head_block(
     if USE_PDL and EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    used = num_splits
+    if MERGE and ALL_S:  # the nonempty splits' count from the row's seq len (the step's host copy)
+        used = nonempty_splits(tl.load(SeqLens), num_splits, SPLIT_BLOCK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     dt = Out.dtype.element_ty
     x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh, num_splits,
-                dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
+                used, dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
     acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_base + offs_k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         x = _x_tile(X, Lse, x_base, h, offs_t, t_mask, offs_k, k_mask, stride_xh, stride_xs, stride_lh,
-                    num_splits, dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
+                    num_splits, used, dt, BLOCK_T, BLOCK_S, MERGE, ALL_S, BLOCK_K)
         acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,17 +121,17 @@ def head_block(
 
 @triton.jit
 def _head_gemv_kernel(
-    X, W, Out, Lse, rows,
+    X, W, Out, Lse, SeqLens, rows,
     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
     num_splits,
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0,
+    EARLY_TRIGGER: tl.constexpr, ALL_S: tl.constexpr = 0, SPLIT_BLOCK: tl.constexpr = 1,
 ):
-    head_block(tl.program_id(0), tl.program_id(1), X, W, Out, Lse, rows,
+    head_block(tl.program_id(0), tl.program_id(1), X, W, Out, Lse, SeqLens, rows,
                stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
                num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL, EARLY_TRIGGER,
-               ALL_S)
+               ALL_S, SPLIT_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ class HeadGemvLaunch:
 
 
 def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-                   lse: torch.Tensor | None = None, block_k: int | None = None, block_n: int | None = None,
+                   lse: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None, split_block: int = 1,
+                   block_k: int | None = None, block_n: int | None = None,
                    num_warps: int | None = None) -> HeadGemvLaunch:
     """head_gemv's checks and launch arguments (head_gemv's docstring); rows may be 0."""
     merge = lse is not None
@@ -153,6 +157,8 @@ def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
         if x.dim() != 4 or x.shape[0] != 1 or tuple(lse.shape) != tuple(x.shape[:3]) or out is None:
             raise ValueError(f"head_gemv: partials {tuple(x.shape)} and lse {tuple(lse.shape)} do not fit "
                              "(one row, an out tensor)")
+        if seq_lens is None or seq_lens.numel() < 1 or split_block < 1:
+            raise ValueError("head_gemv: merging needs the row's seq_lens and the split kernel's split_block")
         splits = x.shape[2]
         x_split_stride, lse_head_stride = x.stride(2), lse.stride(1)
         x = x[:, :, 0]  # [1, H, K]: the row and head strides of the partials
@@ -172,22 +178,25 @@ def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     long_k = k >= 512
     block_k = block_k or (256 if long_k else 64)
     block_n = block_n or (64 if n >= 512 else 16)  # >= ~128 programs for MLA's shapes (16 heads)
-    args = (x, w, out, lse if merge else x, rows,
+    args = (x, w, out, lse if merge else x, seq_lens if merge else x, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             x_split_stride, lse_head_stride, splits)
-    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, **merge_blocks(splits),
+    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, **merge_blocks(splits, split_block),
                       MERGE=merge, PRECISION=dot_precision(out.dtype))
     return HeadGemvLaunch(out, heads, triton.cdiv(n, block_n), args, constexprs, num_warps or (2 if long_k else 4))
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, lse: torch.Tensor | None = None,
-              block_k: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+              seq_lens: torch.Tensor | None = None, split_block: int = 1, block_k: int | None = None,
+              block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x [T, H, K] (T <= MAX_ROWS), w [H, K, N] (any strides: a transposed view of W_UV is fine),
     out [T, H, N] (any row / head strides, a contiguous last dim; new when None). lse [1, H, S]:
     x is split-K partials [1, H, S, K] (fp32) merged first (module docstring; `out` then names
-    the dtype). The block sizes are benchmarks/head_gemv.py's knobs."""
-    plan = plan_head_gemv(x, w, out, lse=lse, block_k=block_k, block_n=block_n, num_warps=num_warps)
-    if plan.args[4]:  # rows
+    the dtype), of split_block-token tiles over seq_lens [1] (the split kernel's: how many splits
+    hold tokens). The block sizes are benchmarks/head_gemv.py's knobs."""
+    plan = plan_head_gemv(x, w, out, lse=lse, seq_lens=seq_lens, split_block=split_block, block_k=block_k,
+                          block_n=block_n, num_warps=num_warps)
+    if plan.args[5]:  # rows
         _head_gemv_kernel[(plan.heads, plan.blocks)](*plan.args, **plan.constexprs, num_warps=plan.num_warps,
                                                       **pdl_launch(plan.heads * plan.blocks))
     return plan.out

@@ -135,7 +135,7 @@ def mla_decode(
     mid_o, mid_lse = mla_decode_partials(q_lat, q_pe, cache, page_table, seq_lens, scale, scratch=scratch,
                                          num_splits=num_splits, block_h=block_h, block_n=block_n,
                                          num_warps=num_warps, num_stages=num_stages)
-    return merge_splits(mid_o, mid_lse, out, num_splits)
+    return merge_splits(mid_o, mid_lse, out, num_splits, seq_lens, block_n)
 
 
 def mla_decode_partials(

@@ -118,7 +118,7 @@ def _mla_prepare_kernel(
 def _mla_prepare_absorb_kernel(
     Q, Ckv, Cos, Sin, Weight, Latent, Cache, Slots,
     stride_qt, stride_qh, stride_ct, stride_cos, stride_sin, stride_lt, stride_cs, eps,
-    X, W, Out, Lse, rows,
+    X, W, Out, Lse, SeqLens, rows,
     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
     num_splits,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, RANK: tl.constexpr,
@@ -127,13 +127,14 @@ def _mla_prepare_absorb_kernel(
     K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
     PRODUCT_PROGRAMS: tl.constexpr, PRODUCT_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr, ALL_S: tl.constexpr = 0,
+    SPLIT_BLOCK: tl.constexpr = 1,
 ):
     """The first PRODUCT_PROGRAMS programs: head_gemv's (q_nope W_UK, one head and output block
     each); the rest: one token's prepare each. Independent work (the product reads q's nope part,
     prepare writes its rope part and the latent), both after the projection before."""
     pid = tl.program_id(0)
     if pid < PRODUCT_PROGRAMS:
-        head_block(pid // PRODUCT_BLOCKS, pid % PRODUCT_BLOCKS, X, W, Out, Lse, rows,
+        head_block(pid // PRODUCT_BLOCKS, pid % PRODUCT_BLOCKS, X, W, Out, Lse, SeqLens, rows,
                    stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh, stride_xs, stride_lh,
                    num_splits, K, N, BLOCK_T, BLOCK_K, BLOCK_N, BLOCK_S, MERGE, PRECISION, USE_PDL)
     else:
