@@ -38,6 +38,9 @@ def with_cpu_auto_dtype(config: EngineConfig, source: ModelSource) -> EngineConf
 
 def _mostly_four_bit(path: str) -> bool:
     """Most of the file's matrix bytes are 4-bit blocks (the embedding or the head may be Q8_0/F16)."""
-    matrices = [t for t in GGUFFile(path).tensors.values() if len(t.shape) == 2]
+    try:
+        matrices = [t for t in GGUFFile(path).tensors.values() if len(t.shape) == 2]
+    except ValueError:  # a broken file: the model loader right after reports it, naming the model
+        return False
     four_bit = sum(t.nbytes for t in matrices if t.ggml_type in _FOUR_BIT)
     return four_bit * 2 > sum(t.nbytes for t in matrices)
