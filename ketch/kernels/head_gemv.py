@@ -181,7 +181,8 @@ def plan_head_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = 
     args = (x, w, out, lse if merge else x, seq_lens if merge else x, rows,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             x_split_stride, lse_head_stride, splits)
-    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n, **merge_blocks(splits, split_block),
+    constexprs = dict(K=k, N=n, BLOCK_T=_ROWS_TILE, BLOCK_K=block_k, BLOCK_N=block_n,
+                      **merge_blocks(splits, split_block),
                       MERGE=merge, PRECISION=dot_precision(out.dtype))
     return HeadGemvLaunch(out, heads, triton.cdiv(n, block_n), args, constexprs, num_warps or (2 if long_k else 4))
 

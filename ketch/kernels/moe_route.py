@@ -11,9 +11,10 @@ result of ketch.layers.moe_routing.softmax_topk (tests/test_moe_route_kernel.py 
     `count_rows`, of the first count_rows[0] tokens only (a padded decode graph's real rows).
 
 One program per token holds the token's E probabilities in registers (BLOCK_E = next power of
-two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask on the probabilities' int32 bits. Replaces
-torch's softmax + topk (radix sort, gatherTopK and a bitonic sort kernel: ~15 µs a layer at bs1
-on the H200, docs/performance.md) and the renormalising division.
+two of E; E <= 256 at one warp, more at four), then k rounds of argmax-and-mask on the
+probabilities' int32 bits. Replaces torch's softmax + topk (radix sort, gatherTopK and a bitonic
+sort kernel: ~15 µs a layer at bs1 on the H200, docs/performance.md) and the renormalising
+division.
 
 Ties: the choice is made on the fp32 probabilities, as torch's is; among equal probabilities
 the lowest expert index is picked first. torch.topk promises no order among equal values, so

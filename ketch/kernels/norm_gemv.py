@@ -63,8 +63,8 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
 @triton.jit(do_not_specialize=["n_blocks"])
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
-    PICKS: tl.constexpr, PICKS_PAD: tl.constexpr, PICKS_AT_ONCE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PICKS: tl.constexpr, PICKS_PAD: tl.constexpr, PICKS_AT_ONCE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -158,7 +158,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     programs = min(n_blocks, INTERPRET_PROGRAMS if interpreting() else PROGRAMS_PER_SM * sm_count())
     _norm_gemv_kernel[(programs,)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, weight if bias is None else bias,
-        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks, **pick_constants(picks, block_k),
+        y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks,
+        **pick_constants(picks, block_k),
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
     )
