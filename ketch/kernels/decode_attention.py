@@ -9,9 +9,7 @@
         merges the splits: out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m).
 
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
-chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N, or half a tile where ceil(L / splits) fits
-in one (`split_chunk`: a short context runs twice the splits on half-width tiles, each program's
-chain of loads and dots half as long; BLOCK_N >= 32); empty splits write lse = -inf and are
+chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
 ignored by stage 2 (past MERGE_BLOCK splits they write nothing else, and stage 2 reads only the
 nonempty ones, which are a prefix). `splits` is fixed per launch (not per sequence), so the grid
 depends only on the batch size, which is what CUDA-graph capture needs; it is a runtime argument,
@@ -37,48 +35,6 @@ from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split of a sequence (the split kernels' slicing, the consumers' count): whole
-    BLOCK_N tiles of ceil(L / splits), or, where that fits in half a tile, half a tile. At a short
-    context (the graph's split count sized for a long one) the split kernel then runs twice the
-    programs on half-width tiles: each program's chain of K/V loads and dots is half as long,
-    which is what a short context waits on (a tile of 16 MLA tokens instead of 32: 2.5 % of an
-    H100 bs1 step at 128 tokens, 3 % lost at 8K with the tile fixed at 16)."""
-    NARROW: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N  # a dot's N and K stay >= 16
-    per = tl.cdiv(seq_len, num_splits)
-    return tl.where(per <= NARROW, NARROW, tl.cdiv(per, BLOCK_N) * BLOCK_N)
-
-
-@triton.jit
-def _attend_kv(q, K, V, table, lo, hi, page_size, stride_ks, stride_vs, offs_d, d_mask, scale_log2,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of the q rows over tokens [lo, hi), BLOCK_N at a time through the page table:
-    (running max, running sum, unnormalised output [BLOCK_H, BLOCK_D]), fp32, base 2."""
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-        slot = page * page_size + offs_n % page_size
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + slot[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = k.to(q.dtype)  # an fp8 pool's tile, cast up exactly; a no-op when the pool is q's dtype
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
 # Per-step values (the page-table width, the split count, where the step's metadata views start
 # in its one buffer) are not specialized on: each new 1 / multiple-of-16 / alignment pattern
 # would compile a kernel variant in the middle of serving (~1 s each on an H200).
@@ -101,7 +57,7 @@ def _decode_split_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
-    chunk = split_chunk(seq_len, num_splits, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -115,15 +71,28 @@ def _decode_split_kernel(
     if FP16_DOTS:
         q = q.to(tl.float16)
     table = PageTable + b.to(tl.int64) * stride_pt
-    K = KCache + kvh * stride_kh
-    V = VCache + kvh * stride_vh
-    NARROW: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N  # split_chunk's half tile
-    if chunk < BLOCK_N:  # a short context's half-tile splits (split_chunk)
-        m_i, l_i, acc = _attend_kv(q, K, V, table, lo, hi, page_size, stride_ks, stride_vs, offs_d, d_mask,
-                                   scale_log2, BLOCK_H, BLOCK_D, NARROW, PRECISION)
-    else:
-        m_i, l_i, acc = _attend_kv(q, K, V, table, lo, hi, page_size, stride_ks, stride_vs, offs_d, d_mask,
-                                   scale_log2, BLOCK_H, BLOCK_D, BLOCK_N, PRECISION)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+        slot = page * page_size + offs_n % page_size
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an fp8 pool's tile, cast up exactly; a no-op when the pool is q's dtype
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -140,9 +109,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def nonempty_splits(seq_len, num_splits, SPLIT_BLOCK: tl.constexpr):
-    """How many of a sequence's splits hold tokens (a prefix of them), by the split kernels'
-    slicing (split_chunk; SPLIT_BLOCK: their BLOCK_N); 0 for a padded row (L = 0)."""
-    return tl.where(seq_len > 0, tl.cdiv(seq_len, split_chunk(seq_len, num_splits, SPLIT_BLOCK)), 0)
+    """How many of a sequence's splits hold tokens (a prefix of them): the split kernels' chunking
+    (chunk = ceil(ceil(L / splits) / SPLIT_BLOCK) * SPLIT_BLOCK); 0 for a padded row (L = 0)."""
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_BLOCK) * SPLIT_BLOCK
+    return tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
 
 
 @triton.jit

@@ -13,8 +13,7 @@ BLOCK_H heads and each latent row it loads serves all of them (tl.dot [BLOCK_H, 
 [rank, BLOCK_N]): the cache is read once per head block instead of once per head.
 
     grid stage 1: (batch, cdiv(heads, BLOCK_H), splits)   online softmax over one slice of the
-                  sequence, BLOCK_N tokens at a time through the page table (half that in a
-                  short context's half-tile splits: decode_attention.split_chunk); writes the
+                  sequence, BLOCK_N tokens at a time through the page table; writes the
                   normalised partial [BLOCK_H, rank] and its log-sum-exp (base 2), fp32
     grid stage 2: (batch, heads)   decode_attention's merge (`merge_splits`)
 
@@ -30,43 +29,13 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import dot_precision, last_dim_contiguous, pdl_launch, pow2
-from ketch.kernels.decode_attention import (LOG2E, decode_scratch, merge_splits, num_splits_for, skips_empty,
-                                            split_chunk)
+from ketch.kernels.decode_attention import LOG2E, decode_scratch, merge_splits, num_splits_for, skips_empty
 
 
 # The split kernel's launch shape when a call gives none (read at call time: GPU sweeps set them
 # through scripts/with_constants.py)
 SPLIT_WARPS = 4
 SPLIT_STAGES = 2
-
-
-@triton.jit
-def _attend_latents(q_lat, q_pe, Cache, table, lo, hi, page_size, stride_cs, offs_r, offs_p, r_mask, p_mask,
-                    scale_log2, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of the heads' absorbed queries over latent rows [lo, hi), BLOCK_N at a time
-    through the page table: (running max, running sum, unnormalised output [BLOCK_H, BLOCK_R]),
-    fp32, base 2."""
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
-        row = Cache + (page * page_size + offs_n % page_size)[:, None] * stride_cs
-        c = tl.load(row + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(q_lat.dtype)
-        k_pe = tl.load(row + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(q_lat.dtype)
-        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # values: the c part
-        m_i = m_new
-    return m_i, l_i, acc
 
 
 # Per-step values are not specialized on (a new page-table width or split count would compile
@@ -90,7 +59,7 @@ def _mla_decode_split_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq_len = tl.load(SeqLens + b)
-    chunk = split_chunk(seq_len, num_splits, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -108,13 +77,26 @@ def _mla_decode_split_kernel(
     if FP16_DOTS:
         q_lat, q_pe = q_lat.to(tl.float16), q_pe.to(tl.float16)
     table = PageTable + b64 * stride_pt
-    NARROW: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N  # split_chunk's half tile
-    if chunk < BLOCK_N:  # a short context's half-tile splits (split_chunk)
-        m_i, l_i, acc = _attend_latents(q_lat, q_pe, Cache, table, lo, hi, page_size, stride_cs, offs_r, offs_p,
-                                        r_mask, p_mask, scale_log2, RANK, BLOCK_H, BLOCK_R, NARROW, PRECISION)
-    else:
-        m_i, l_i, acc = _attend_latents(q_lat, q_pe, Cache, table, lo, hi, page_size, stride_cs, offs_r, offs_p,
-                                        r_mask, p_mask, scale_log2, RANK, BLOCK_H, BLOCK_R, BLOCK_N, PRECISION)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        page = tl.load(table + offs_n // page_size, mask=n_mask, other=0).to(tl.int64)
+        row = Cache + (page * page_size + offs_n % page_size)[:, None] * stride_cs
+        c = tl.load(row + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(q_lat.dtype)
+        k_pe = tl.load(row + RANK + offs_p[None, :], mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(q_lat.dtype)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        s = (s + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # values: the c part
+        m_i = m_new
     if USE_PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
 
