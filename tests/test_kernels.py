@@ -367,6 +367,38 @@ def test_triton_backend_matches_torch_backend(dtype: torch.dtype, splits: dict) 
         assert torch.equal(pools[0].k[layer], pools[1].k[layer]) and torch.equal(pools[0].v[layer], pools[1].v[layer])
 
 
+def test_short_shape_runs_one_split_a_tile_at_one_short_row_and_matches_torch() -> None:
+    """Graphs sized for 4,096 tokens: one decode row within SHORT_SPAN runs one split per 64-row
+    tile of the span (not the long shape's MAX_SPLITS, nearly all empty); past the span, or at two
+    rows, the long shape. Both equal the torch backend; the graphs of size 1 hold both shapes."""
+    from ketch.attention import triton_backend
+
+    gen, page_size, num_pages = torch.Generator().manual_seed(12), 16, 40
+    pools = [KVPool(KVSpec.mha(1, KVH, D), num_pages, page_size, torch.float32, DEVICE) for _ in range(2)]
+    for t in ("k", "v"):
+        getattr(pools[0], t)[0].copy_(torch.randn(num_pages, page_size, KVH, D, generator=gen))
+        getattr(pools[1], t)[0].copy_(getattr(pools[0], t)[0])
+    ref = TorchAttentionBackend(pools[0], D, DEVICE)
+    tri = TritonAttentionBackend(pools[1], H, D, DEVICE, decode_splits_len=4096)
+    span = triton_backend.SHORT_SPAN
+    short, long = (span // 64, 64), (32, 64)
+    assert [tri.decode_shape(1, n) for n in (1, span, span + 1)] == [short, short, long]
+    assert tri.decode_shape(2, 5) == long
+    assert tri.init_capture([1, 2], max_model_len=4096) == [(1, *short), (1, *long), (2, *long)]
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    pages = span // page_size
+    for seqs, shape in (([SeqChunk(start=span - 1, num_new=1, page_table=perm[:pages])], short),
+                        ([SeqChunk(start=span, num_new=1, page_table=perm[: pages + 1])], long),
+                        ([SeqChunk(start=70, num_new=1, page_table=perm[20:25]),
+                          SeqChunk(start=3, num_new=1, page_table=perm[25:26])], long)):
+        batch = ForwardBatch.build(seqs, page_size)
+        meta = tri.init_metadata(batch)
+        assert (meta.decode.num_splits, meta.decode.block_n) == shape
+        assert tri.graph_key(batch, len(seqs)) == (len(seqs), *shape)
+        ((q, k, v),) = step_inputs(seqs, 1, torch.float32, gen)
+        close(tri.forward(q, k, v, 0, meta), ref.forward(q, k, v, 0, ref.init_metadata(batch)), torch.float32)
+
+
 def test_triton_backend_rejects_bad_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = KVPool(KVSpec.mha(1, KVH, D), 4, 4, torch.float32, DEVICE)
     backend = create_attention_backend("triton", pool, H, D, DEVICE)

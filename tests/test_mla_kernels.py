@@ -242,6 +242,37 @@ def test_mla_triton_backend_with_more_splits_than_one_merge_tile_matches_torch()
               torch.float32, scale=2)
 
 
+def test_mla_short_shape_takes_16_row_tiles_at_one_short_row_and_matches_torch() -> None:
+    """The default tiles (32 rows; the short shape's 16) with graphs sized for 4,096 tokens: one
+    decode row within SHORT_SPAN runs one 16-row split per 16 tokens of the span (the W_UV product
+    merging them); past the span, or at two rows, the long shape. All equal the torch backend.
+    The graphs of a size hold both shapes, and a step's key is the shape it runs."""
+    from ketch.attention import triton_backend
+
+    gen, heads = torch.Generator().manual_seed(9), 16
+    pools, ref, _ = backends(heads, torch.float32, 48, gen, layers=1)
+    tri = MLATritonBackend(pools[1], "latent", heads, RANK, 0.13, DEVICE, decode_splits_len=4096)
+    span = triton_backend.SHORT_SPAN
+    short, long = (span // 16, 16), (64, 32)  # 64: 4,096 tokens in splits of two 32-row tiles, MAX_SPLITS
+    assert [tri.decode_shape(1, n) for n in (1, span, span + 1)] == [short, short, long]
+    assert tri.decode_shape(2, 5) == long
+    assert tri.init_capture([1, 2], max_model_len=4096) == [(1, *short), (1, *long), (2, *long)]
+    w = weights(heads, gen, torch.float32)
+    perm = torch.randperm(48, generator=gen).tolist()
+    cases = [([SeqChunk(start=span - 1, num_new=1, page_table=perm[0:span // PAGE])], short),
+             ([SeqChunk(start=span, num_new=1, page_table=perm[0:span // PAGE + 1])], long),
+             ([SeqChunk(start=40, num_new=1, page_table=perm[20:23]), SeqChunk(start=4, num_new=1,
+                                                                                page_table=perm[23:24])], long)]
+    for seqs, shape in cases:
+        batch = ForwardBatch.build(seqs, PAGE)
+        meta = tri.init_metadata(batch)
+        assert (meta.decode.num_splits, meta.decode.block_n) == shape
+        assert tri.graph_key(batch, len(seqs)) == (len(seqs), *shape)
+        q, latent = layer_inputs(batch.num_tokens, heads, torch.float32, gen)
+        close(tri.forward(q, latent, 0, meta, *w), ref.forward(q, latent, 0, ref.init_metadata(batch), *w),
+              torch.float32, scale=2)
+
+
 def test_mla_triton_decode_graph_inputs_match_eager_and_padding_writes_nothing() -> None:
     """The inherited graph hooks with a [heads, rank] scratch: a step of 3 rows through a size-4
     graph's static buffers computes the eager step's rows; the padded row writes no latent."""
@@ -249,17 +280,19 @@ def test_mla_triton_decode_graph_inputs_match_eager_and_padding_writes_nothing()
     pools, _, tri = backends(heads, torch.float32, 16, gen, layers=1)
     w_uk, w_uv = weights(heads, gen, torch.float32)
     keys = tri.init_capture([1, 2, 4], max_model_len=64)
-    assert keys == [(1,), (2,), (4,)]
-    tri.prepare_capture((4,))
+    assert [key[0] for key in keys] == [1, 2, 4]  # a context within the short span: one shape a size
     seqs = [SeqChunk(start=30, num_new=1, page_table=[3, 7]), SeqChunk(start=0, num_new=1, page_table=[9]),
             SeqChunk(start=47, num_new=1, page_table=[1, 12, 5])]
     batch = ForwardBatch.build(seqs, PAGE, input_ids=[5, 6, 7])
+    key = tri.graph_key(batch, 4)
+    assert key == keys[-1]
+    tri.prepare_capture(key)
     q, latent = layer_inputs(4, heads, torch.float32, gen)
     before = pools[1].tensor(0, "latent").clone()
     eager = tri.forward(q[:3], latent[:3], 0, tri.init_metadata(batch), w_uk, w_uv)
     pools[1].tensor(0, "latent").copy_(before)
-    tri.prepare_replay(batch, (4,))
-    inputs = tri.capture_inputs((4,))
+    tri.prepare_replay(batch, key)
+    inputs = tri.capture_inputs(key)
     assert inputs.ids.tolist() == [5, 6, 7, 0] and inputs.positions.tolist() == [30, 0, 47, 0]
     graphed = tri.forward(q, latent, 0, inputs.metadata, w_uk, w_uv)
     torch.testing.assert_close(graphed[:3], eager, atol=1e-6, rtol=1e-6)

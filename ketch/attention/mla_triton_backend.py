@@ -26,7 +26,7 @@ decode steps, and this path reuses a tested kernel).
 Steps with an extend chunk after a cached prefix make one more small host→device copy (the
 gathered page ids and the local table). Decode steps are exactly the MHA backend's: the same
 metadata and the same decode-graph hooks (inherited), with the split-K scratch sized for
-[heads, kv_lora_rank] partials.
+[heads, kv_lora_rank] partials; the short shape's tile is SHORT_BLOCK_N latent rows.
 """
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ def expand(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[t
 # latent rows per split step, and the most splits of a sequence
 DECODE_BLOCK_N = 32
 MAX_SPLITS = 64
+# the short shape's tile (triton_backend.SHORT_SPAN): 16 rows put less on each split's critical
+# path; a long context's splits hold several tiles, where 32 is faster (runs 93, 109)
+SHORT_BLOCK_N = 16
 
 
 class MLATritonBackend(TritonAttentionBackend):
@@ -91,16 +94,15 @@ class MLATritonBackend(TritonAttentionBackend):
         self.decode_block_h, self.decode_block_n = decode_block_h, decode_block_n or DECODE_BLOCK_N
         self.decode_splits, self.decode_splits_len = decode_splits, decode_splits_len
         self.max_splits = max_splits or MAX_SPLITS
+        self.init_short_shape(min(SHORT_BLOCK_N, self.decode_block_n))
         self.extend_block_m, self.extend_block_n, self.extend_warps = extend_block_m, extend_block_n, extend_warps
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.target_programs = 2 * sms
         self.graph_buffers = None
 
-    def splits_for(self, batch: int, longest: int) -> int:
-        if self.decode_splits:
-            return self.decode_splits
-        return mla_num_splits(batch, self.num_heads, self.decode_splits_len or longest, block_h=self.decode_block_h,
-                              block_n=self.decode_block_n, target_programs=self.target_programs, max_splits=self.max_splits)
+    def split_count(self, batch: int, span: int, block_n: int, min_blocks: int = 2) -> int:
+        return mla_num_splits(batch, self.num_heads, span, block_h=self.decode_block_h, block_n=block_n,
+                              target_programs=self.target_programs, max_splits=self.max_splits, min_blocks=min_blocks)
 
     def init_metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         meta = super().init_metadata(batch)
@@ -159,7 +161,7 @@ class MLATritonBackend(TritonAttentionBackend):
             q_lat = head_gemv(q[:, :, :nope], w_uk) if few else \
                 torch.bmm(q[:, :, :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [nd, heads, rank]
         splits = dict(scratch=d.scratch, num_splits=d.num_splits, block_h=self.decode_block_h,
-                      block_n=self.decode_block_n)
+                      block_n=d.block_n)
         if nd == 1:  # the W_UV product merges the splits itself: the merge's launch goes
             parts, lse = mla_decode_partials(q_lat, q[:, :, nope:], cache, d.page_table, d.seq_lens, self.scale,
                                              **splits)

@@ -11,7 +11,8 @@ extend kernel over the rest, both writing into one output: no host syncs, no Pyt
 over requests, so the decode path can be captured in a CUDA graph.
 
 Decode CUDA graphs (the graph hooks below; ketch/runner/graph_runner.py captures and replays):
-every runner size is captured at init, key (bs,). Static buffers, shared by every graph (they
+every runner size is captured at init, key (bs, splits, tile): its long shape, and beside it the
+short shape where that differs (SHORT_SPAN). Static buffers, shared by every graph (they
 replay one at a time, on one stream):
 
     stage  int32 [4 * max_bs + max_bs * max_pages]  ← the step's one host→device copy (pinned)
@@ -23,14 +24,17 @@ replay one at a time, on one stream):
     scratch fp32 split-K partials for the largest bs × splits, viewed per size
 
 Padded rows: token 0 at position 0, kv_len 0, slot -1: the KV store writes nothing and
-attention returns zeros, so padding never touches a request's pages. The split count is
-fixed per size (`splits_for(bs, max_model_len)`), and an eager decode step of the same batch
-size uses the same count, so greedy output is bit-identical with graphs on or off.
+attention returns zeros, so padding never touches a request's pages. The decode shape (split
+count and tile) is a function of the size and of whether the step's longest sequence fits the
+short span (`decode_shape`), and an eager decode step of the same batch size picks it the same
+way, so greedy output is bit-identical with graphs on or off.
 
-Split count: `decode_splits` fixes it; else it is picked per step from the batch size and
-`decode_splits_len` when given (the runner passes max_model_len, so the count depends on the
-batch size only and an eager step computes exactly what the graph of that size computes),
-else from the step's longest sequence.
+Split count: `decode_splits` fixes it; else, for a step of at most SHORT_MAX_BS rows whose
+sequences fit SHORT_SPAN tokens, one split per tile of the short span (the short shape: at a
+short context the long shape's splits are mostly empty, and their programs still launch, wait
+and write); else it is picked from the batch size and `decode_splits_len` when given (the
+runner passes max_model_len, so the count depends on the batch size only), else from the
+step's longest sequence.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ class DecodeMetadata:
     seq_lens: torch.Tensor  # [batch] int32, KV length including this step's token
     num_splits: int
     scratch: tuple[torch.Tensor, torch.Tensor]  # fp32 partial outputs / lse, reused by every layer
+    block_n: int  # KV rows a split program takes per step (the split kernels' tile)
 
 
 @dataclass
@@ -89,7 +94,6 @@ class GraphBuffers:
     host: torch.Tensor  # its pinned host twin (CUDA), the source of the step's one copy
     host_np: np.ndarray  # numpy view of `host`, filled per step
     table: torch.Tensor  # int32 [max_bs, max_pages], fixed row stride
-    splits: dict[int, int]  # decode split count per size
     mid_o: torch.Tensor  # fp32 split-K partial outputs for the largest bs × splits
     mid_lse: torch.Tensor
     copied: torch.cuda.Event | None  # the last copy has read `host` (CUDA only)
@@ -99,6 +103,12 @@ class GraphBuffers:
 # the KV rows a split program takes per step, and the most splits of a sequence (the scratch size)
 DECODE_BLOCK_N = 64
 MAX_SPLITS = 32
+# The short shape: a decode step of at most SHORT_MAX_BS rows whose sequences all fit SHORT_SPAN
+# tokens runs splits of one tile each (the backend's short tile), sized for SHORT_SPAN; its graph
+# is captured beside the long one. At a short context the long shape (sized for max_model_len)
+# launches mostly empty splits, and MLA's tile is narrower there (mla_triton_backend.SHORT_BLOCK_N).
+SHORT_SPAN = 256
+SHORT_MAX_BS = 1
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -125,6 +135,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_splits = decode_splits
         self.max_splits = max_splits or MAX_SPLITS
         self.decode_splits_len = decode_splits_len
+        self.init_short_shape(self.decode_block_n)
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
@@ -143,19 +154,35 @@ class TritonAttentionBackend(AttentionBackend):
 
         decode = extend = None
         if nd:
-            splits = self.splits_for(nd, int(kv_lens[:nd].max()))
+            splits, block_n = self.decode_shape(nd, int(kv_lens[:nd].max()))
             scratch = decode_scratch(nd, self.num_heads, self.head_dim, splits, self.device)
-            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch)
+            decode = DecodeMetadata(table_t[:nd], kv_t[:nd], splits, scratch, block_n)
         if nd < b:
             extend = ExtendMetadata(table_t[nd:], start_t[nd:], new_t[nd:], qs_t[nd:], int(batch.num_new[nd:].max()))
         return TritonAttentionMetadata(slots_t, nd, decode, extend)
 
+    def init_short_shape(self, block_n: int) -> None:
+        """The short shape's bounds (the module's, read now: GPU sweeps set them) and tile."""
+        self.short_span, self.short_max_bs, self.short_block_n = SHORT_SPAN, SHORT_MAX_BS, block_n
+
+    def decode_shape(self, batch: int, longest: int) -> tuple[int, int]:
+        """(split count, tile) of a decode step of `batch` rows whose longest sequence has
+        `longest` tokens: the short shape when it qualifies (SHORT_SPAN), else `splits_for`
+        with the decode tile. A graph of size `batch` computes exactly what an eager step of
+        `batch` rows does, both keyed by this."""
+        if not self.decode_splits and batch <= self.short_max_bs and longest <= self.short_span:
+            return self.split_count(batch, self.short_span, self.short_block_n, min_blocks=1), self.short_block_n
+        return self.splits_for(batch, longest), self.decode_block_n
+
     def splits_for(self, batch: int, longest: int) -> int:
-        """The decode split count of a batch whose longest sequence has `longest` tokens."""
+        """The decode split count of a batch whose longest sequence has `longest` tokens (the long shape)."""
         if self.decode_splits:
             return self.decode_splits
-        return num_splits_for(batch, self.num_kv_heads, self.decode_splits_len or longest, block_n=self.decode_block_n,
-                              target_programs=self.target_programs, max_splits=self.max_splits)
+        return self.split_count(batch, self.decode_splits_len or longest, self.decode_block_n)
+
+    def split_count(self, batch: int, span: int, block_n: int, min_blocks: int = 2) -> int:
+        return num_splits_for(batch, self.num_kv_heads, span, block_n=block_n, target_programs=self.target_programs,
+                              max_splits=self.max_splits, min_blocks=min_blocks)
 
     def kv_sink(self, layer: int, meta: TritonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.pool.k[layer], self.pool.v[layer], meta.slots
@@ -170,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.decode is not None:
             d, nd = meta.decode, meta.num_decode
             decode_attention(q[:nd], kc, vc, d.page_table, d.seq_lens, self.scale, out=out[:nd],
-                             scratch=d.scratch, num_splits=d.num_splits, block_n=self.decode_block_n)
+                             scratch=d.scratch, num_splits=d.num_splits, block_n=d.block_n)
         if meta.extend is not None:
             e = meta.extend
             extend_attention(q, k, v, kc, vc, e.page_table, e.prefix_lens, e.new_lens, e.q_starts, e.max_new,
@@ -181,40 +208,40 @@ class TritonAttentionBackend(AttentionBackend):
     def init_capture(self, sizes: list[int], max_model_len: int) -> list[GraphKey]:
         max_bs = max(sizes)
         max_pages = -(-max_model_len // self.page_size)
-        splits = {bs: self.splits_for(bs, max_model_len) for bs in sizes}
+        # every size's long shape, and its short shape where that differs: keys (bs, splits, tile)
+        keys = sorted({(bs, *self.decode_shape(bs, n)) for bs in sizes for n in {max_model_len, min(self.short_span, max_model_len)}})
         n_stage = 4 * max_bs + max_bs * max_pages
         cuda = self.device.type == "cuda"
         host = torch.zeros(n_stage, dtype=torch.int32, pin_memory=cuda)
-        partials = max(bs * s for bs, s in splits.items()) * self.num_heads
+        partials = max(bs * splits for bs, splits, _ in keys) * self.num_heads
         self.graph_buffers = GraphBuffers(
             stage=torch.zeros(n_stage, dtype=torch.int32, device=self.device), host=host, host_np=host.numpy(),
-            table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device), splits=splits,
+            table=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=self.device),
             mid_o=torch.empty(partials * self.head_dim, dtype=torch.float32, device=self.device),
             mid_lse=torch.empty(partials, dtype=torch.float32, device=self.device),
             copied=torch.cuda.Event() if cuda else None,
         )
-        return [(bs,) for bs in sizes]  # all at init: no capture stalls a running server
+        return keys  # all at init: no capture stalls a running server
 
     def graph_key(self, batch: ForwardBatch, bs: int) -> GraphKey | None:
-        return (bs,)
+        return (bs, *self.decode_shape(bs, int(batch.kv_lens.max())))
 
     def prepare_capture(self, key: GraphKey) -> None:
-        (bs,) = key
+        bs = key[0]
         # padded rows only: warm-up and capture write nothing into the pool
         self.graph_buffers.stage[: 4 * bs].view(4, bs).copy_(torch.from_numpy(PAD).expand(4, bs))
 
     def capture_inputs(self, key: GraphKey) -> GraphInputs:
-        (bs,) = key
-        g, h, d = self.graph_buffers, self.num_heads, self.head_dim
-        s, splits = g.stage, g.splits[bs]
+        bs, splits, block_n = key
+        g, h, d, s = self.graph_buffers, self.num_heads, self.head_dim, self.graph_buffers.stage
         scratch = (g.mid_o[: bs * h * splits * d].view(bs, h, splits, d), g.mid_lse[: bs * h * splits].view(bs, h, splits))
-        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch)
+        decode = DecodeMetadata(g.table[:bs], s[2 * bs : 3 * bs], splits, scratch, block_n)
         return GraphInputs(s[:bs], s[bs : 2 * bs], TritonAttentionMetadata(s[3 * bs : 4 * bs], bs, decode, None))
 
     def prepare_replay(self, batch: ForwardBatch, key: GraphKey) -> None:
         """One pinned host→device copy of ids, positions, kv_lens, slots and page rows, then one
         device copy of the rows into the fixed-stride table. No sync with the device."""
-        (bs,), g, n = key, self.graph_buffers, batch.num_seqs
+        bs, g, n = key[0], self.graph_buffers, batch.num_seqs
         width = batch.page_table.shape[1]  # the widest row's pages
         if g.copied is not None:
             g.copied.synchronize()  # the previous step's copy has read the host buffer

@@ -189,11 +189,11 @@ def _decode_merge_kernel(
 
 
 def num_splits_for(batch: int, kv_heads: int, max_len: int, *, block_n: int = 64,
-                   target_programs: int = 264, max_splits: int = 16) -> int:
+                   target_programs: int = 264, max_splits: int = 16, min_blocks: int = 2) -> int:
     """Enough splits to give the GPU ~target_programs programs, never a split shorter than
-    two blocks (merging costs a little), at most max_splits (the scratch size)."""
+    min_blocks blocks (merging costs a little), at most max_splits (the scratch size)."""
     want = math.ceil(target_programs / max(1, batch * kv_heads))
-    useful = math.ceil(max_len / (2 * block_n))
+    useful = math.ceil(max_len / (min_blocks * block_n))
     return max(1, min(want, useful, max_splits))
 
 

@@ -112,10 +112,10 @@ def _mla_decode_split_kernel(
 
 
 def mla_num_splits(batch: int, heads: int, max_len: int, *, block_h: int = 16, block_n: int = 32,
-                   target_programs: int = 264, max_splits: int = 16) -> int:
+                   target_programs: int = 264, max_splits: int = 16, min_blocks: int = 2) -> int:
     """decode_attention's rule with a program per (sequence, head block, split)."""
     return num_splits_for(batch, triton.cdiv(heads, block_h), max_len, block_n=block_n,
-                          target_programs=target_programs, max_splits=max_splits)
+                          target_programs=target_programs, max_splits=max_splits, min_blocks=min_blocks)
 
 
 def mla_decode(
