@@ -114,6 +114,32 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, page_size: int, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_one_split_writes_the_output_itself_bit_identical_to_its_merge(dtype: torch.dtype,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One split (a large batch, a short context): the split kernel writes the output in q's dtype
+    and no merge runs (a scratch of NaN is left untouched); the output equals, bit for bit, the
+    merge of that one split (MERGE_ONE_SPLIT, the path before), padded row and one-token row included."""
+    from ketch.kernels import decode_attention as module
+
+    gen = torch.Generator().manual_seed(13)
+    lens = [1, 7, 200, 0]
+    kc, vc = random_pool(64, 16, dtype, gen)
+    table = page_tables(lens, 16, 64, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), H, D, generator=gen).to(DEVICE, dtype)
+    scratch = module.decode_scratch(len(lens), H, D, 1, DEVICE)
+    for t in scratch:
+        t.fill_(float("nan"))
+    direct = decode_attention(q, kc, vc, table, seq_lens, D**-0.5, scratch=scratch, num_splits=1, block_n=16)
+    assert all(t.isnan().all() for t in scratch)  # never written: the output was
+    monkeypatch.setattr(module, "MERGE_ONE_SPLIT", True)
+    merged = decode_attention(q, kc, vc, table, seq_lens, D**-0.5, scratch=scratch, num_splits=1, block_n=16)
+    assert not scratch[1].isnan().any()  # the merge path did use the scratch
+    assert torch.equal(direct, merged)
+    close(direct, decode_attention_ref(q, kc, vc, table, seq_lens, D**-0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_more_splits_than_one_merge_tile_read_only_the_nonempty_ones(dtype: torch.dtype) -> None:
     """Past MERGE_BLOCK splits (a long context at a small batch) an empty split writes its lse
     alone and the merge reads the nonempty splits only, MERGE_BLOCK at a time: with the scratch
@@ -276,7 +302,8 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^(\w+)\s+registers\s+\d+\s+spilled (\d+) B  before PDL wait: (.*)$", proc.stdout, re.MULTILINE)
     rows = {name: spill for name, spill, _ in found}
-    assert set(rows) == {"store_kv", "decode_split", "decode_split_skip", "decode_merge", "decode_merge_blocks",
+    assert set(rows) == {"store_kv", "decode_split", "decode_split_skip", "decode_split_direct", "decode_merge",
+                         "decode_merge_blocks",
                          "extend", "add_rms_norm", "qk_rms_norm",
                          "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
                          "silu_and_mul", "gemv_m1", "gemv_dot", "gemv_whole", "page_copy"}
@@ -290,14 +317,14 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["gemv_whole"] > 0, proc.stdout
     assert loads["add_rms_norm"] > 0, proc.stdout
     assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0 and loads["qk_norm_rope_store"] > 0, proc.stdout
-    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_split_skip", "decode_merge",
-                                       "rotary", "rope_store", "silu_and_mul")), proc.stdout
+    assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_split_skip", "decode_split_direct",
+                                       "decode_merge", "rotary", "rope_store", "silu_and_mul")), proc.stdout
     assert loads["decode_merge_blocks"] == 1, proc.stdout  # the row's seq len: the step's host copy
     assert "trigger first" not in proc.stdout  # the default: dependents launch after the loads
 
 
 # the small kernels with an EARLY_TRIGGER variant (KETCH_PDL_EARLY): at bs1 the attention kernels too
-EARLY = {"store_kv", "decode_split", "decode_split_skip", "decode_merge", "decode_merge_blocks", "mla_decode",
+EARLY = {"store_kv", "decode_split", "decode_split_skip", "decode_split_direct", "decode_merge", "decode_merge_blocks", "mla_decode",
          "mla_decode_skip", "add_rms_norm", "qk_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
          "silu_and_mul", "mla_prepare", "mla_store_rows", "mla_merge", "mla_merge_blocks", "head_gemv_uk",
          "head_gemv_uv", "head_gemv_uv_merged", "head_gemv_uv_merged_blocks"}

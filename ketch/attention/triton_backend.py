@@ -104,11 +104,12 @@ class GraphBuffers:
 DECODE_BLOCK_N = 64
 MAX_SPLITS = 32
 # The short shape: a decode step of at most SHORT_MAX_BS rows whose sequences all fit SHORT_SPAN
-# tokens runs splits of one tile each (the backend's short tile), sized for SHORT_SPAN; its graph
+# tokens runs splits of SHORT_TILES tiles (the backend's short tile), sized for SHORT_SPAN; its graph
 # is captured beside the long one. At a short context the long shape (sized for max_model_len)
 # launches mostly empty splits, and MLA's tile is narrower there (mla_triton_backend.SHORT_BLOCK_N).
 SHORT_SPAN = 256
 SHORT_MAX_BS = 1
+SHORT_TILES = 1  # tiles a split of the short shape holds (at least)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -163,7 +164,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_short_shape(self, block_n: int) -> None:
         """The short shape's bounds (the module's, read now: GPU sweeps set them) and tile."""
-        self.short_span, self.short_max_bs, self.short_block_n = SHORT_SPAN, SHORT_MAX_BS, block_n
+        self.short_span, self.short_max_bs, self.short_tiles, self.short_block_n = \
+            SHORT_SPAN, SHORT_MAX_BS, SHORT_TILES, block_n
 
     def decode_shape(self, batch: int, longest: int) -> tuple[int, int]:
         """(split count, tile) of a decode step of `batch` rows whose longest sequence has
@@ -171,7 +173,7 @@ class TritonAttentionBackend(AttentionBackend):
         with the decode tile. A graph of size `batch` computes exactly what an eager step of
         `batch` rows does, both keyed by this."""
         if not self.decode_splits and batch <= self.short_max_bs and longest <= self.short_span:
-            return self.split_count(batch, self.short_span, self.short_block_n, min_blocks=1), self.short_block_n
+            return self.split_count(batch, self.short_span, self.short_block_n, self.short_tiles), self.short_block_n
         return self.splits_for(batch, longest), self.decode_block_n
 
     def splits_for(self, batch: int, longest: int) -> int:

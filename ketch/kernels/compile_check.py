@@ -97,15 +97,17 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
     gemv_consts = {"HAS_BIAS": False, "UPCAST": dtype == "fp32", "PRECISION": prec}
     whole_n, whole_k = whole_rows(1, hidden, 4 if dtype == "fp32" else 2) or (1, pow2(hidden))
     position = {"HEADS": heads + kv_heads, "NUM_Q": heads, "N": head_dim, "BLOCK": pow2(head_dim), "TO_FP8": kv != p}
+    split_consts = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd, "BLOCK_N": 64,
+                    "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16"}
+    # one split: the split kernel writes the output (the model's dtype) itself
+    direct = [("decode_split_direct", _decode_split_kernel, {**split_consts, "DIRECT": True}, 4, 2)]
     cases = [  # name, kernel, constexprs, num_warps, num_stages (as the wrappers launch them)
         ("store_kv", _store_kv_kernel,
          {"KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "BLOCK_H": pow2(kv_heads), "BLOCK_D": pow2(head_dim),
           "TO_FP8": kv != p},
          4 if kv_heads * head_dim >= 1024 else 1, 3),
         *[(f"decode_split{'_skip' if skip else ''}", _decode_split_kernel,  # _skip: past MERGE_BLOCK splits
-           {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_H": pow2(group, 16), "BLOCK_D": bd, "BLOCK_N": 64,
-            "PRECISION": prec, "FP16_DOTS": kv == "fp8e4nv" and dtype == "bf16", "SKIP_EMPTY": skip}, 4, 2)
-          for skip in (False, True)],
+           {**split_consts, "SKIP_EMPTY": skip}, 4, 2) for skip in (False, True)],
         *[(f"decode_merge{'_blocks' if all_s else ''}", _decode_merge_kernel,  # _blocks: 64 splits, 16 at a time
            {"HEAD_DIM": head_dim, "BLOCK_S": 16 if all_s else 8, "BLOCK_D": bd, "ALL_S": all_s, "SPLIT_BLOCK": 64},
            1 if head_dim <= 64 else 2, 3) for all_s in (0, 64)],
@@ -133,7 +135,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k}, whole_row_warps(whole_k), 1),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
-    return _build(cases, fixed, p, arch, pdl, early)
+    return _build(cases, fixed, p, arch, pdl, early) + _build(direct, {**fixed, "MidO": p, "MidLse": p}, p, arch, pdl,
+                                                               early)
 
 
 def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128, v_dim: int = 128,

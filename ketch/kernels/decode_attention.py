@@ -7,6 +7,8 @@
         writes the normalised partial output and its log-sum-exp (base 2), fp32.
     grid stage 2: (batch, heads)
         merges the splits: out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m).
+    One split (a large batch, or a short context): stage 1 writes out itself and stage 2 is not
+    launched; the merge of one split weighs it 2^0 / 2^0, so the output is bit-identical.
 
 Split s of a sequence of length L covers [s * chunk, min(L, (s + 1) * chunk)) with
 chunk = ceil(ceil(L / splits) / BLOCK_N) * BLOCK_N; empty splits write lse = -inf and are
@@ -47,8 +49,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr, SKIP_EMPTY: tl.constexpr = False,
+    EARLY_TRIGGER: tl.constexpr, SKIP_EMPTY: tl.constexpr = False, DIRECT: tl.constexpr = False,
 ):
+    """DIRECT (one split): MidO is the output [batch, heads, dim] in its dtype, MidLse unused."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,8 +106,9 @@ def _decode_split_kernel(
     o_mask = h_mask[:, None] & d_mask[None, :]
     if SKIP_EMPTY:  # past MERGE_BLOCK splits the consumers read only the nonempty ones (merge_splits)
         o_mask = o_mask & nonempty
-    tl.store(mid, o, mask=o_mask)
-    tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    tl.store(mid, o.to(MidO.dtype.element_ty), mask=o_mask)
+    if not DIRECT:
+        tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
 
 @triton.jit
@@ -212,6 +216,8 @@ SPLIT_STAGES = 2
 # weigh 0); past it (a long context at a small batch may want more splits than 16: MAX_SPLITS in
 # the attention backends) the nonempty ones only, this many at a time.
 MERGE_BLOCK = 16
+# One split is written by the split kernel itself; True merges it as any other count (the A/B's base)
+MERGE_ONE_SPLIT = False
 
 
 def decode_attention(
@@ -232,9 +238,14 @@ def decode_attention(
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
-    mid_o, mid_lse = scratch if scratch is not None else decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
-    if mid_o.shape[0] < batch or mid_o.shape[2] != num_splits:
-        raise ValueError(f"scratch: shape {tuple(mid_o.shape)} does not fit batch {batch} x {num_splits} splits")
+    direct = num_splits == 1 and not MERGE_ONE_SPLIT  # the split's normalised output is the merge's: no merge
+    if direct:
+        mid_o, mid_lse = out.unsqueeze(2), out  # [batch, heads, 1, dim]; no lse is written
+    else:
+        mid_o, mid_lse = scratch if scratch is not None else decode_scratch(batch, num_heads, head_dim, num_splits,
+                                                                            q.device)
+        if mid_o.shape[0] < batch or mid_o.shape[2] != num_splits:
+            raise ValueError(f"scratch: shape {tuple(mid_o.shape)} does not fit batch {batch} x {num_splits} splits")
     kc = k_cache.view(-1, kv_heads, head_dim)
     vc = v_cache.view(-1, kv_heads, head_dim)
     group = num_heads // kv_heads
@@ -248,9 +259,9 @@ def decode_attention(
         BLOCK_H=pow2(group, 16), BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         FP16_DOTS=k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
         num_warps=num_warps or SPLIT_WARPS, num_stages=num_stages or SPLIT_STAGES, SKIP_EMPTY=skips_empty(num_splits),
-        **pdl_launch(batch * kv_heads * num_splits),
+        DIRECT=direct, **pdl_launch(batch * kv_heads * num_splits),
     )
-    return merge_splits(mid_o, mid_lse, out, num_splits, seq_lens, block_n)
+    return out if direct else merge_splits(mid_o, mid_lse, out, num_splits, seq_lens, block_n)
 
 
 def skips_empty(num_splits: int) -> bool:
