@@ -110,6 +110,7 @@ MAX_SPLITS = 32
 SHORT_SPAN = 256
 SHORT_MAX_BS = 1
 SHORT_TILES = 1  # tiles a split of the short shape holds (at least)
+SHORT_BLOCK_N: int | None = None  # the short shape's tile (None: DECODE_BLOCK_N, as the long shape)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -136,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_splits = decode_splits
         self.max_splits = max_splits or MAX_SPLITS
         self.decode_splits_len = decode_splits_len
-        self.init_short_shape(self.decode_block_n)
+        self.init_short_shape(SHORT_BLOCK_N or self.decode_block_n)
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
