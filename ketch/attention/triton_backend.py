@@ -110,7 +110,7 @@ MAX_SPLITS = 32
 SHORT_SPAN = 256
 SHORT_MAX_BS = 1
 SHORT_TILES = 1  # tiles a split of the short shape holds (at least)
-SHORT_BLOCK_N: int | None = None  # the short shape's tile (None: DECODE_BLOCK_N, as the long shape)
+SHORT_BLOCK_N = 0  # the short shape's tile (0: DECODE_BLOCK_N, as the long shape)
 
 
 class TritonAttentionBackend(AttentionBackend):
