@@ -212,7 +212,8 @@ class TritonAttentionBackend(AttentionBackend):
         max_bs = max(sizes)
         max_pages = -(-max_model_len // self.page_size)
         # every size's long shape, and its short shape where that differs: keys (bs, splits, tile)
-        keys = sorted({(bs, *self.decode_shape(bs, n)) for bs in sizes for n in {max_model_len, min(self.short_span, max_model_len)}})
+        lengths = {max_model_len, min(self.short_span, max_model_len)}
+        keys = sorted({(bs, *self.decode_shape(bs, n)) for bs in sizes for n in lengths})
         n_stage = 4 * max_bs + max_bs * max_pages
         cuda = self.device.type == "cuda"
         host = torch.zeros(n_stage, dtype=torch.int32, pin_memory=cuda)
