@@ -59,7 +59,7 @@ if [ -n "${SKIP_SUITE:-}" ] && ! has suite; then  # the caller ran (or runs) the
 elif has suite || ! grep -qs -- "=== suite passed at kernel tree $KTREE" docs/perf-logs/*.log; then
   has suite || echo "=== kernel tree $KTREE has no passing suite in docs/perf-logs: running the suite first" | tee -a "$LOG"
   step suite-gpu 480 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py; rc_gpu=$?
-  step suite-rest 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py \
+  step suite-rest 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_triton_attention_backend.py tests/test_triton_runner.py \
     tests/test_fp8_kv_*.py tests/test_pdl.py tests/test_gemv.py tests/test_memory_plan.py tests/test_sampling.py -k "not smollm"
   rc_rest=$?
   [ "$rc_gpu" = 0 ] && [ "$rc_rest" = 0 ] && echo "=== suite passed at kernel tree $KTREE" | tee -a "$LOG"
@@ -82,7 +82,7 @@ has bs1-sync && bs1 bs1-sync --disable-overlap-schedule
 has bs1-torch && bs1 bs1-torch "${TORCH[@]}"
 has bs1-tattn && one bs1-tattn 1 128 128 90 --layer-kernels torch
 has bs1-eager && one bs1-eager 1 128 128 90 --disable-cuda-graph
-hast kernels && step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_runner.py
+hast kernels && step kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_triton_attention_backend.py tests/test_triton_runner.py
 hast tests && step tests 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py
 # the memory plan and the GEMV kernel on the GPU (tests/test_gpu.py has the overlap test)
 hast tests-new && step tests-new 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_memory_plan.py tests/test_gemv.py
