@@ -2,7 +2,7 @@
 on a side stream beside the layer's chain. On the CPU: which bytes each site names, the spans'
 alignment, a clear error for a bad site or a strided tensor, nothing done off CUDA. On an sm_90
 GPU: an engine with the branch on (CUDA graphs, the Triton path) gives the bits of the same engine
-without it, the prefetch kernel launched once a layer in each one-row forward."""
+without it, the prefetch kernel launched once a layer in each captured one-row forward."""
 from __future__ import annotations
 
 import os
@@ -123,7 +123,7 @@ def test_the_branch_leaves_every_bit_as_it_was(name, tmp_path, monkeypatch):
     engine, got_one = run(PROMPTS[:1])
     assert got_one == want_one  # ids and logprobs, bit for bit
     layers = len(engine.runner.model.layers)
-    # one launch a layer in every one-row forward (the bs1 graph's warm-up and capture among them)
+    # one launch a layer in every captured one-row forward (the bs1 graph; eager steps take none)
     assert counting.launches >= layers and counting.launches % layers == 0
     assert not l2_ahead._pending  # every forward joined its branch
     assert run(PROMPTS)[1] == want_two  # two rows a step: the branch is not taken, the bits the same

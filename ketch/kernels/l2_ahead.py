@@ -15,8 +15,8 @@ chain (the chain waited for its bulk copies) and prefetches issued by the produc
 before their wait (they competed with their own stream). Here the prefetch is a branch beside
 the chain: after the layer's first product the current stream records an event, the side stream
 waits for it and launches `_l2_prefetch_kernel`, and nothing on the chain waits for that kernel
-until `join` at the forward's end. In a captured CUDA graph this is a fork (an edge from the
-first product's node) and one join; eagerly, two streams.
+until `join` at the forward's end. Only while a CUDA graph is captured, where it becomes a fork
+(an edge from the first product's node) and one join; an eager step would pay its host time.
 
 A hint only: what is not in L2 when a product runs is read from HBM as before, so the outputs
 are bit for bit those without it (tests/test_l2_ahead.py natively). Off by default (SITES = "")
@@ -107,13 +107,13 @@ _pending: set[int] = set()  # devices whose side stream has work the current str
 
 def ahead(tokens: int, weights_of: Callable[[], dict[str, list[torch.Tensor]]]) -> None:
     """Prefetch the SITES tensors of weights_of() beside the current stream's work, from its
-    current point on (module docstring); nothing at steps of more than MAX_TOKENS rows, off
-    CUDA or under the interpreter."""
+    current point on (module docstring), while a CUDA graph is captured; nothing at steps of
+    more than MAX_TOKENS rows, in eager steps, off CUDA or under the interpreter."""
     if not SITES or tokens > MAX_TOKENS or interpreting():
         return
     tensors = chosen(weights_of(), SITES)
-    if not tensors or not tensors[0].is_cuda:
-        return
+    if not tensors or not tensors[0].is_cuda or not torch.cuda.is_current_stream_capturing():
+        return  # eagerly, a launch more a layer would cost more host time than it saves
     device = tensors[0].device
     main = torch.cuda.current_stream(device)
     side = _side.get(device.index)
