@@ -300,13 +300,12 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
                          "decode_merge_blocks",
                          "extend", "add_rms_norm", "qk_rms_norm",
                          "qk_norm_rope", "qk_norm_rope_store", "rope_store", "rotary",
-                         "silu_and_mul", "gemv_m1", "gemv_dot", "gemv_whole", "page_copy", "l2_prefetch"}
+                         "silu_and_mul", "gemv_m1", "gemv_dot", "gemv_whole", "page_copy"}
     assert all(v == "0" for v in rows.values()), proc.stdout
     # PDL: nothing is stored before griddepcontrol.wait, and only parameters are loaded before it
     # (the norm weight; the gemv's first W tile, its prefetch); extend attention stays non-PDL
     wait = {name: re.fullmatch(r"(\d+) loads / (\d+) stores", w) for name, _, w in found}
     assert wait.pop("extend") is None and wait.pop("page_copy") is None, proc.stdout  # page_copy: copy stream
-    assert wait.pop("l2_prefetch") is None, proc.stdout  # a side-stream branch, off the PDL chain
     assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
     loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["gemv_whole"] > 0, proc.stdout

@@ -32,7 +32,6 @@ from ketch.kernels.gemv import _configs as _gemv_configs
 from ketch.kernels.gemv import _gemv_kernel, whole_row_warps, whole_rows
 from ketch.kernels.head_gemv import _head_gemv_kernel
 from ketch.kernels.kv_store import _store_kv_kernel, _store_rows_kernel
-from ketch.kernels.l2_ahead import CHUNK, LANES, _l2_prefetch_kernel
 from ketch.kernels.mla_decode import _mla_decode_split_kernel
 from ketch.kernels.mla_prepare import _mla_prepare_absorb_kernel, _mla_prepare_kernel
 from ketch.kernels.page_copy import MAX_BLOCK_BYTES, _copy_pages_kernel
@@ -136,12 +135,8 @@ def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: in
          {**gemv_consts, "BLOCK_M": 1, "BLOCK_N": whole_n, "BLOCK_K": whole_k}, whole_row_warps(whole_k), 1),
         ("page_copy", _copy_pages_kernel, {"BLOCK": MAX_BLOCK_BYTES // 8}, 4, 3),  # int64 words of a long row
     ]
-    # the side stream's L2 prefetch (sm_90's cp.async.bulk.prefetch.L2: ptxas checks the asm)
-    spans = {f"{x}{i}": t for i in range(4) for x, t in (("A", "i64"), ("N", "i32"))}
-    prefetch = [("l2_prefetch", _l2_prefetch_kernel, {"CHUNK": CHUNK, "LANES": LANES}, 1, 1)]
-    return (_build(cases, fixed, p, arch, pdl, early) + _build(direct, {**fixed, "MidO": p, "MidLse": p}, p, arch, pdl,
-                                                                early)
-            + _build(prefetch, spans, p, arch, pdl, early))
+    return _build(cases, fixed, p, arch, pdl, early) + _build(direct, {**fixed, "MidO": p, "MidLse": p}, p, arch, pdl,
+                                                               early)
 
 
 def compile_mla(arch: int = 90, heads: int = 16, rank: int = 512, rope: int = 64, nope: int = 128, v_dim: int = 128,

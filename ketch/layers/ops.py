@@ -107,11 +107,6 @@ class LayerOps:
     # (fused_experts(sum_picks=False)): the norms after it (add_rms_norm, add_rms_norm_linear)
     # add the picks in fp32, round once, then add the residual, as the combine then the norm
     pick_rows: bool = False
-    # (tokens, weights_of) at a layer's start, after its first product: weights_of() -> {site:
-    # [tensors]}, the later weights that kernels/l2_ahead.py may ask into L2 beside the chain
-    # (its SITES; off by default); None: nothing. l2_join: the forward's end joins that branch
-    l2_ahead: Callable[[int, Callable[[], dict[str, list[torch.Tensor]]]], None] | None = None
-    l2_join: Callable[[], None] | None = None
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,7 +134,7 @@ def triton_ops() -> LayerOps:
     from ketch.kernels.moe_combine import moe_sum
     from ketch.kernels.moe_route import softmax_topk_triton
     from ketch.kernels.moe_route_up import routed_experts_triton
-    from ketch.kernels import head_position, l2_ahead
+    from ketch.kernels import head_position
     from ketch.kernels.head_position import qk_rms_norm
     from ketch.kernels.rmsnorm import add_rms_norm, rms_norm
     from ketch.kernels.rotary import rotary
@@ -201,8 +196,7 @@ def triton_ops() -> LayerOps:
                     qk_norm=qk_rms_norm, qk_norm_rotary=qk_norm_rotary, mla_prepare=mla_prepare,
                     add_rms_norm_linear=add_rms_norm_linear, position_and_store=position_and_store,
                     mla_prepare_absorb=mla_prepare_absorb if ABSORB_ENABLED else None,
-                    softmax_topk_experts=routed_experts_triton, pick_rows=moe_combine.IN_NORM,
-                    l2_ahead=l2_ahead.ahead, l2_join=l2_ahead.join)
+                    softmax_topk_experts=routed_experts_triton, pick_rows=moe_combine.IN_NORM)
 
 
 GEMV_MAX_M = 8  # ketch.kernels.gemv beat cuBLASLt at M = 1..8 on every Llama-8B projection (H200)

@@ -38,7 +38,7 @@ from ketch.layers.rotary import apply_rotary
 from ketch.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from ketch.layers.yarn import ScaledRotary
 from ketch.models.deepseek_moe import EXPERT_NAMES, DeepseekEPMoE, DeepseekMoE, shared_expert_names
-from ketch.models.llama import DecoderStack, LlamaMLP, layer_l2_weights, normed_input
+from ketch.models.llama import DecoderStack, LlamaMLP, normed_input
 from ketch.models.param_loader import load_parameters
 from ketch.parallel import SINGLE, ParallelContext
 
@@ -138,14 +138,9 @@ class DeepseekDecoderLayer(nn.Module):
                 attn: Any, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer: returns this layer's MLP output and the residual before it."""
         h, residual, first = normed_input(self.ops, x, residual, self.input_layernorm, self.self_attn)
-        if self.ops.l2_ahead is not None:
-            self.ops.l2_ahead(h.shape[0], self.l2_weights)
         h = self.self_attn(h, rope, attn, meta, first=first)
         h, residual, first = normed_input(self.ops, h, residual, self.post_attention_layernorm, self.mlp)
         return self.mlp(h, first=first), residual
-
-    def l2_weights(self) -> dict[str, list[torch.Tensor]]:
-        return layer_l2_weights(self)
 
 
 class DeepseekForCausalLM(DecoderStack):

@@ -162,14 +162,6 @@ class DeepseekMoE(MoE):
         if self.shared_experts is not None:
             self.shared_experts.down_proj.reduce = False  # this rank's partial sum: reduced with the routed one
 
-    def l2_weights(self) -> dict[str, list[torch.Tensor]]:
-        """The shared experts folded into the fused experts' last slots: every token reads them,
-        so they are known before the routing (kernels/l2_ahead.py's "shared" / "shared_down")."""
-        e = self.experts
-        if not e.shared:
-            return {}
-        return {"shared": [e.w13[e.num_experts:]], "shared_down": [e.w2[e.num_experts:]]}
-
     def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
         if self.shared_experts is None:
             return super().forward(x, first)

@@ -146,22 +146,9 @@ class LlamaDecoderLayer(nn.Module):
         first layer: x is the embedding). Returns this layer's MLP output and the residual stream
         before it; each add is fused into the norm that follows it."""
         h, residual, first = normed_input(self.ops, x, residual, self.input_layernorm, self.self_attn)
-        if self.ops.l2_ahead is not None:
-            self.ops.l2_ahead(h.shape[0], self.l2_weights)
         h = self.self_attn(h, rope, attn, meta, first=first)
         h, residual, first = normed_input(self.ops, h, residual, self.post_attention_layernorm, self.mlp)
         return self.mlp(h, first=first), residual
-
-    def l2_weights(self) -> dict[str, list[torch.Tensor]]:
-        return layer_l2_weights(self)
-
-
-def layer_l2_weights(layer: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """The weights a decoder layer reads after its first product that LayerOps.l2_ahead may ask
-    into L2 at that point, by site (kernels/l2_ahead.py): o_proj's, and what the MLP offers
-    (`l2_weights()`: DeepSeek's shared experts)."""
-    mlp_weights = getattr(layer.mlp, "l2_weights", None)
-    return {"o_proj": [layer.self_attn.o_proj.weight], **(mlp_weights() if mlp_weights is not None else {})}
 
 
 class DecoderStack(nn.Module):
@@ -177,10 +164,7 @@ class DecoderStack(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, attn, meta)
-        hidden = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-        if self.ops.l2_join is not None:  # the layers' L2 prefetch branch ends with the forward
-            self.ops.l2_join()
-        return hidden
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     @property
     def logits_head(self) -> VocabParallelEmbedding:
