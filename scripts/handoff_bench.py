@@ -13,6 +13,9 @@ writing one value, in one CUDA graph:
             previous launch's counter (an acquire load) until all of its P programs have
             written, and after its own store adds 1 to its counter (release). The counters
             are zeroed by a memset at the graph's start.
+    flags   as flag, with one word per producer program instead of one counter (no P atomics
+            queued on one address): each program sets its word (release), a consumer reads
+            all P words at once (acquire) until every one is set.
 
 --stream MB adds a weight stream to every launch (distinct bytes per launch, so from HBM): a
 program's first tile requested before the wait / spin, the rest after, as ketch's gemv does.
@@ -28,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-PLAIN, PDL, FLAG = 0, 1, 2
-MODES = {"plain": PLAIN, "pdl": PDL, "flag": FLAG}
-CNT_STRIDE = 32  # ints between counters: one 128-byte line each
+PLAIN, PDL, FLAG, FLAGS = 0, 1, 2, 3
+MODES = {"plain": PLAIN, "pdl": PDL, "flag": FLAG, "flags": FLAGS}
+CNT_STRIDE = 512  # ints between counters (flags: a launch's words): whole 128-byte lines each
 
 
 @triton.jit
@@ -40,6 +43,17 @@ def _spin(Cnt, target, SLEEP: tl.constexpr):
         if SLEEP:
             tl.inline_asm_elementwise("nanosleep.u32 32;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         seen = tl.atomic_add(Cnt, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _spin_words(Words, P: tl.constexpr, BLOCK_P: tl.constexpr, SLEEP: tl.constexpr):
+    offs = tl.arange(0, BLOCK_P)
+    mask = offs < P
+    unset = tl.sum(tl.where(tl.atomic_add(Words + offs, 0, mask=mask, sem="acquire", scope="gpu") == 0, mask, 0), 0)
+    while unset > 0:
+        if SLEEP:
+            tl.inline_asm_elementwise("nanosleep.u32 32;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        unset = tl.sum(tl.where(tl.atomic_add(Words + offs, 0, mask=mask, sem="acquire", scope="gpu") == 0, mask, 0), 0)
 
 
 @triton.jit
@@ -58,6 +72,8 @@ def _link(X, Y, CntIn, CntOut, W, target, w_per_prog,
         tl.extra.cuda.gdc_wait()
     if MODE == 2:
         _spin(CntIn, target, SLEEP)
+    if MODE == 3:
+        _spin_words(CntIn, P, BLOCK_P, SLEEP)
     offs = tl.arange(0, BLOCK_P)
     x = tl.load(X + offs, mask=offs < P, other=float("-inf"), cache_modifier=".cg")
     if STREAM:
@@ -68,6 +84,9 @@ def _link(X, Y, CntIn, CntOut, W, target, w_per_prog,
     if MODE == 2:
         tl.debug_barrier()  # every thread's store before the release
         tl.atomic_add(CntOut, 1, sem="release", scope="gpu")
+    if MODE == 3:
+        tl.debug_barrier()
+        tl.atomic_xchg(CntOut + pid, 1, sem="release", scope="gpu")
 
 
 def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, replays: int) -> float:
@@ -83,7 +102,10 @@ def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, 
 
     def chain() -> None:
         cnt.zero_()
-        cnt[0] = programs  # the chain's input is ready
+        if m == FLAGS:
+            cnt[:programs] = 1  # the chain's input is ready
+        else:
+            cnt[0] = programs
         for i in range(launches):
             _link[(programs,)](
                 bufs[i], bufs[i + 1], cnt[i * CNT_STRIDE:], cnt[(i + 1) * CNT_STRIDE:],
@@ -106,8 +128,8 @@ def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, 
     torch.cuda.synchronize()
     if not torch.all(bufs[launches] == launches):
         raise AssertionError(f"{mode} P={programs}: chain result {bufs[launches][:4].tolist()}, expected {launches}")
-    if m == FLAG:
-        ends = cnt.view(-1, CNT_STRIDE)[1:, 0]
+    if m in (FLAG, FLAGS):
+        ends = cnt.view(-1, CNT_STRIDE)[1:, 0] if m == FLAG else cnt.view(-1, CNT_STRIDE)[1:, :programs].sum(1)
         if not torch.all(ends == programs):
             raise AssertionError(f"flag P={programs}: counters end at {ends.unique().tolist()}, expected {programs}")
     times = []
@@ -124,19 +146,18 @@ def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--launches", type=int, default=200)
-    ap.add_argument("--programs", type=int, nargs="+", default=[1, 16, 132, 264])
+    ap.add_argument("--programs", type=int, nargs="+", default=[1, 16, 132, 264])  # <= CNT_STRIDE
     ap.add_argument("--stream", type=float, nargs="+", default=[0.0, 8.0], help="MB of weights per launch")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}: {args.launches} launches a chain, µs per launch (median of "
           f"{args.replays} graph replays)")
     for mb in args.stream:
-        at_copy = ""
         for p in args.programs:
-            row = {name: run(name, p, args.launches, mb, False, args.replays) for name in ("plain", "pdl", "flag")}
+            row = {name: run(name, p, args.launches, mb, False, args.replays) for name in MODES}
             row["flag+sleep"] = run("flag", p, args.launches, mb, True, args.replays)
             cells = "  ".join(f"{k} {v:7.2f}" for k, v in row.items())
-            print(f"stream {mb:4.1f} MB  programs {p:4d}: {cells}{at_copy}", flush=True)
+            print(f"stream {mb:4.1f} MB  programs {p:4d}: {cells}", flush=True)
 
 
 if __name__ == "__main__":
