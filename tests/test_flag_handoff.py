@@ -22,18 +22,7 @@ from ketch.kernels import fused_moe, handoff, moe_decode, moe_route_up
 from ketch.kernels.fused_moe import FLAGS_MIDDLE, GemmConfig, moe_gemm
 from ketch.kernels.moe_route import softmax_topk_triton
 from ketch.kernels.moe_route_up import routed_experts_triton
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-H, I = 64, 32
-
-
-def case(experts: int, slots: int, dtype: torch.dtype, seed: int, tokens: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g).to(DEVICE, dtype)
-    logits = (2 * torch.randn(tokens, experts, generator=g)).to(DEVICE)
-    w13 = (0.2 * torch.randn(slots, 2 * I, H, generator=g)).to(DEVICE, dtype)
-    w2 = (0.2 * torch.randn(slots, H, I, generator=g)).to(DEVICE, dtype)
-    return x, logits, w13, w2
+from test_moe_route_up_kernel import DEVICE, H, I, case  # one token's x, logits and expert weights
 
 
 @pytest.fixture(autouse=True)
