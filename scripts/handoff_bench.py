@@ -11,25 +11,32 @@ writing one value, in one CUDA graph:
             (ketch's EARLY_TRIGGER form)
     flag    PDL launch, no griddepcontrol.wait: every program triggers first, spins on the
             previous launch's counter (an acquire load) until all of its P programs have
-            written, and after its own store adds 1 to its counter (release). The counters
-            are zeroed by a memset at the graph's start.
+            written, and after its own store adds 1 to its counter (release): the helpers
+            of ketch/kernels/handoff.py, await_flag and add_flag. The counters are zeroed by
+            a memset at the graph's start.
     flags   as flag, with one word per producer program instead of one counter (no P atomics
             queued on one address): each program sets its word (release), a consumer reads
             all P words at once (acquire) until every one is set.
 
 --stream MB adds a weight stream to every launch (distinct bytes per launch, so from HBM): a
 program's first tile requested before the wait / spin, the rest after, as ketch's gemv does.
-Prints µs per launch; every run checks the chain's result (all values = L) and, for flag, that
-each counter ends at P.
+Prints µs per launch; every run checks the chain's result (all values = L) and, for flag and
+flags, that each launch's counter (or words) ends at P.
 
     python scripts/handoff_bench.py [--launches 200] [--programs 1 16 132 264] [--stream 0 8]
 """
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ketch.kernels.handoff import add_flag, await_flag  # noqa: E402
 
 PLAIN, PDL, FLAG, FLAGS = 0, 1, 2, 3
 MODES = {"plain": PLAIN, "pdl": PDL, "flag": FLAG, "flags": FLAGS}
@@ -37,29 +44,23 @@ CNT_STRIDE = 512  # ints between counters (flags: a launch's words): whole 128-b
 
 
 @triton.jit
-def _spin(Cnt, target, SLEEP: tl.constexpr):
-    seen = tl.atomic_add(Cnt, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        if SLEEP:
-            tl.inline_asm_elementwise("nanosleep.u32 32;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        seen = tl.atomic_add(Cnt, 0, sem="acquire", scope="gpu")
+def _unset_words(Words, offs, mask):
+    return tl.sum(tl.where(tl.atomic_add(Words + offs, 0, mask=mask, sem="acquire", scope="gpu") == 0, mask, 0), 0)
 
 
 @triton.jit
-def _spin_words(Words, P: tl.constexpr, BLOCK_P: tl.constexpr, SLEEP: tl.constexpr):
+def _spin_words(Words, P: tl.constexpr, BLOCK_P: tl.constexpr):
     offs = tl.arange(0, BLOCK_P)
     mask = offs < P
-    unset = tl.sum(tl.where(tl.atomic_add(Words + offs, 0, mask=mask, sem="acquire", scope="gpu") == 0, mask, 0), 0)
+    unset = _unset_words(Words, offs, mask)
     while unset > 0:
-        if SLEEP:
-            tl.inline_asm_elementwise("nanosleep.u32 32;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        unset = tl.sum(tl.where(tl.atomic_add(Words + offs, 0, mask=mask, sem="acquire", scope="gpu") == 0, mask, 0), 0)
+        unset = _unset_words(Words, offs, mask)
 
 
 @triton.jit
 def _link(X, Y, CntIn, CntOut, W, target, w_per_prog,
           P: tl.constexpr, BLOCK_P: tl.constexpr, WB: tl.constexpr, STREAM: tl.constexpr,
-          MODE: tl.constexpr, SLEEP: tl.constexpr):
+          MODE: tl.constexpr):
     pid = tl.program_id(0)
     if MODE != 0:
         tl.extra.cuda.gdc_launch_dependents()
@@ -71,9 +72,9 @@ def _link(X, Y, CntIn, CntOut, W, target, w_per_prog,
     if MODE == 1:
         tl.extra.cuda.gdc_wait()
     if MODE == 2:
-        _spin(CntIn, target, SLEEP)
+        await_flag(CntIn, target)
     if MODE == 3:
-        _spin_words(CntIn, P, BLOCK_P, SLEEP)
+        _spin_words(CntIn, P, BLOCK_P)
     offs = tl.arange(0, BLOCK_P)
     x = tl.load(X + offs, mask=offs < P, other=float("-inf"), cache_modifier=".cg")
     if STREAM:
@@ -82,14 +83,13 @@ def _link(X, Y, CntIn, CntOut, W, target, w_per_prog,
     y = tl.max(x, 0) + 1.0 + tl.sum(wsum, 0) * 0.0
     tl.store(Y + pid, y)
     if MODE == 2:
-        tl.debug_barrier()  # every thread's store before the release
-        tl.atomic_add(CntOut, 1, sem="release", scope="gpu")
+        add_flag(CntOut)
     if MODE == 3:
         tl.debug_barrier()
         tl.atomic_xchg(CntOut + pid, 1, sem="release", scope="gpu")
 
 
-def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, replays: int) -> float:
+def run(mode: str, programs: int, launches: int, stream_mb: float, replays: int) -> float:
     dev = torch.device("cuda")
     bufs = torch.zeros(launches + 1, programs, device=dev)
     cnt = torch.zeros((launches + 1) * CNT_STRIDE, dtype=torch.int32, device=dev)
@@ -111,7 +111,7 @@ def run(mode: str, programs: int, launches: int, stream_mb: float, sleep: bool, 
                 bufs[i], bufs[i + 1], cnt[i * CNT_STRIDE:], cnt[(i + 1) * CNT_STRIDE:],
                 w[i * programs * max(w_per_prog, wb):], programs, w_per_prog,
                 P=programs, BLOCK_P=triton.next_power_of_2(programs), WB=wb, STREAM=bool(stream_mb),
-                MODE=m, SLEEP=sleep, num_warps=4, launch_pdl=m != PLAIN)
+                MODE=m, num_warps=4, launch_pdl=m != PLAIN)
 
     chain()
     torch.cuda.synchronize()
@@ -150,12 +150,13 @@ def main() -> None:
     ap.add_argument("--stream", type=float, nargs="+", default=[0.0, 8.0], help="MB of weights per launch")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
+    if not all(0 < p <= CNT_STRIDE for p in args.programs):
+        ap.error(f"--programs: each between 1 and {CNT_STRIDE} (a launch's flag words), got {args.programs}")
     print(f"{torch.cuda.get_device_name()}: {args.launches} launches a chain, µs per launch (median of "
           f"{args.replays} graph replays)")
     for mb in args.stream:
         for p in args.programs:
-            row = {name: run(name, p, args.launches, mb, False, args.replays) for name in MODES}
-            row["flag+sleep"] = run("flag", p, args.launches, mb, True, args.replays)
+            row = {name: run(name, p, args.launches, mb, args.replays) for name in MODES}
             cells = "  ".join(f"{k} {v:7.2f}" for k, v in row.items())
             print(f"stream {mb:4.1f} MB  programs {p:4d}: {cells}", flush=True)
 

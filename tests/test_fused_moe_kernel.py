@@ -222,7 +222,7 @@ for tokens, kind, which, direct in ((1, "16", "up down", True), (1, "16", "up do
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
                       DIRECT=direct, FLAGS=0,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
-        sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad", "FlagIn", "FlagOut", "FlagReset")}
+        sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad", "FlagIn", "FlagOut")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")
         sig.update({n: "i32" for n in fn.arg_names if n not in sig})
         u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))

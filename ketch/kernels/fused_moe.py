@@ -191,7 +191,7 @@ def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
 @triton.jit(do_not_specialize=["num_rows", "num_m_blocks"],  # per step: T * k, padded blocks
             do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
 def _moe_gemm_kernel(
-    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad, FlagIn, FlagOut, FlagReset,
+    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad, FlagIn, FlagOut,
     N, K, num_rows, num_m_blocks, flag_target,
     stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
@@ -204,8 +204,8 @@ def _moe_gemm_kernel(
     pid_n = pid // num_m_blocks
     if FLAGS != 0:  # a flag chain (kernels/handoff.py; direct blocks only: no early return)
         await_flag(FlagIn, flag_target)
-        if FLAGS == 2:  # the tail: every middle program has seen A, which the next head sets again
-            tl.store(FlagReset, 0, mask=pid == 0)
+        if FLAGS == 2:  # the tail resets A (its FlagOut): every middle program has seen it, the next head sets it
+            tl.store(FlagOut, 0, mask=pid == 0)
     elif USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
@@ -240,7 +240,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
     row's routing weight. c has one row per (token, slot); rows are never written twice.
     direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
     (sorted_ids and num_post_pad unread). flags (direct only): (FLAGS_MIDDLE or FLAGS_TAIL, the
-    slot waited on, the slot added to or reset, the count waited for), kernels/handoff.py.
+    slot waited on, the slot the middle adds to / the tail resets, the count waited for),
+    kernels/handoff.py.
     Returns the launch's program count."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
@@ -252,7 +253,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Ten
         raise ValueError("moe_gemm: a flag chain needs direct blocks (an aligned block past the padding returns early)")
     _moe_gemm_kernel[grid](
         a, w, c, scale if fp8 else w, c if topk_weights is None else topk_weights,
-        sorted_ids, expert_ids, num_post_pad, flag_in, flag_out, flag_out,
+        sorted_ids, expert_ids, num_post_pad, flag_in, flag_out,
         n, k, c.shape[0], num_m_blocks, target,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         *(scale.stride() if fp8 else (0, 0, 0)),
