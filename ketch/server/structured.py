@@ -1,7 +1,8 @@
 """Structured output fields → one GrammarSpec, checked before the request starts (a bad grammar
 is a 400 naming the field, even for a stream).
 
-    response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
+    response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name": ..., "schema": ...}}
+                     (json_schema without a schema: any JSON object, as json_object)
     regex: "..." | ebnf: "..."             (extra fields, as other servers name them)
 """
 from __future__ import annotations
@@ -32,9 +33,11 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
         return GrammarSpec("json_object")
     if kind == "json_schema":
         js = rf.get("json_schema")
-        if not isinstance(js, dict) or "schema" not in js:
+        if not isinstance(js, dict):
             raise APIError(400, "response_format.json_schema: expected {'name': ..., 'schema': {...}}",
                            param="response_format")
+        if js.get("schema") is None:  # optional in OpenAI's API: then any JSON object, as json_object
+            return GrammarSpec("json_object")
         try:
             return GrammarSpec.json_schema(js["schema"])
         except ValueError as e:
