@@ -204,6 +204,38 @@ def test_tokenize_and_detokenize(server, client, model):
     assert status == 400 and err["error"]["param"] == "tokens"
 
 
+TOOL_HISTORY = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
+
+
+def test_tokenize_counts_a_tool_history_as_chat_does(server, client, model):
+    """/tokenize shapes messages as the chat route does (its tool-call history rewrite), so agents can count."""
+    status, out = post(server[1], "/tokenize", {"messages": TOOL_HISTORY})
+    assert status == 200, out
+    chat = client.chat.completions.create(model=model, messages=TOOL_HISTORY, max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == out["count"]
+
+
+def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(server, client, model, smollm_path):
+    """A text longer than the context's tokens times the most bytes a token covers: a 400 from its
+    length alone (a message that tokenizing would not write)."""
+    status, out = post(server[1], "/tokenize", {"prompt": "hi"})
+    assert status == 200
+    phrase = "All work and no play makes Jack a dull boy. "
+    huge = phrase * (out["max_model_len"] * Tokenizer.load(smollm_path).max_bytes_per_token // len(phrase) + 1)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=huge, max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as chat_info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": huge}], max_tokens=1)
+    for error, param in ((info.value.body, "prompt"), (chat_info.value.body, "messages")):
+        assert error["param"] == param and error["code"] == "context_length_exceeded", error
+        assert error["message"].startswith(f"{param}: the prompt has at least "), error
+    assert health(server[1]) == 200
+    assert client.completions.create(model=model, prompt="hi", max_tokens=1, temperature=0).choices
+
+
 def test_api_key():
     with running_server("--api-key", "s3cret") as (_, base):
         assert health(base) == 200  # health needs no key

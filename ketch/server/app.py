@@ -14,11 +14,14 @@ from ketch.server.body import parse_json
 from ketch.server.body import read_body as read_raw_body
 from ketch.server.chat import chat_completions, encode_messages
 from ketch.server.completions import completions
+from ketch.server.encoding import on_encoder_thread
 from ketch.server.errors import APIError, engine_unavailable
 from ketch.server.front_door import REQUEST_ID_KEY, internal_error
 from ketch.server.openapi import openapi_schema
 from ketch.server.protocol import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from ketch.server.state import ServerState
+from ketch.server.structured import off_the_loop
+from ketch.server.tools import plan_chat
 
 _STATS_TIMEOUT_S = 10.0
 # the engine reads a flush between steps: on a busy CPU engine one long prefill step can take a while
@@ -122,9 +125,13 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
         if "prompt" in body and "messages" in body:
             raise APIError(400, "prompt: send either prompt or messages, not both", param="prompt")
         if "prompt" in body:
-            ids = tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+            text, special = body["prompt"], body.get("add_special_tokens", True)
+            ids = await on_encoder_thread(lambda: tok.encode(text, add_special_tokens=special))
         elif "messages" in body:
-            ids = encode_messages(state, body["messages"])
+            plan = await off_the_loop(body, lambda: plan_chat(  # tool history and tools as the chat route has them
+                body, state.chat_template.source if state.chat_template else None, state.tool_call_parser,
+                state.reasoning_parser))
+            ids = await on_encoder_thread(lambda: encode_messages(state, plan.messages, plan.template_kwargs))
         else:
             raise APIError(400, "prompt: send {'prompt': str} or {'messages': [...]}", param="prompt")
         ready = state.client.ready

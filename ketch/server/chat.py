@@ -22,23 +22,28 @@ from ketch.server.pd import bootstrap_of
 from ketch.server.logprobs import chat_logprobs
 from ketch.server.protocol import CHAT_FIELDS, check_fields, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
+from ketch.server.encoding import on_encoder_thread, refuse_unfitting
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
 from ketch.server.structured import grammar_spec, off_the_loop
 from ketch.server.tools import ChatPlan, plan_chat
 
 
-def encode_messages(state: ServerState, messages: Any, **template_kwargs: Any) -> list[int]:
-    """Chat template + tokenizer: the prompt ids of a conversation (also used by /tokenize)."""
+def encode_messages(state: ServerState, messages: Any, template_kwargs: dict[str, Any] | None = None,
+                    fit_in: int | None = None) -> list[int]:
+    """Chat template + tokenizer: the prompt ids of a conversation (also used by /tokenize); a
+    rendered prompt whose length alone shows it has fit_in tokens or more is a 400 untokenized.
+    CPU work in proportion to the text: callers run it on an encoding thread (encoding.py)."""
     tok = state.require_tokenizer("messages")
     if state.chat_template is None:
         raise APIError(400, "messages: the model has no chat template; start the server with --chat-template",
                        param="messages")
     try:
         text = state.chat_template.render(messages, add_generation_prompt=True, bos_token=tok.bos_token,
-                                          eos_token=tok.eos_token, **template_kwargs)
+                                          eos_token=tok.eos_token, **(template_kwargs or {}))
     except ValueError as e:
         raise bad_value(e) from None
+    refuse_unfitting(tok, text, fit_in, "messages")
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -53,8 +58,9 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
         return plan, plan.grammar(*grammar_spec(fields))
 
     plan, grammar = await off_the_loop(fields, planned)
-    prompt_ids = encode_messages(state, plan.messages, **plan.template_kwargs)
     ready = state.client.ready
+    prompt_ids = await on_encoder_thread(
+        lambda: encode_messages(state, plan.messages, plan.template_kwargs, ready.max_model_len))
     params = sampling_params(fields, min(ready.max_model_len, ready.kv_capacity_tokens) - len(prompt_ids), grammar,
                              state.max_n)
     params = plan.adjust(params, fields)

@@ -14,6 +14,7 @@ from ketch.server.pd import bootstrap_of
 from ketch.server.logprobs import TextOffsets, completion_logprobs
 from ketch.server.protocol import COMPLETION_FIELDS, check_fields, completion_prompts, resume_token_ids, sampling_params
 from ketch.server.disconnect import unless_disconnected
+from ketch.server.encoding import on_encoder_thread, refuse_unfitting
 from ketch.server.sse import GenerationStream
 from ketch.server.state import ServerState
 from ketch.server.structured import grammar_spec, off_the_loop
@@ -21,12 +22,14 @@ from ketch.server.structured import grammar_spec, off_the_loop
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:
+def _encode(state: ServerState, prompt: str | list[int], max_model_len: int) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     if not prompt:
         raise APIError(400, "prompt: must not be empty", param="prompt")
-    return state.require_tokenizer("prompt").encode(prompt)
+    tok = state.require_tokenizer("prompt")
+    refuse_unfitting(tok, prompt, max_model_len, "prompt")
+    return tok.encode(prompt)
 
 
 def _echoes(state: ServerState, fields: dict, raw: list[str | list[int]]) -> list[str]:
@@ -53,7 +56,12 @@ async def completions(state: ServerState, body: Any, request: Request):
         raise APIError(400, f"prompt: {len(raw)} prompts x n {params.n} = {len(raw) * params.n} samples; this server "
                        f"takes at most {state.max_request_samples} per request (--max-request-samples)",
                        param="prompt")
-    prompts = [_encode(state, p) for p in raw]
+    max_len = state.client.ready.max_model_len
+
+    def encode() -> list[list[int]]:
+        return [_encode(state, p, max_len) for p in raw]
+
+    prompts = await on_encoder_thread(encode) if any(isinstance(p, str) for p in raw) else encode()
     echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     if generated is not None:
         echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already

@@ -48,7 +48,9 @@ CHAT_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR,
                "chat_template_kwargs": (dict,)}
 COMPLETION_FIELDS = {**{k: v[0] for k, v in _SAMPLING.items()}, **_COMMON, **_GRAMMAR,
                      "prompt": (str, list), "logprobs": (int,), "echo": (bool,)}
-TOKENIZE_FIELDS = {"model": (str,), "prompt": (str,), "messages": (list,), "add_special_tokens": (bool,)}
+# messages with the chat route's prompt-shaping fields: /tokenize counts the prompt chat would build
+TOKENIZE_FIELDS = {"model": (str,), "prompt": (str,), "messages": (list,), "add_special_tokens": (bool,),
+                   "tools": (list,), "tool_choice": (str, dict), "chat_template_kwargs": (dict,)}
 DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
 # the chat template's own arguments: a chat_template_kwargs key may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})

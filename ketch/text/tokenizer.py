@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
+from ketch.text.token_bound import max_bytes_per_token
 from ketch.text.token_bytes import token_bytes
 from ketch.text.tokenizer_cache import load_gguf_tokenizer
 from ketch.weights.source import is_gguf_file, resolve_model_path
@@ -68,6 +70,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
+
+    @cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """The most bytes of text one token covers, where proven (token_bound.py), else None:
+        a text of c characters then encodes to at least ceil(c / this) tokens."""
+        return max_bytes_per_token(self._hf)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         decode = self._fast_decode or self._hf.decode
