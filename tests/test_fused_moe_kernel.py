@@ -220,18 +220,14 @@ for tokens, kind, which, direct in ((1, "16", "up down", True), (1, "16", "up do
     cfg = pick_config(tokens, 128, 2048, 768, 8, kind)
     for gated, g in [(w == "up", getattr(cfg, w)) for w in which.split()]:
         consts = dict(A_ROW_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, FP8=kind == "fp8", UPCAST=False,
-                      DIRECT=direct, FLAGS=0,
+                      DIRECT=direct,
                       PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, USE_PDL=True)
-        sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad", "FlagIn", "FlagOut")}
+        sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")
         sig.update({n: "i32" for n in fn.arg_names if n not in sig})
         u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))
         print(tokens, kind, gated, u.registers, u.spill_bytes, u.stores_before_wait)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
-        if direct:  # a flag chain's middle (gate|up) and tail (down): kernels/handoff.py
-            u = _usage("moe", _compile(fn, sig, {**consts, "FLAGS": 1 if gated else 2}, 90, g.num_warps, g.num_stages))
-            print(tokens, kind, gated, "flags", u.registers, u.spill_bytes)
-            assert u.spill_bytes == 0, u
 from ketch.kernels.moe_align import _moe_align_kernel
 from ketch.kernels.moe_route import _softmax_topk_kernel
 sig = {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32", "NumPostPad": "*i32", "rows": "i32", "total": "i32"}
@@ -242,17 +238,15 @@ for experts, chunk in ((128, 32), (64, 64), (256, 16)):  # moe_align's chunks fo
         u = _usage("align", _compile(_moe_align_kernel, sig, consts, 90, 4, 1))
         print("align", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.trigger_first == early, u
-sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "Counts": "*i64", "CountRows": "*i64", "FlagA": "*i32",
-       "FlagB": "*i32", "stride_l": "i32", "scale": "fp32"}
+sig = {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i64", "Counts": "*i64", "CountRows": "*i64", "stride_l": "i32",
+       "scale": "fp32"}
 for experts, top_k, append in ((128, 8, 0), (8, 2, 0), (64, 6, 2)):  # Qwen3-30B-A3B, Mixtral, V2-Lite + shared
     consts = dict(NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append, K_PAD=triton.next_power_of_2(top_k + append),
-                  RENORMALIZE=True, BLOCK_E=experts, COUNT=True, COUNT_ROWS=True, USE_PDL=True, HEAD=False)
+                  RENORMALIZE=True, BLOCK_E=experts, COUNT=True, COUNT_ROWS=True, USE_PDL=True)
     for early in (False, True):
         u = _usage("route", _compile(_softmax_topk_kernel, sig, {**consts, "EARLY_TRIGGER": early}, 90, 1, 1))
         print("route", experts, u.registers, u.spill_bytes, u.stores_before_wait, u.trigger_first)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.trigger_first == early, u
-    u = _usage("route", _compile(_softmax_topk_kernel, sig, {**consts, "EARLY_TRIGGER": True, "HEAD": True}, 90, 1, 1))
-    assert u.spill_bytes == 0 and u.stores_before_wait == 0, u  # a flag chain's head
 from ketch.kernels.moe_combine import _moe_sum_kernel
 sig = {"X": "*bf16", "Out": "*bf16", "stride_t": "i32", "stride_k": "i32", "stride_o": "i32"}
 for top_k, hidden in ((8, 2048), (6, 2048), (2, 4096)):  # Qwen3-30B-A3B, DeepSeek-V2-Lite, Mixtral

@@ -50,7 +50,6 @@ import triton.language as tl
 
 from ketch.kernels import moe_decode
 from ketch.kernels._common import dot_precision, interpreting, pdl_launch
-from ketch.kernels.handoff import add_flag, await_flag
 from ketch.kernels.moe_align import moe_align
 from ketch.kernels.moe_combine import moe_sum
 
@@ -191,22 +190,17 @@ def moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
 @triton.jit(do_not_specialize=["num_rows", "num_m_blocks"],  # per step: T * k, padded blocks
             do_not_specialize_on_alignment=["SortedIds", "ExpertIds", "NumPostPad"])
 def _moe_gemm_kernel(
-    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad, FlagIn, FlagOut,
-    N, K, num_rows, num_m_blocks, flag_target,
+    A, W, C, Scale, TopkWeights, SortedIds, ExpertIds, NumPostPad,
+    N, K, num_rows, num_m_blocks,
     stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAGS: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    if FLAGS != 0:  # a flag chain (kernels/handoff.py; direct blocks only: no early return)
-        await_flag(FlagIn, flag_target)
-        if FLAGS == 2:  # the tail resets A (its FlagOut): every middle program has seen it, the next head sets it
-            tl.store(FlagOut, 0, mask=pid == 0)
-    elif USE_PDL:  # the ids, the expert of the block and A are all this step's
+    if USE_PDL:  # the ids, the expert of the block and A are all this step's
         tl.extra.cuda.gdc_wait()
     if DIRECT:  # block pid_m is the (token, slot) row pid_m alone: ExpertIds = the flat top-k ids
         expert = tl.load(ExpertIds + pid_m).to(tl.int64)
@@ -223,46 +217,33 @@ def _moe_gemm_kernel(
     moe_tile(A, W, C, Scale, TopkWeights, expert, rows, valid, pid_n, N, K,
              stride_am, stride_we, stride_wn, stride_cm, stride_se, stride_sn, stride_sk,
              A_ROW_DIV, GATED, MUL_WEIGHT, FP8, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
-    if FLAGS == 1:  # the middle: the tail waits for every program's rows
-        add_flag(FlagOut)
-
-
-# a moe_gemm launch's place in a flag chain (kernels/handoff.py): FLAGS constexpr values
-FLAGS_OFF, FLAGS_MIDDLE, FLAGS_TAIL = 0, 1, 2
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, scale: torch.Tensor | None,
              topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              num_post_pad: torch.Tensor, *, a_row_div: int, gated: bool, block_m: int, cfg: GemmConfig,
-             direct: bool = False, flags: tuple[int, torch.Tensor, torch.Tensor, int] | None = None) -> int:
+             direct: bool = False) -> None:
     """c[row] = a[row // a_row_div] @ w[expert]^T for each row of each block (see the module
     docstring); gated: c = silu(gate) * up with w's rows [gate | up]; topk_weights: times the
     row's routing weight. c has one row per (token, slot); rows are never written twice.
     direct: no alignment; expert_ids is the flat [T * k] top-k ids and block r is row r alone
-    (sorted_ids and num_post_pad unread). flags (direct only): (FLAGS_MIDDLE or FLAGS_TAIL, the
-    slot waited on, the slot the middle adds to / the tail resets, the count waited for),
-    kernels/handoff.py.
-    Returns the launch's program count."""
+    (sorted_ids and num_post_pad unread)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     fp8 = scale is not None
     num_m_blocks = expert_ids.shape[0]
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    role, flag_in, flag_out, target = flags if flags is not None else (FLAGS_OFF, c, c, 0)
-    if role != FLAGS_OFF and not direct:
-        raise ValueError("moe_gemm: a flag chain needs direct blocks (an aligned block past the padding returns early)")
     _moe_gemm_kernel[grid](
         a, w, c, scale if fp8 else w, c if topk_weights is None else topk_weights,
-        sorted_ids, expert_ids, num_post_pad, flag_in, flag_out,
-        n, k, c.shape[0], num_m_blocks, target,
+        sorted_ids, expert_ids, num_post_pad,
+        n, k, c.shape[0], num_m_blocks,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         *(scale.stride() if fp8 else (0, 0, 0)),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=topk_weights is not None, FP8=fp8, DIRECT=direct,
         UPCAST=interpreting() or a.dtype == torch.float32, PRECISION=dot_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FLAGS=role,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
     )
-    return grid[0]
 
 
 def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -279,15 +260,12 @@ def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                         w2_scale: torch.Tensor | None = None, sum_picks: bool = True,
-                         flags: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         w2_scale: torch.Tensor | None = None, sum_picks: bool = True) -> torch.Tensor:
     """As fused_experts_ref: [T, H] in x's dtype. fp8: w13 / w2 float8_e4m3fn with their fp32
     block scales. No host sync (CUDA-graph safe); the grids depend on T, k, E and H, I only.
     sum_picks False: a step of one token (DIRECT_MAX_TOKENS) returns its weighted picks [1, k, H]
     unsummed, for the norm after the layer to add (LayerOps.pick_rows: one launch fewer); other
-    steps are summed either way. flags: the (A, B) slots of the flag chain whose head, the routing
-    kernel, was launched just before (kernels/handoff.py): a direct step's two GEMMs are its
-    middle and tail; other steps ignore them (the head's signal is then never waited on)."""
+    steps are summed either way."""
     check_shapes(x, w13, w2, w13_scale, w2_scale)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_experts: topk_ids {tuple(topk_ids.shape)} for {x.shape[0]} tokens")
@@ -310,15 +288,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         sorted_ids, expert_ids, num_post_pad = moe_align(topk_ids, num_experts, cfg.block_m)
     rows = tokens * top_k
     inter_act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    chain = flags is not None and direct
-    up_programs = moe_gemm(x, w13, inter_act, w13_scale, None, sorted_ids, expert_ids, num_post_pad,
-                           a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct,
-                           flags=(FLAGS_MIDDLE, flags[0], flags[1], 1) if chain else None)
+    moe_gemm(x, w13, inter_act, w13_scale, None, sorted_ids, expert_ids, num_post_pad,
+             a_row_div=top_k, gated=True, block_m=cfg.block_m, cfg=cfg.up, direct=direct)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     moe_gemm(inter_act, w2, out, w2_scale, weights, sorted_ids, expert_ids, num_post_pad,
-             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct,
-             flags=(FLAGS_TAIL, flags[1], flags[0], up_programs) if chain else None)
+             a_row_div=1, gated=False, block_m=cfg.block_m, cfg=cfg.down, direct=direct)
     if direct and not sum_picks:
         return out.view(tokens, top_k, hidden)
     return moe_sum(out.view(tokens, top_k, hidden))

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from ketch.kernels._common import pdl_launch, pow2
-from ketch.kernels.handoff import head_flags
 
 
 @triton.jit
@@ -72,11 +71,10 @@ def softmax_topk_row(x, scale, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, A
 
 
 @triton.jit
-def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, FlagA, FlagB, stride_l, scale,
-                         NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, COUNT: tl.constexpr,
-                         COUNT_ROWS: tl.constexpr, USE_PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr,
-                         HEAD: tl.constexpr = False):
+def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, stride_l, scale, NUM_EXPERTS: tl.constexpr,
+                         TOP_K: tl.constexpr, APPEND: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         BLOCK_E: tl.constexpr, COUNT: tl.constexpr, COUNT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+                         EARLY_TRIGGER: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     if USE_PDL:  # the logits are the router GEMM's output
@@ -98,8 +96,6 @@ def _softmax_topk_kernel(Logits, Weights, Ids, Counts, CountRows, FlagA, FlagB, 
         if COUNT_ROWS:  # a padded step: only its first rows are traffic
             keep = keep & counted
         tl.atomic_add(Counts + ids, tl.full([K_PAD], 1, tl.int64), mask=keep)
-    if HEAD:  # a flag chain's head (kernels/handoff.py; one program): the experts' GEMMs wait on it
-        head_flags(FlagA, FlagB)
 
 
 def check_counts(counts: torch.Tensor | None, experts: int, device: torch.device) -> None:
@@ -111,13 +107,11 @@ def check_counts(counts: torch.Tensor | None, experts: int, device: torch.device
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, scale: float = 1.0,
                         append: int = 0, counts: torch.Tensor | None = None,
-                        count_rows: torch.Tensor | None = None,
-                        flags: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        count_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_topk's signature and result, times `scale`, with `append` always-picked slots
     (see above): [T, top_k + append]; the routed picks added into `counts` (int64, >= E entries,
     contiguous) when given, of the first count_rows[0] tokens only when that is given (an int64
-    device scalar: a padded graph step's real rows). No host sync; grid (T,). flags: the (A, B)
-    slots of a flag chain this launch heads (kernels/handoff.py; one token only)."""
+    device scalar: a padded graph step's real rows). No host sync; grid (T,)."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"softmax_topk: top_k {top_k} of {experts} experts")
@@ -127,17 +121,14 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *, 
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     weights = torch.empty(tokens, top_k + append, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k + append, dtype=torch.int64, device=logits.device)
-    if flags is not None and tokens != 1:
-        raise ValueError(f"softmax_topk: a flag chain's head is one program, got {tokens} tokens")
     if tokens:
         block_e = pow2(experts)
-        flag_a, flag_b = flags if flags is not None else (ids, ids)
         _softmax_topk_kernel[(tokens,)](logits, weights, ids, ids if counts is None else counts,
-                                        ids if count_rows is None else count_rows, flag_a, flag_b, logits.stride(0),
+                                        ids if count_rows is None else count_rows, logits.stride(0),
                                         float(scale), NUM_EXPERTS=experts, TOP_K=top_k, APPEND=append,
                                         K_PAD=pow2(top_k + append), RENORMALIZE=renormalize, BLOCK_E=block_e,
                                         COUNT=counts is not None, COUNT_ROWS=counts is not None and count_rows is not None,
-                                        HEAD=flags is not None, num_warps=1 if block_e <= 256 else 4,
+                                        num_warps=1 if block_e <= 256 else 4,
                                         **pdl_launch(tokens))
     return weights, ids
 

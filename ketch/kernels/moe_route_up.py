@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ketch.kernels import fused_moe, handoff, moe_decode
+from ketch.kernels import fused_moe, moe_decode
 from ketch.kernels._common import dot_precision, interpreting, pdl_launch, pow2
 from ketch.kernels.moe_route import check_counts, softmax_topk_row, softmax_topk_triton
 
@@ -82,16 +82,11 @@ def routed_experts_triton(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tens
     if x.dim() != 2 or tokens != x.shape[0]:
         raise ValueError(f"routed_experts: logits {tuple(logits.shape)} for x {tuple(x.shape)}")
     # by shape (graph-safe); moe_decode's GEMV path, where switched on, keeps its steps
-    one_direct = tokens == 1 and fused_moe.DIRECT_MAX_TOKENS >= 1 and moe_decode.DECODE_MAX_TOKENS < 1
-    if not (ENABLED and one_direct):
-        # a direct one-token step as a flag chain (kernels/handoff.py, KETCH_FLAG_HANDOFF=1): the
-        # routing kernel, then the two GEMMs waiting on counters instead of the PDL grid wait;
-        # one pair of slots per layer, keyed by its weights
-        flags = handoff.chain_flags(w13.data_ptr(), x.device) if handoff.ENABLED and one_direct else None
+    if not (ENABLED and tokens == 1 and fused_moe.DIRECT_MAX_TOKENS >= 1 and moe_decode.DECODE_MAX_TOKENS < 1):
         weights, ids = softmax_topk_triton(logits, top_k, renormalize, scale=scale, append=append, counts=counts,
-                                           count_rows=count_rows, flags=flags)
+                                           count_rows=count_rows)
         return fused_moe.fused_experts_triton(x, w13, w2, weights, ids, w13_scale=w13_scale, w2_scale=w2_scale,
-                                              sum_picks=sum_picks, flags=flags)
+                                              sum_picks=sum_picks)
     picks = top_k + append
     if not 0 < top_k <= experts or append < 0 or w13.shape[0] < experts + append:
         raise ValueError(f"routed_experts: top_k {top_k} + append {append} of {experts} experts "
