@@ -81,6 +81,12 @@ def test_completions_echo(client, model):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
     assert info.value.response.json()["error"]["param"] == "echo"
+    # ids the tokenizer cannot decode are the prompt's 400, with echo as without (decode raised: a 500)
+    for ids in ([-1], [2**40], [504, 10**9]):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.completions.create(model=model, prompt=ids, max_tokens=2, echo=True, stream=stream)
+            assert info.value.response.json()["error"]["param"] == "prompt", (ids, stream)
 
 
 def test_completions_stream_and_stop(client, model):

@@ -147,6 +147,7 @@ def build_app(state: ServerState, max_request_bytes: int, body_timeout: float = 
             raise APIError(400, "tokens: must be a list of token ids", param="tokens")
         if ids and (min(ids) < 0 or max(ids) >= tok.vocab_size):
             raise APIError(400, f"tokens: token ids must be in [0, {tok.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        # a 32 MB body holds millions of ids: decoded on an encoding thread, not the event loop
+        return {"prompt": await on_encoder_thread(lambda: tok.decode(ids, skip_special_tokens=False))}
 
     return app

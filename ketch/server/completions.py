@@ -32,15 +32,25 @@ def _encode(state: ServerState, prompt: str | list[int], max_model_len: int) -> 
     return tok.encode(prompt)
 
 
-def _echoes(state: ServerState, fields: dict, raw: list[str | list[int]]) -> list[str]:
-    """The text `echo` puts before each choice's completion ('' without echo)."""
-    if not fields.get("echo"):
-        return [""] * len(raw)
-    if fields.get("logprobs") is not None:
+def _check_echo(fields: dict) -> None:
+    if fields.get("echo") and fields.get("logprobs") is not None:
         raise APIError(400, "echo: not supported together with logprobs (prompt logprobs are not computed)",
                        param="echo", code="unsupported_field")
-    return [p if isinstance(p, str) else state.require_tokenizer("prompt").decode(p, skip_special_tokens=False)
-            for p in raw]
+
+
+async def _echoes(state: ServerState, fields: dict, raw: list[str | list[int]]) -> list[str]:
+    """The text `echo` puts before each choice's completion ('' without echo). Called once the
+    prompts passed check_context: a token-id prompt's ids are then in the vocabulary (an id the
+    tokenizer cannot hold, e.g. -1, made decode raise: a 500) and at most max_model_len long, and
+    they are decoded on an encoding thread, not the event loop."""
+    if not fields.get("echo"):
+        return [""] * len(raw)
+    tok = state.require_tokenizer("prompt")
+
+    def texts() -> list[str]:
+        return [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in raw]
+
+    return await on_encoder_thread(texts) if any(not isinstance(p, str) for p in raw) else texts()
 
 
 async def completions(state: ServerState, body: Any, request: Request):
@@ -50,6 +60,7 @@ async def completions(state: ServerState, body: Any, request: Request):
     generated, replay = resume_token_ids(fields) or (None, None)
     if generated is not None and len(raw) != 1:
         raise APIError(400, f"resume: continues one prompt's stream, got {len(raw)} prompts", param="resume")
+    _check_echo(fields)
     grammar, _ = await off_the_loop(fields, lambda: grammar_spec(fields))
     params = sampling_params(fields, DEFAULT_MAX_TOKENS, grammar, state.max_n)
     if len(raw) * params.n > state.max_request_samples:  # before any prompt is encoded or sample built
@@ -62,11 +73,11 @@ async def completions(state: ServerState, body: Any, request: Request):
         return [_encode(state, p, max_len) for p in raw]
 
     prompts = await on_encoder_thread(encode) if any(isinstance(p, str) for p in raw) else encode()
-    echoes = [e for e in _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
-    if generated is not None:
-        echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already
     for ids in prompts:
         check_context(ids, params, state.client, "prompt", generated)
+    echoes = [e for e in await _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
+    if generated is not None:
+        echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already
     bootstrap = bootstrap_of(fields, state.client.config.disaggregation_mode, params, len(prompts), generated)
     rid = new_request_id("cmpl")
     gen = Generation(state, rid, prompts, params, fields.get("timeout"), generated, replay, bootstrap)
