@@ -79,6 +79,33 @@ def test_kept_events_keep_the_ids_and_sent_ones_lose_them_unless_asked():
     assert read_so_far([chat({"content": "a"}, [1]), kept]).ids == [1, 2]  # a second failover reads on
 
 
+def test_a_held_back_tokens_event_goes_with_its_ids():
+    """A token a stop string or a parser holds back comes as a chunk with its ids and nothing else:
+    the client that did not ask for ids does not get it, from the first worker or a continuing one;
+    every other chunk (a finish, usage, a role) it gets. The kept events still have it (its ids)."""
+    held = chat({}, [37])
+    cmpl_held = ev({"id": "cmpl-b", "created": 1, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                                              "finish_reason": None, "token_ids": [8]}]})
+    usage = ev({"id": "chatcmpl-a", "created": 7, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                                          "total_tokens": 3}})
+    others = [chat({"role": "assistant", "content": ""}, []), chat({"content": "4"}, [36]), chat({}, [], "stop"), usage]
+    block = others[0] + others[1] + held + cmpl_held + others[2] + others[3] + b"data: [DONE]\n\n"
+    out = [json.loads(p) if p != b"[DONE]" else p for p in payloads(strip_token_ids(block))]
+    assert out == [json.loads(strip_token_ids(e)[6:]) for e in others] + [b"[DONE]"]
+    assert strip_token_ids(held + cmpl_held) == b""  # a block of such chunks alone: nothing to write
+    so = read_so_far([chat({"content": "a"}, [1])])
+    kept, sent = Continuation(so, continuation({"stream": True}, so), strip_ids=True)(block)
+    assert len(payloads(kept)) == 7 and len(payloads(sent)) == 5
+    _, sent = Continuation(so, continuation({"stream": True}, so), strip_ids=False)(block)
+    assert len(payloads(sent)) == 7  # the client asked for the ids: every chunk
+
+
+def test_a_number_json_cannot_spell_again_leaves_the_body_as_it_came():
+    body = b'{"prompt": "a", "stream": true, "top_p": 1e400}'
+    r = routed_request("completions", body, json.loads(body))
+    assert r.fields is None and r.body == body  # not `Infinity`: the worker's 400 names top_p
+
+
 def test_which_requests_are_resumable_and_how_they_are_sent():
     def routed(route: str, body: dict):
         return routed_request(route, json.dumps(body).encode(), body)

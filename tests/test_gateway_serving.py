@@ -20,6 +20,8 @@ import pytest
 from gateway_util import MODEL, replicas, request, running_gateway, workers
 from server_util import connect, free_port, metrics, open_stream, pages_all_back, parse_metrics, wait_for
 
+from ketch.gateway.sse import payloads
+
 KEY = "worker-secret"
 AUTH = {"authorization": f"Bearer {KEY}"}
 HI = [{"role": "user", "content": "Hi"}]
@@ -117,6 +119,51 @@ def test_worker_errors_pass_through_with_status_and_body(workers_up, gw_rr):
         status, _, body = request(keyless, "POST", "/v1/completions", {"model": MODEL, "prompt": "x"})
         assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
         assert workers(keyless)[workers_up[0].url]["breaker"] == "closed"
+
+
+COUNT = [{"role": "user", "content": "Count from 1 to 10 separated by commas"}]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+HELD_BACK = [  # streams in which a stop string or the tool-call parser holds tokens back
+    ("/v1/chat/completions", {"messages": COUNT, "max_tokens": 40, "stop": ["5"]}),
+    ("/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 30, "stop": [" 7"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
+                              "tools": WEATHER, "tool_choice": "required"}),
+]
+
+
+def _choices(body: bytes) -> list:
+    """A stream's choices, event by event, without the tool calls' ids (drawn per request)."""
+    events = [json.loads(p)["choices"] for p in payloads(body) if p != b"[DONE]"]
+    for choice in (c for choices in events for c in choices):
+        for call in (choice.get("delta") or {}).get("tool_calls") or ():
+            call.pop("id", None)
+    return events
+
+
+@pytest.mark.parametrize("path, fields", HELD_BACK)
+def test_a_stream_through_the_gateway_has_the_workers_events(workers_up, gw_rr, path, fields):
+    """The gateway asks a resumable stream for its token ids and takes them out again: the events
+    that carried nothing else (a token held back) go with them, so the client gets the events the
+    worker sends it directly, none left empty."""
+    body = {"model": MODEL, "temperature": 0, "stream": True, **fields}
+    status, _, with_ids = request(workers_up[0].url, "POST", path, {**body, "return_token_ids": True}, AUTH)
+    held = [c for c in _choices(with_ids) if c and not (c[0].get("delta") or c[0].get("text") or c[0]["finish_reason"])]
+    assert status == 200 and held, "the case must hold a token back, or it tests nothing"
+    direct = request(workers_up[0].url, "POST", path, body, AUTH)
+    via = request(gw_rr, "POST", path, body)
+    assert via[0] == direct[0] == 200
+    assert _choices(via[2]) == _choices(direct[2])
+
+
+def test_a_number_past_floats_range_in_a_stream_is_the_workers_400(workers_up, gw_rr):
+    """1e400 is JSON; parsed it is inf, which the gateway must not re-encode as `Infinity` (not
+    JSON) when it rewrites a resumable stream's body: the worker's 400 names the field."""
+    raw = b'{"model": "%s", "prompt": "Hi", "max_tokens": 3, "top_p": 1e400, "stream": true}' % MODEL.encode()
+    direct = request(workers_up[0].url, "POST", "/v1/completions", raw, AUTH)
+    via = request(gw_rr, "POST", "/v1/completions", raw)
+    assert via[0] == direct[0] == 400 and via[2] == direct[2]
+    assert json.loads(via[2])["error"]["param"] == "top_p"
 
 
 def test_the_gateways_own_bad_input_gets_openai_errors(gw_rr):

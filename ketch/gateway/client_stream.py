@@ -45,7 +45,8 @@ class DirectClient:
     def write(self, block: bytes) -> None:
         # gone or going: the relay task is being cancelled (generate.py); a write on a closed
         # transport would raise inside the worker connection's parser and look like its fault
-        if not self.cycle.disconnected and not self.transport.is_closing():
+        # (and an empty block would be a chunk of length 0: the end of the body)
+        if block and not self.cycle.disconnected and not self.transport.is_closing():
             self.transport.write(b"%x\r\n%s\r\n" % (len(block), block))
 
     def backed_up(self) -> bool:

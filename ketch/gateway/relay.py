@@ -99,7 +99,9 @@ class _Events:
         if gone >= 0:
             self.worker_gone, block = True, block[:gone]
         if block:
-            self.client.write(strip_token_ids(block) if self.strip else block)
+            sent = strip_token_ids(block) if self.strip else block
+            if sent:  # a block of held-back tokens' ids alone leaves nothing for the client
+                self.client.write(sent)
             self.transcript.feed(block)
 
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ketch.gateway.sse import DONE, event, payloads
+from ketch.gateway.sse import DONE, carries_nothing, event, payloads
 
 
 @dataclass
@@ -103,7 +103,8 @@ class Continuation:
             if self.strip_ids:
                 for choice in ev.get("choices") or ():
                     choice.pop("token_ids", None)
-                sent.append(event(ev))
+                if not carries_nothing(ev):  # a held-back token's chunk: only its ids were news
+                    sent.append(event(ev))
             else:
                 sent.append(kept[-1])
         return b"".join(kept), b"".join(sent)

@@ -49,7 +49,12 @@ def routed_request(route: str, body: bytes, parsed: dict[str, Any], resumable: b
     fields = {**parsed, "return_token_ids": True}
     if fields.get("seed") is None:
         fields["seed"] = random.getrandbits(63)
-    return RoutedRequest(route=route, text=text, stream=True, body=json.dumps(fields).encode(), fields=fields,
+    try:
+        resumable_body = json.dumps(fields, allow_nan=False).encode()
+    except ValueError:  # a number past a float's range (1e400) parsed as inf, which JSON cannot spell:
+        # re-encoded it would be `Infinity`, not JSON; sent as it came, the worker's 400 names the field
+        return RoutedRequest(route=route, text=text, stream=stream, body=body, request_id=request_id)
+    return RoutedRequest(route=route, text=text, stream=True, body=resumable_body, fields=fields,
                          strip_ids=parsed.get("return_token_ids") is not True, request_id=request_id)
 
 

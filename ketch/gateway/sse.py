@@ -84,9 +84,39 @@ def event(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
+# what a choice left saying nothing looks like as ketch serve writes it (json.dumps): only a block
+# holding one of these is parsed, to be sure (carries_nothing)
+_NOTHING = (b'"delta": {}, "logprobs": null, "finish_reason": null',
+            b'"text": "", "logprobs": null, "finish_reason": null')
+
+
+def carries_nothing(chunk: dict) -> bool:
+    """A chunk with nothing for a client that did not ask for token ids: its choices have no
+    text, delta, logprobs or finish, and it has no usage. ketch serve sends one for each token a
+    stop string or an output parser holds back, only to carry the token's id."""
+    choices = chunk.get("choices")
+    return bool(choices) and not chunk.get("usage") and all(
+        isinstance(c, dict) and not c.get("delta") and not c.get("text") and c.get("logprobs") is None
+        and c.get("finish_reason") is None for c in choices)
+
+
 def strip_token_ids(block: bytes) -> bytes:
-    """The block without the choices' `token_ids` (the gateway asked for them; the client did not)."""
-    return _TOKEN_IDS.sub(b"", block)
+    """The block without the choices' `token_ids` (the gateway asked for them; the client did not),
+    and without the events that leaves with nothing in them (carries_nothing): the client gets the
+    events it would get from the worker directly."""
+    block = _TOKEN_IDS.sub(b"", block)
+    if not any(nothing in block for nothing in _NOTHING):
+        return block
+    *events, rest = block.split(b"\n\n")  # ketch serve ends its events with a blank line
+    return b"".join(e + b"\n\n" for e in events if not _says_nothing(e)) + rest
+
+
+def _says_nothing(raw_event: bytes) -> bool:
+    data = payloads(raw_event)
+    try:
+        return len(data) == 1 and carries_nothing(json.loads(data[0]))
+    except ValueError:  # [DONE], or not JSON: not ours to judge
+        return False
 
 
 def lost_event(url: str, reason: str) -> bytes:
