@@ -82,3 +82,34 @@ def test_eviction_order_follows_use_not_insertion():
     tree.insert("aaaa")  # oldest is now bbbb
     tree.evict(8)
     assert tree.match("bbbb") == 0 and tree.match("aaaa") == 4 and tree.match("cccc") == 4
+
+
+def test_take_back_removes_what_no_other_insert_holds():
+    tree = RadixTree()
+    tree.insert("sys: be brief\nuser: hi")
+    refused = tree.insert("sys: be brief\nuser: a prompt the worker refused")
+    assert tree.take_back(refused) == len("a prompt the worker refused") and tree.size == len("sys: be brief\nuser: hi")
+    assert tree.match("sys: be brief\nuser: a prompt") == len("sys: be brief\nuser: ")
+    twice = [tree.insert("x" * 50), tree.insert("x" * 50)]  # the same refused prompt, two at once
+    assert tree.take_back(twice[0]) == 0 and tree.take_back(twice[1]) == 50  # the last one out takes it
+    gone = tree.insert("zzz")
+    tree.evict(0)
+    assert tree.take_back(gone) == 0 and tree.size == 0
+    again = tree.insert("zzz")  # evicted, then routed there again by another request: not the old one's
+    assert tree.take_back(gone) == 0 and tree.match("zzz") == 3
+    assert tree.take_back(again) == 3 and tree.size == 0
+
+
+def test_take_back_against_a_reference():
+    """Random inserts and take-backs (no eviction): the tree holds exactly the texts not taken back."""
+    rng = random.Random(11)
+    tree, held = RadixTree(), []
+    for _ in range(500):
+        if held and rng.random() < 0.4:
+            tree.take_back(held.pop(rng.randrange(len(held)))[1])
+        else:
+            text = rng.choice(["", "ab", "abc\n", "b"]) + "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 8)))
+            held.append((text, tree.insert(text)))
+        probe = "".join(rng.choice("ab\n") for _ in range(rng.randint(0, 12)))
+        assert tree.match(probe) == max((common_prefix(probe, t) for t, _ in held), default=0)
+        assert tree.size == len({t[:i] for t, _ in held for i in range(1, len(t) + 1)})

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import openai
 import pytest
-from gateway_util import MODEL, replicas, request, running_gateway, workers
+from gateway_util import MODEL, replicas, request, running_gateway, start_replica, stop, wait_healthy, workers
 from server_util import connect, free_port, metrics, open_stream, pages_all_back, parse_metrics, wait_for
 
 from ketch.gateway.sse import payloads
@@ -215,6 +215,48 @@ def test_cache_aware_keeps_each_prefix_group_on_one_worker(workers_up, gw_ca):
     assert m["ketch_gateway_cache_match_ratio_count"] == 9
     assert m['ketch_gateway_cache_match_ratio_bucket{le="0.3"}'] == 3  # the three first requests
     assert all(m[f'ketch_gateway_worker_tree_chars{{worker="{r.url}"}}'] > 0 for r in workers_up)
+
+
+def tree_chars(base: str, urls: list[str]) -> dict[str, float]:
+    m = parse_metrics(request(base, "GET", "/metrics")[2].decode())
+    return {url: m.get(f'ketch_gateway_worker_tree_chars{{worker="{url}"}}', 0) for url in urls}
+
+
+def test_a_prompt_its_worker_refused_leaves_its_tree(workers_up, gw_ca):
+    """cache_aware's tree says what a worker probably cached; a prompt the worker refused (too long
+    for its context) cached nothing there, so its text leaves the tree again. It stayed: one 20 MB
+    prompt made that worker's tree the largest for good, and every new prefix went elsewhere."""
+    urls = [r.url for r in workers_up]
+    before = tree_chars(gw_ca, urls)
+    long = "hello world " * 20000  # ~40,000 tokens: past the 8,192-token context, tokenized to find out
+    for stream in (False, True):
+        status, _, body = request(gw_ca, "POST", "/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 1,
+                                                                     "stream": stream})
+        assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded"
+    assert tree_chars(gw_ca, urls) == before
+    accepted = request(gw_ca, "POST", "/v1/completions", {"model": MODEL, "prompt": long[:3000], "max_tokens": 1})
+    assert accepted[0] == 200 and sum(tree_chars(gw_ca, urls).values()) >= sum(before.values()) + 3000 - 100
+
+
+def test_a_restarted_worker_starts_with_an_empty_tree():
+    """A worker whose server restarted (a new x-ketch-instance on its /health) has an empty cache:
+    what cache_aware learnt of the old one is dropped, not routed by."""
+    with replicas(1) as (replica,):
+        with running_gateway("--worker-urls", replica.url, "--policy", "cache_aware",
+                             "--health-check-interval-secs", "0.2") as (_, base):
+            wait_for(lambda: workers(base)[replica.url]["instance"] is not None, "the first probe", 30)
+            old = workers(base)[replica.url]["instance"]
+            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1}
+            assert request(base, "POST", "/v1/completions", body)[0] == 200
+            assert tree_chars(base, [replica.url])[replica.url] > 0
+            stop(replica.proc)
+            revived = start_replica(replica.port)
+            try:
+                wait_healthy(revived)
+                wait_for(lambda: workers(base)[replica.url]["instance"] not in (None, old), "the new instance", 30)
+                assert tree_chars(base, [replica.url])[replica.url] == 0
+            finally:
+                stop(revived.proc)
 
 
 def test_a_client_leaving_mid_stream_aborts_the_generation_on_the_worker(workers_up, gw_rr):

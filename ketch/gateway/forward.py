@@ -35,6 +35,7 @@ from ketch.gateway.errors import GatewayError, all_busy, unavailable
 from ketch.gateway.failover import Failover
 from ketch.gateway.metrics import GatewayMetrics
 from ketch.gateway.policies import RoutingPolicy
+from ketch.gateway.policies.base import Choice
 from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.relay import Send, relay, whole_response
 from ketch.gateway.routed import RoutedRequest
@@ -111,19 +112,19 @@ class Forwarder:
         # refused (a 4xx: the resume request itself; a 500): not worth another worker
         return f"{attempt.worker.url} refused it: {await _refused(attempt, answer)}"
 
-    def _picker(self, request: RoutedRequest) -> Callable[[Sequence[Worker]], Worker]:
-        def pick(workers: Sequence[Worker]) -> Worker:
+    def _picker(self, request: RoutedRequest) -> Callable[[Sequence[Worker]], Choice]:
+        def pick(workers: Sequence[Worker]) -> Choice:
             choice = self.policy.pick(request, workers)
             self.metrics.routed(self.policy.name, choice)
-            return choice.worker
+            return choice
         return pick
 
     async def plain(self, method: str, path: str, route: str) -> Response:
         """A request with nothing to route by (GET /v1/models): the least loaded worker, policy
         state untouched; the answer read whole and passed on. `route`: the metrics label (the
         route's template, never a client-chosen path: each distinct label is a new series)."""
-        opened = await self._forward(lambda ws: min(ws, key=lambda w: w.load), method, path, None, route,
-                                     read_timeout=self._plain_timeout())
+        opened = await self._forward(lambda ws: Choice(min(ws, key=lambda w: w.load), "least_load"), method, path,
+                                     None, route, read_timeout=self._plain_timeout())
         if isinstance(opened, GatewayError):
             return opened.response()
         attempt, answer = opened
@@ -142,7 +143,7 @@ class Forwarder:
         GET /v1/models for the generation timeout (30 min by default) while others could answer."""
         return min(self.config.request_timeout_secs, self.config.health.check_timeout_secs)
 
-    async def _forward(self, pick: Callable[[Sequence[Worker]], Worker], method: str, path: str,
+    async def _forward(self, pick: Callable[[Sequence[Worker]], Choice], method: str, path: str,
                        body: bytes | None, route: str, exclude: Collection[str] = (),
                        request_id: str | None = None, read_timeout: float | None = None) -> Opened | GatewayError:
         """The first answer a worker gave (its attempt open: the caller closes both), else the error.
@@ -164,10 +165,12 @@ class Forwarder:
                 workers = self.registry.available(exclude=tried, role=self.role)
                 if not workers:
                     break
-            worker = pick(workers)
-            tried.add(worker.url)
-            attempt = Attempt(worker, route, self.metrics, self.clock)
+            choice = pick(workers)
+            tried.add(choice.worker.url)
+            attempt = Attempt(choice.worker, route, self.metrics, self.clock)
             outcome = await self._try(attempt, method, path, body, refusals, request_id, read_timeout)
+            if choice.unlearn is not None and not _taken(outcome):
+                choice.unlearn()
             if outcome is not None:
                 return outcome
         if refusals.busy and not refusals.failures:
@@ -222,6 +225,12 @@ class Forwarder:
         if not self.registry.all():
             return unavailable("no worker is registered (add one with POST /workers)")
         return unavailable(f"no worker is available: {self.registry.states()}")
+
+
+def _taken(outcome: Opened | GatewayError | None) -> bool:
+    """Whether the worker took the request: it answered below 400, or it went silent on it (a 504:
+    it may be working on it). None (no answer, a refusal to retry) and a 4xx / 5xx: it did not."""
+    return isinstance(outcome, GatewayError) or (outcome is not None and outcome[1].status_code < 400)
 
 
 async def _refused(attempt: Attempt, answer: Answer) -> str:

@@ -88,6 +88,8 @@ class Monitor:
         probe = await probe_health(self.client, worker.url, worker.auth_headers(), self.config.health.check_timeout_secs)
         error = probe.problem
         if probe.instance is not None:  # a worker of --worker-urls learns it here; a restart draws a new one
+            if worker.instance is not None and probe.instance != worker.instance:
+                self.registry.cache_lost(worker.url)  # restarted: its cache is empty
             worker.instance = probe.instance
         was = worker.health.healthy
         worker.health.record(error is None, error)

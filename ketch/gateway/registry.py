@@ -22,7 +22,8 @@ class WorkerRegistry:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.breaker, self.health, self.default_api_key, self.clock = breaker, health, default_api_key, clock
         self._workers: dict[str, Worker] = {}
-        self.on_removed: list[Callable[[str], None]] = []  # e.g. the cache-aware policy drops its tree
+        # a worker left, or its server restarted (cache_lost): e.g. the cache-aware policy drops its tree
+        self.on_removed: list[Callable[[str], None]] = []
 
     def add(self, address: WorkerAddress, role: str = "normal", bootstrap_port: int | None = None,
             instance: str | None = None) -> Worker:
@@ -46,6 +47,11 @@ class WorkerRegistry:
         for callback in self.on_removed:
             callback(url)
         return worker
+
+    def cache_lost(self, url: str) -> None:
+        """The worker's server restarted (a new x-ketch-instance): what was learnt of its cache is void."""
+        for callback in self.on_removed:
+            callback(url)
 
     def get(self, url: str) -> Worker | None:
         return self._workers.get(url)

@@ -11,8 +11,8 @@ cache-aware match ratio); ARCHITECTURE.md's `pick -> worker` grew that much.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from ketch.gateway.routed import RoutedRequest
 from ketch.gateway.worker import Worker
@@ -23,6 +23,9 @@ class Choice:
     worker: Worker
     reason: str  # round_robin | least_load | power_of_two | cache_hit | smallest_tree | balance
     match_ratio: float | None = None  # cache_aware: the best prefix match over the text's length
+    # what the pick taught the policy, taken back when the worker did not take the request (a 4xx
+    # or 5xx, or no answer): it cached nothing of it (cache_aware: the text its tree gained)
+    unlearn: Callable[[], object] | None = field(default=None, compare=False)
 
 
 class RoutingPolicy(ABC):

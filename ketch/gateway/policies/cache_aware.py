@@ -6,7 +6,8 @@ work onto a busy worker.
       no  ─▶ best prefix match over the text ≥ cache_threshold (and > 0 characters)?
                yes ─▶ that worker                                      (reason "cache_hit")
                no  ─▶ the worker with the smallest tree: the most room  (reason "smallest_tree")
-    then the text goes into the chosen worker's tree.
+    then the text goes into the chosen worker's tree (and out again if the worker refuses the
+    request: a 400 for a prompt too long cached nothing there).
 
 One approximate radix tree per worker (radix.py) over the routed text (routed.py); trees are cut
 back to --max-tree-size characters, least recently used first, by `maintain` (every
@@ -15,6 +16,7 @@ worker, then the smaller tree, then the order the workers joined.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ketch.gateway.config import CacheAwareConfig
@@ -56,8 +58,9 @@ class CacheAware(RoutingPolicy):
             else:
                 worker = min(workers, key=lambda w: (self._tree(w.url).size, w.load))
                 choice = Choice(worker, "smallest_tree", ratio)
-        self._tree(choice.worker.url).insert(text)
-        return choice
+        tree = self._tree(choice.worker.url)
+        added = tree.insert(text)
+        return replace(choice, unlearn=lambda: tree.take_back(added))
 
     def forget(self, url: str) -> None:
         self._trees.pop(url, None)
