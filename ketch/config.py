@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 
 from ketch.config_checks import (DISAGGREGATION_MODES, check_device, check_disaggregation, check_expert_parallel,
-                                 check_hicache, check_sizes, check_speculative)
+                                 check_hicache, check_kernels, check_sizes, check_speculative)
 from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
                                  HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS)
 from ketch.hf_config import check_hf_fields, sliding_window
@@ -315,9 +315,7 @@ class EngineConfig:
                              f"needs device cpu, quantization auto and a dtype other than float32 (got "
                              f"{self.device!r}, {self.quantization!r}, {self.dtype!r})")
         for name in ("attention_backend", "layer_kernels"):
-            allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be {'|'.join(allowed)}, got {getattr(self, name)!r}")
+            check_kernels(name, getattr(self, name), self.torch_device.type)
 
     @property
     def use_cuda_graph(self) -> bool:

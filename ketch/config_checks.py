@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Any
 
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
@@ -33,6 +34,17 @@ def check_sizes(c: Any) -> None:
     if kv is not None and not (isinstance(kv, numbers.Real) and not isinstance(kv, bool) and math.isfinite(kv)
                                and kv > 0):
         raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv!r}")
+
+
+def check_kernels(name: str, value: str, device_type: str) -> None:
+    """attention_backend / layer_kernels: one of the names, and Triton only where it can run. On a
+    CPU (no interpreter) Triton finds no driver only when a kernel launches, i.e. at the first
+    request, which then kills the engine."""
+    allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
+    if value not in allowed:
+        raise ValueError(f"{name} must be {'|'.join(allowed)}, got {value!r}")
+    if value == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(f"{name}: 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device_type!r}")
 
 
 def check_device(device: Any) -> None:

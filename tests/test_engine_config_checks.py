@@ -54,3 +54,15 @@ def test_a_context_past_the_models_positions_is_refused_at_the_build(tiny_config
     assert make_tiny_engine(tiny_config_path, max_model_len=1024).max_model_len == 1024
     with pytest.raises(ValueError, match="^max_model_len: 1025 is past the model's max_position_embeddings"):
         make_tiny_engine(tiny_config_path, max_model_len=1025)
+
+
+@pytest.mark.parametrize("field", ["layer_kernels", "attention_backend"])
+def test_triton_kernels_without_a_gpu_are_refused_at_construction(field, monkeypatch):
+    """On a CPU (no interpreter) Triton finds no driver only when a kernel launches: `ketch serve
+    --layer-kernels triton` said it was serving, and its first request killed the engine."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=f"^{field}: 'triton' needs a CUDA device"):
+        EngineConfig(device="cpu", **{field: "triton"})
+    EngineConfig(device="cuda", cuda_graph=False, **{field: "triton"})  # a name check: CUDA's presence is the build's
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    EngineConfig(device="cpu", **{field: "triton"})  # the interpreter runs them (the kernel tests)

@@ -128,6 +128,18 @@ def test_bad_bodies_get_a_json_400_naming_the_field(server, path, raw, param):
     assert_error(status, body, 400, param)
 
 
+@pytest.mark.parametrize("extra, param, code", [
+    ({"max_completion_tokens": 100000}, "max_completion_tokens", "context_length_exceeded"),  # the engine's check
+    ({"max_completion_tokens": 100000, "stream": True}, "max_completion_tokens", "context_length_exceeded"),
+    ({"max_completion_tokens": 2, "min_tokens": 5}, "min_tokens", None),  # SamplingParams' check
+])
+def test_max_completion_tokens_is_named_as_the_client_sent_it(server, extra, param, code):
+    """The engine calls it max_tokens; a client that sent max_completion_tokens reads that name."""
+    status, body = authed(server[1], CHAT, {"messages": USER, **extra})
+    assert_error(status, body, 400, param, code)
+    assert "max_completion_tokens" in body["error"]["message"] and "max_tokens" not in body["error"]["message"]
+
+
 def test_a_non_ascii_authorization_header_is_a_401(server):
     _, base = server
     conn = connect(base)

@@ -65,7 +65,7 @@ async def chat_completions(state: ServerState, body: Any, request: Request):
                              state.max_n)
     params = plan.adjust(params, fields)
     generated, replay = resume_token_ids(fields) or (None, None)
-    check_context(prompt_ids, params, state.client, "messages", generated)
+    check_context(prompt_ids, params, state.client, "messages", generated, fields)
     bootstrap = bootstrap_of(fields, state.client.config.disaggregation_mode, params, 1, generated)
     rid = new_request_id("chatcmpl")
     gen = Generation(state, rid, [prompt_ids], params, fields.get("timeout"), generated, replay, bootstrap,

@@ -74,7 +74,7 @@ async def completions(state: ServerState, body: Any, request: Request):
 
     prompts = await on_encoder_thread(encode) if any(isinstance(p, str) for p in raw) else encode()
     for ids in prompts:
-        check_context(ids, params, state.client, "prompt", generated)
+        check_context(ids, params, state.client, "prompt", generated, fields)
     echoes = [e for e in await _echoes(state, fields, raw) for _ in range(params.n)]  # per choice
     if generated is not None:
         echoes = [""] * len(echoes)  # the stream being continued echoed the prompt already

@@ -26,7 +26,7 @@ from ketch.sampling.params import SamplingParams
 from ketch.server.client import EngineClient, EngineGone
 from ketch.server.errors import APIError, bad_value, engine_unavailable
 from ketch.server.pd import TRANSFER_FAILED, transfer_failed
-from ketch.server.protocol import REGENERATE_FIELD, RESUME_FIELD
+from ketch.server.protocol import REGENERATE_FIELD, RESUME_FIELD, as_sent
 from ketch.server.state import ServerState
 from ketch.text.sample_text import ReplayedTokens, SampleText
 
@@ -75,8 +75,9 @@ PD_TIMING = ("prefill_ms", "transfer_ms", "kv_wait_ms", "first_decode_ms")
 
 
 def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str,
-                  generated: list[int] | None = None) -> None:
-    """The engine's own request checks, made before sending so that a stream can still answer 400."""
+                  generated: list[int] | None = None, fields: dict | None = None) -> None:
+    """The engine's own request checks, made before sending so that a stream can still answer 400;
+    `fields`: the request's, to name the fields in the error as the client sent them."""
     ready = client.ready
     assert ready is not None
     try:
@@ -87,7 +88,7 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
         error = bad_value(e)
         if "exceeds the" in error.message or "the context length is" in error.message:
             error.code = "context_length_exceeded"
-        raise error from None
+        raise as_sent(error, fields or {}) from None
 
 
 def _resume_named(message: str) -> str:

@@ -6,6 +6,7 @@ the single place where value ranges are checked.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -131,14 +132,21 @@ def sampling_params(fields: dict[str, Any], default_max_tokens: int, grammar: Gr
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
-        error = bad_value(e)
-        # name the field the client sent: max_completion_tokens, or completions' logprobs count
-        sent = {"max_tokens": "max_completion_tokens" if "max_completion_tokens" in fields else None,
-                "top_logprobs": "logprobs" if type(logprobs) is int else None}.get(error.param or "")
-        if sent:
-            error.message = error.message.replace(error.param, sent, 1)
-            error.param = sent
-        raise error from None
+        raise as_sent(bad_value(e), fields) from None
+
+
+def as_sent(error: APIError, fields: dict[str, Any]) -> APIError:
+    """The error with the fields named as the client sent them: max_completion_tokens (the engine's
+    max_tokens, wherever its message names it), a completions request's logprobs count (the
+    engine's top_logprobs)."""
+    if "max_completion_tokens" in fields:  # it wins over max_tokens (sampling_params)
+        error.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", error.message)
+        if error.param == "max_tokens":
+            error.param = "max_completion_tokens"
+    if error.param == "top_logprobs" and type(fields.get("logprobs")) is int:
+        error.message = error.message.replace("top_logprobs", "logprobs", 1)
+        error.param = "logprobs"
+    return error
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
