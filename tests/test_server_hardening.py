@@ -112,6 +112,15 @@ BAD_BODIES = [
     (CMPL, json.dumps({"prompt": "Hi", "stop": [f"s{i}" for i in range(10_000)]}).encode(), "stop"),
     (CMPL, b'{"prompt": "Hi", "max_completion_tokens": 3}', "max_completion_tokens"),
     (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": -5}', "max_completion_tokens"),
+    # a misspelt key inside json_schema or a tool was dropped silently, and the constraint with it
+    (CHAT, json.dumps({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "shcema": {"type": "integer"}}}}).encode(), "response_format"),
+    (CHAT, json.dumps({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": "yes", "schema": {"type": "integer"}}}}).encode(), "response_format"),
+    (CHAT, json.dumps({"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "paramaters": {"type": "object"}}}]}).encode(), "tools[0].function.paramaters"),
+    (CHAT, json.dumps({"messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": "yes"}}]}).encode(), "tools[0].function.strict"),
     ("/tokenize", b'{"prompt": "Hi", "unknown": 1}', "unknown"),
     ("/detokenize", b'{"tokens": [1], "unknown": 1}', "unknown"),
     (CMPL, b'{"prompt": "Hi", "timeout": -1}', "timeout"),

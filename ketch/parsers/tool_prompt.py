@@ -35,6 +35,16 @@ def _object_schema(schema: Mapping[str, Any]) -> bool:
     return "properties" in schema  # no type: its keywords make it one (xgrammar reads it so too)
 
 
+_TOOL_KEYS = ("type", "function")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def _known_keys(obj: Mapping, known: tuple[str, ...], where: str) -> None:
+    unknown = [k for k in obj if k not in known]
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: not a field of this object (known: {', '.join(known)})")
+
+
 def validate_tools(tools: Any) -> list[dict[str, Any]]:
     """The `function` objects of an OpenAI tools list; ValueError naming the bad field."""
     if not isinstance(tools, list):
@@ -47,6 +57,10 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
         fn = tool.get("function")
         if not isinstance(fn, Mapping):
             raise ValueError(f"{where}.function: expected an object")
+        _known_keys(tool, _TOOL_KEYS, where)  # a misspelt key was dropped silently, `parameters` with it
+        _known_keys(fn, _FUNCTION_KEYS, f"{where}.function")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ValueError(f"{where}.function.strict: expected a boolean")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"{where}.function.name: expected a non-empty string")
         if not _TOOL_NAME.fullmatch(fn["name"]):

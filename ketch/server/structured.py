@@ -36,6 +36,7 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
         if not isinstance(js, dict):
             raise APIError(400, "response_format.json_schema: expected {'name': ..., 'schema': {...}}",
                            param="response_format")
+        _check_json_schema_fields(js)
         if js.get("schema") is None:  # optional in OpenAI's API: then any JSON object, as json_object
             return GrammarSpec("json_object")
         try:
@@ -44,6 +45,22 @@ def _response_format(rf: dict[str, Any]) -> GrammarSpec | None:
             raise APIError(400, f"response_format.{e}", param="response_format") from None
     raise APIError(400, f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
                    param="response_format")
+
+
+_JSON_SCHEMA_FIELDS = {"name": (str, "a string"), "description": (str, "a string"), "schema": (object, "a schema"),
+                       "strict": (bool, "a boolean")}
+
+
+def _check_json_schema_fields(js: dict[str, Any]) -> None:
+    """OpenAI's json_schema object: a misspelt key (`shcema`) left the output unconstrained, silently."""
+    for key, value in js.items():
+        kind, named = _JSON_SCHEMA_FIELDS.get(key, (None, ""))
+        if kind is None:
+            raise APIError(400, f"response_format.json_schema.{key}: not a field of json_schema (known: "
+                           f"{', '.join(_JSON_SCHEMA_FIELDS)})", param="response_format")
+        if value is not None and not isinstance(value, kind):
+            raise APIError(400, f"response_format.json_schema.{key}: expected {named}",
+                           param="response_format")
 
 
 def grammar_spec(fields: dict[str, Any]) -> tuple[GrammarSpec | None, str | None]:
