@@ -171,6 +171,20 @@ def test_serve_refuses_a_port_or_deadline_out_of_range(flags, field):
     assert r.returncode == 2 and f"error: {field}: must be" in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flags, field", [(["--max-model-len", "100000000"], "max_model_len"),
+                                          (["--device", "cuda"], "device")])
+def test_serve_refuses_a_setting_the_engine_build_refuses_in_one_line(flags, field):
+    """The engine process builds the engine; a setting its build refuses (a ValueError naming it) was
+    a 25-line traceback and exit 1 there, where `ketch generate` says one line and exits 2."""
+    import torch
+
+    if field == "device" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = ketch("serve", "--port", "0", *flags)
+    assert r.returncode == 2 and f"error: {field}: " in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "ValueError" not in r.stderr, r.stderr[-2000:]
+
+
 def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp_path):
     """`ketch serve` starts the engine process before it loads the tokenizer (the two overlap):
     a tokenizer that fails still exits 2 naming the field, and the engine it started is gone."""

@@ -123,6 +123,9 @@ class EngineReady(msgspec.Struct, tag=True, frozen=True):
 
 class EngineError(msgspec.Struct, tag=True, frozen=True):
     message: str  # the engine failed as a whole (startup or step); it exits after sending this
+    # its build refused a setting (a ValueError naming it, before EngineReady): the command line is
+    # wrong, not the engine (`ketch serve` says so in one line, exit 2, as `ketch generate` does)
+    setting: bool = False
 
 
 class WireLogprob(msgspec.Struct, array_like=True, frozen=True):

@@ -146,7 +146,7 @@ def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
     progress, stop = _Progress(), threading.Event()
     beat = threading.Thread(target=_beat, args=(zctx, output_addrs, progress, stop), name="ketch-heartbeat",
                             daemon=True)
-    code = 0
+    code, ready = 0, False
     try:
         if import_error is not None:  # reported as any start-up failure: EngineError, exit 1
             raise import_error
@@ -157,12 +157,15 @@ def run_engine(config: EngineConfig, eos_in: Connection, input_addrs: list[str],
         gc.freeze()
         capacity = engine.runner.pool.num_pages * config.page_size
         outboxes.send_all(m.EngineReady(engine.max_model_len, engine.vocab_size, capacity, new_instance_id()))
+        ready = True
         beat.start()  # after EngineReady: start-up has its own deadline in the API process
         _loop(engine, inbox, outboxes, parent_pid, progress)
         engine.close()
     except Exception as e:
-        traceback.print_exc()
-        outboxes.send_all(m.EngineError(f"{type(e).__name__}: {e}"))
+        setting = isinstance(e, ValueError) and not ready  # the build's checks name the setting
+        if not setting:
+            traceback.print_exc()
+        outboxes.send_all(m.EngineError(str(e) if setting else f"{type(e).__name__}: {e}", setting))
         code = 1
     stop.set()
     if beat.is_alive():

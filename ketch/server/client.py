@@ -42,6 +42,10 @@ class EngineStartError(RuntimeError):
     pass
 
 
+class EngineSettingError(ValueError):
+    """The engine's build refused a setting (its message names it): `ketch serve` exits 2 with it."""
+
+
 Item = m.TokenDelta | m.RequestError | Exception  # an exception item ends the request with it
 
 
@@ -147,6 +151,8 @@ class EngineClient:
                 return msg
             if not isinstance(msg, m.Heartbeat):
                 self.close()
+                if isinstance(msg, m.EngineError) and msg.setting:
+                    raise EngineSettingError(msg.message)
                 raise EngineStartError(getattr(msg, "message", f"unexpected first message {type(msg).__name__}"))
 
     def _running(self, msg: m.EngineReady) -> m.EngineReady:
