@@ -43,6 +43,7 @@ def check_kernels(name: str, value: str, device_type: str) -> None:
     allowed = ("auto", "torch", "triton") + (("native",) if name == "layer_kernels" else ())
     if value not in allowed:
         raise ValueError(f"{name} must be {'|'.join(allowed)}, got {value!r}")
+    # kernels/_common.interpreting()'s test, read here: importing it would load triton with the config
     if value == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError(f"{name}: 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device_type!r}")
 

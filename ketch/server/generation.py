@@ -75,7 +75,7 @@ PD_TIMING = ("prefill_ms", "transfer_ms", "kv_wait_ms", "first_decode_ms")
 
 
 def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineClient, param: str,
-                  generated: list[int] | None = None, fields: dict | None = None) -> None:
+                  generated: list[int] | None, fields: dict) -> None:
     """The engine's own request checks, made before sending so that a stream can still answer 400;
     `fields`: the request's, to name the fields in the error as the client sent them."""
     ready = client.ready
@@ -88,7 +88,7 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
         error = bad_value(e)
         if "exceeds the" in error.message or "the context length is" in error.message:
             error.code = "context_length_exceeded"
-        raise as_sent(error, fields or {}) from None
+        raise as_sent(error, fields) from None
 
 
 def _resume_named(message: str) -> str:
