@@ -311,3 +311,27 @@ def test_both_workers_of_the_pair_get_the_clients_request_id(pd: PD, sent_id: st
         assert len(rid) == 16 and int(rid, 16) >= 0
     seen = {role: entry["request_id"] for role, (_, entry) in pd.both(tag).items()}
     assert seen == {"prefill": rid, "decode": rid}
+
+
+def prefill_tree_chars(pd: PD) -> dict[str, float]:
+    m = parse_metrics(request(pd.base, "GET", "/metrics")[2].decode())
+    return {f.url: m.get(f'ketch_gateway_worker_tree_chars{{worker="{f.url}"}}', 0) for f in pd.prefills}
+
+
+@pytest.mark.parametrize("how", [{"mode": "error", "status": 400, "body": {"error": {"message": "too long"}}},
+                                 {"mode": "close"}])
+def test_a_prompt_the_prefill_worker_refused_leaves_its_tree(pd: PD, how: dict[str, Any]):
+    """cache_aware picks the prefill worker (PD mode's default policy) and learns the prompt there;
+    a prefill worker that refused it (a 4xx, or the connection closed unanswered) cached nothing,
+    so the text leaves its tree again, as in the plain mode (forward.py). The same prompt
+    answered stays learnt: the control that the tree grows at all."""
+    tag = uuid.uuid4().hex
+    prompt = f"{tag} " + "refused prefix " * 200
+    before = prefill_tree_chars(pd)
+    body = {"model": "m", "prompt": prompt, "user": tag, "fake": {"prefill": how, "decode": {"mode": "hold"}}}
+    status, _, _ = request(pd.base, "POST", "/v1/completions", body)
+    assert status == (400 if how["mode"] == "error" else 503)
+    assert prefill_tree_chars(pd) == before
+    answered = request(pd.base, "POST", "/v1/completions", {"model": "m", "prompt": prompt, "user": tag + "-ok"})
+    assert answered[0] == 200
+    assert sum(prefill_tree_chars(pd).values()) >= sum(before.values()) + len(prompt)

@@ -9,6 +9,8 @@ is the client's (PRIOR_ART.md, "PD disaggregation": SGLang router's PD mode).
     race until the decode answer has begun (status, headers and its first body bytes, or its end):
       prefill answers >= 400          ─▶ the decode request is closed (the decode server aborts);
                                          the client gets the prefill's answer as it is
+                                         (and, as every prefill refusal, the prompt leaves the
+                                         policy's tree: cache_aware's unlearn)
       prefill unreachable / lost      ─▶ the decode request is closed; 503 (504 if it timed out)
       decode unreachable / lost       ─▶ the prefill request is closed; 503 (504 if it timed out)
     then the decode answer is relayed (x-ketch-worker: decode, x-ketch-prefill-worker: prefill);
@@ -44,7 +46,7 @@ from ketch.gateway.errors import GatewayError, unavailable
 from ketch.gateway.failover import NoFailover
 from ketch.gateway.forward import Forwarder
 from ketch.gateway.metrics import GatewayMetrics
-from ketch.gateway.policies import LeastLoad, RoutingPolicy
+from ketch.gateway.policies import Choice, LeastLoad, RoutingPolicy
 from ketch.gateway.registry import WorkerRegistry
 from ketch.gateway.relay import Send, relay, whole_response
 from ketch.gateway.routed import RoutedRequest
@@ -88,11 +90,13 @@ class PDForwarder:
         if isinstance(pair, GatewayError):
             await pair.response()(scope, receive, send)
             return
-        prefill, decode = pair
+        p_choice, decode = pair
+        prefill = p_choice.worker
         body = with_bootstrap(request.body, prefill, self.rng.getrandbits(ROOM_BITS))
         p_attempt = Attempt(prefill, request.route, self.metrics, self.clock)
         d_attempt = Attempt(decode, request.route, self.metrics, self.clock)
-        p_task = asyncio.create_task(self._prefill(p_attempt, request.path, body, request.request_id))
+        p_task = asyncio.create_task(self._prefill(p_attempt, request.path, body, request.request_id,
+                                                   p_choice.unlearn))
         d_task = asyncio.create_task(self._decode(d_attempt, request.path, body, request.request_id))
         extra = [(PREFILL_HEADER, prefill.url.encode())]
         keep_prefill = False
@@ -124,7 +128,8 @@ class PDForwarder:
             else:
                 p_task.cancel()
 
-    def _pair(self, request: RoutedRequest) -> tuple[Worker, Worker] | GatewayError:
+    def _pair(self, request: RoutedRequest) -> tuple[Choice, Worker] | GatewayError:
+        """The prefill worker's choice (its `unlearn` is the prefill leg's to call) and the decode worker."""
         prefills = self.registry.available(role="prefill")
         decodes = self.registry.available(role="decode")
         if not prefills or not decodes:
@@ -135,7 +140,7 @@ class PDForwarder:
         self.metrics.routed(self.policy.name, p_choice)
         d_choice = self.decode_policy.pick(request, decodes)
         self.metrics.routed(self.decode_policy.name, d_choice)
-        return p_choice.worker, d_choice.worker
+        return p_choice, d_choice.worker
 
     async def _open(self, attempt: Attempt, path: str, body: bytes, request_id: str | None) -> Answer | GatewayError:
         """The worker's answer (status and headers read), else the error, charged to the worker."""
@@ -165,15 +170,23 @@ class PDForwarder:
             raise
         return opened
 
-    async def _prefill(self, attempt: Attempt, path: str, body: bytes, request_id: str | None) -> PrefillOutcome:
+    async def _prefill(self, attempt: Attempt, path: str, body: bytes, request_id: str | None,
+                       unlearn: Callable[[], object] | None = None) -> PrefillOutcome:
         """The prefill leg, whole: None once its answer was read to its end (and dropped); else
-        what the client gets if the decode answer has not begun yet (relayed >= 400, or 503/504)."""
+        what the client gets if the decode answer has not begun yet (relayed >= 400, or 503/504).
+        `unlearn` (the policy's, cache_aware's tree) runs where the worker did not take the prompt,
+        as in Forwarder._forward: it refused it (>= 400) or no connection carried it; a timeout or
+        an answer cut midway leave it learnt (the worker may have computed the prefix)."""
         try:
             opened = await self._open(attempt, path, body, request_id)
             if isinstance(opened, GatewayError):
+                if opened.status != 504 and unlearn is not None:
+                    unlearn()
                 return opened
             try:
                 if opened.status_code >= 400:
+                    if unlearn is not None:
+                        unlearn()
                     return whole_response(opened, attempt, await opened.read())
                 async for _ in opened.chunks():
                     pass
