@@ -137,6 +137,18 @@ def test_bad_bodies_get_a_json_400_naming_the_field(server, path, raw, param):
     assert_error(status, body, 400, param)
 
 
+@pytest.mark.parametrize("json_schema, code", [
+    ({"name": "x", "shcema": {"type": "integer"}}, "unsupported_field"),
+    ({"name": "x", "strict": "yes", "schema": {"type": "integer"}}, "invalid_type"),
+])
+def test_json_schema_field_errors_carry_the_codes_of_the_top_level_ones(server, json_schema, code):
+    """A misspelt or mistyped key inside response_format.json_schema is coded as the same mistake
+    at the top level of the body is (protocol.py: unsupported_field, invalid_type)."""
+    rf = {"type": "json_schema", "json_schema": json_schema}
+    status, body = authed(server[1], CHAT, {"messages": USER, "response_format": rf})
+    assert_error(status, body, 400, "response_format", code)
+
+
 @pytest.mark.parametrize("extra, param, code", [
     ({"max_completion_tokens": 100000}, "max_completion_tokens", "context_length_exceeded"),  # the engine's check
     ({"max_completion_tokens": 100000, "stream": True}, "max_completion_tokens", "context_length_exceeded"),

@@ -57,10 +57,10 @@ def _check_json_schema_fields(js: dict[str, Any]) -> None:
         kind, named = _JSON_SCHEMA_FIELDS.get(key, (None, ""))
         if kind is None:
             raise APIError(400, f"response_format.json_schema.{key}: not a field of json_schema (known: "
-                           f"{', '.join(_JSON_SCHEMA_FIELDS)})", param="response_format")
+                           f"{', '.join(_JSON_SCHEMA_FIELDS)})", param="response_format", code="unsupported_field")
         if value is not None and not isinstance(value, kind):
             raise APIError(400, f"response_format.json_schema.{key}: expected {named}",
-                           param="response_format")
+                           param="response_format", code="invalid_type")
 
 
 def grammar_spec(fields: dict[str, Any]) -> tuple[GrammarSpec | None, str | None]:
