@@ -169,6 +169,45 @@ def test_decode_without_room_queues_until_pages_free(tiny_config_path):
         decode.close()
 
 
+def test_a_prefill_pool_bounds_the_prompt_not_the_output(tiny_config_path):
+    """A prefill engine holds KV for the prompt and its first token only, so a pool smaller than
+    prompt + max_tokens (the usual PD layout: the decode side holds the outputs) takes the request,
+    and the pair answers as a colocated engine does. It was refused on the prefill side ("prompt +
+    max_tokens exceeds the KV cache capacity") though the decode side could serve it. A prompt
+    the prefill pool cannot hold with its first token is still refused, naming the prompt."""
+    probe = make_tiny_engine(tiny_config_path)
+    per_page = 2 * 1024 * 1024 // probe.allocator.num_pages
+    probe.close()
+    common = dict(disaggregation_transfer_backend="tcp", disaggregation_timeout=30.0)
+    prefill = make_tiny_engine(tiny_config_path, disaggregation_mode="prefill", disaggregation_bootstrap_port=0,
+                               kv_cache_memory=per_page * 20, **common)
+    decode = make_tiny_engine(tiny_config_path, disaggregation_mode="decode", **common)
+    try:
+        capacity = prefill.kv.capacity_tokens
+        assert decode.kv.capacity_tokens > 2 * capacity
+        long_output = SamplingParams(temperature=0.0, max_tokens=capacity, ignore_eos=True)
+        p = prompt(capacity // 2, 31)
+        colocated = make_tiny_engine(tiny_config_path)
+        colocated.add_request("w", p, long_output)
+        want = collect(run_pair(colocated)[0])
+        colocated.close()
+        prefill.add_request("w", p, long_output, bootstrap=boot(prefill, 400))
+        decode.add_request("w", p, long_output, bootstrap=boot(prefill, 400))
+        pre, dec = (collect(o) for o in run_pair(prefill, decode))
+        assert dec[("w", 0)] == want[("w", 0)] and len(dec[("w", 0)]["ids"]) == capacity
+        assert pre[("w", 0)]["ids"] == want[("w", 0)]["ids"][:1]
+        with pytest.raises(ValueError, match=r"^prompt: .*prefill server's KV cache capacity"):
+            prefill.add_request("x", prompt(capacity, 32), GREEDY, bootstrap=boot(prefill, 401))
+        prefill.add_request("y", prompt(capacity - 1, 33), GREEDY, bootstrap=boot(prefill, 402))  # + 1 fits
+        prefill.abort("y")
+        run_pair(prefill)
+        assert_drained(prefill)
+        assert_drained(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_decode_waiting_for_room_fails_after_the_timeout(tiny_config_path):
     prefill, decode = pair(tiny_config_path, timeout=0.3)
     try:

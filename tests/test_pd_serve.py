@@ -129,3 +129,30 @@ def test_decode_whose_prefill_never_comes(servers):
     pre, dec = pd_call(prefill, decode, boot, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0})
     assert answer(*dec) == answer(*call(colocated, "/v1/completions",
                                         {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}))
+
+
+def test_a_small_prefill_pool_takes_a_long_output():
+    """The usual PD layout gives the prefill server less KV memory than the decode server: the
+    prefill side holds the prompt and its first token only, so a request whose prompt + max_tokens
+    is past the prefill pool (not past the decode pool) is served. It was a 400 from the prefill
+    server ("prompt + max_tokens ... exceeds the KV cache capacity"), found by an exploratory run."""
+    boot = free_port()
+    started = [start_replica(free_port(), "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                             str(boot), "--disaggregation-timeout", "30", "--page-size", "16",
+                             "--kv-cache-memory", "4000000"),
+               start_replica(free_port(), "--disaggregation-mode", "decode", "--disaggregation-timeout", "30")]
+    try:
+        for r in started:
+            wait_healthy(r)
+        prefill, decode = (r.url for r in started)
+        capacity = 16 * int(metrics(prefill)["ketch_kv_pages_total"])
+        assert 16 < capacity < 1000 < 16 * metrics(decode)["ketch_kv_pages_total"], capacity
+        body = {"prompt": PROMPTS[0], "max_tokens": capacity + 16, "temperature": 0, "ignore_eos": True}
+        pre, dec = pd_call(prefill, decode, boot, "/v1/completions", body)
+        assert pre[0] == 200 and answer(*pre)[3] == 1, pre
+        assert answer(*dec)[3] == capacity + 16
+        for base in (prefill, decode):
+            wait_for(lambda: pages_all_back(metrics(base)), f"pages back on {base}")
+    finally:
+        for r in started:
+            stop(r.proc)

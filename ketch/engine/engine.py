@@ -148,7 +148,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         validate_request(prompt_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-                         kv_capacity=self.kv.capacity_tokens, generated=generated, eos_ids=self.eos_ids)
+                         kv_capacity=self.kv.capacity_tokens, generated=generated, eos_ids=self.eos_ids,
+                         prefill_only=self.config.disaggregation_mode == "prefill")
         if params.grammar is not None:
             self.grammars.check(params.grammar)
 

@@ -22,7 +22,11 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                      kv_capacity: int, prompt_field: str = "prompt", generated: Sequence[int] = (),
-                     eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids") -> None:
+                     eos_ids: Sequence[int] = (), generated_field: str = "generated_token_ids",
+                     prefill_only: bool = False) -> None:
+    """prefill_only: a PD prefill server's check. It holds KV for the prompt and the first token
+    only (pd_prefill.PrefillSends.start: max_len = prompt + 1), so its KV capacity bounds that; the
+    whole prompt + max_tokens is the decode server's to hold (and the context length both sides')."""
     if prompt_ids is None or isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
         # (None, text, a bare int: not a TypeError from len() inside the engine)
         raise ValueError(f"{prompt_field}: must be a sequence of token ids, got {type(prompt_ids).__name__}")
@@ -42,7 +46,10 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
             f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the context length ({max_model_len})"
         )
-    if total > kv_capacity:
+    if prefill_only and len(prompt_ids) + 1 > kv_capacity:
+        raise ValueError(f"{prompt_field}: the prompt + its first token = {len(prompt_ids) + 1} tokens exceeds this "
+                         f"prefill server's KV cache capacity ({kv_capacity} tokens)")
+    if not prefill_only and total > kv_capacity:
         raise ValueError(
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({kv_capacity} tokens)"
         )

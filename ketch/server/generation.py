@@ -83,7 +83,8 @@ def check_context(prompt_ids: list[int], params: SamplingParams, client: EngineC
     try:
         validate_request(prompt_ids, params, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
                          kv_capacity=ready.kv_capacity_tokens, prompt_field=param, generated=generated or (),
-                         eos_ids=client.eos_token_ids, generated_field=RESUME_FIELD)
+                         eos_ids=client.eos_token_ids, generated_field=RESUME_FIELD,
+                         prefill_only=client.config.disaggregation_mode == "prefill")
     except ValueError as e:
         error = bad_value(e)
         if "exceeds the" in error.message or "the context length is" in error.message:
