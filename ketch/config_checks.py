@@ -96,6 +96,21 @@ def check_disaggregation(c: Any, modes: tuple[str, ...]) -> None:
         raise ValueError(f"disaggregation_timeout must be a number of seconds > 0, got {c.disaggregation_timeout!r}")
     if c.disaggregation_mode != "null" and c.tensor_parallel_size > 1:
         raise ValueError("disaggregation_mode: not supported with tensor_parallel_size > 1 yet")
+    # a PD flag that the mode does not use is a mistake that showed only later, as 400s once a PD
+    # gateway sent bootstrap fields (as check_hicache's rule: a tier's setting without the tier)
+    defaults = {f: type(c).__dataclass_fields__[f].default for f in _PD_FLAGS}
+    unused = [f for f in _PD_FLAGS if getattr(c, f) != defaults[f]]
+    if c.disaggregation_mode == "null" and unused:
+        raise ValueError(f"{unused[0]} (--{unused[0].replace('_', '-')}) needs PD disaggregation: add "
+                         f"--disaggregation-mode prefill|decode")
+    on_decode = [f for f in unused if "bootstrap" in f]
+    if c.disaggregation_mode == "decode" and on_decode:
+        raise ValueError(f"{on_decode[0]} (--{on_decode[0].replace('_', '-')}): a decode server has no bootstrap "
+                         f"socket; each request names its prefill server's (the gateway's --prefill URL PORT)")
+
+
+_PD_FLAGS = ("disaggregation_transfer_backend", "disaggregation_bootstrap_host", "disaggregation_bootstrap_port",
+             "disaggregation_timeout")
 
 
 def check_hicache(c: Any) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from server_util import wait_for
+from server_util import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,6 +160,28 @@ def test_serve_on_a_port_in_use_exits_2_before_the_model_loads():
         code, err = _serve_that_fails("--port", str(taken.getsockname()[1]))
     assert code == 2, err[-2000:]
     assert "error: port: cannot bind" in err and "Loading weights" not in err
+
+
+def test_a_prefill_server_whose_bootstrap_port_is_its_http_port_exits_2_before_the_model_loads():
+    """The engine's bootstrap socket bound and listened on the port the HTTP socket had bound but
+    not yet listened on: the server said "serving ... on" that port and answered every client with
+    the bootstrap socket's bytes, for good."""
+    port = free_port()
+    code, err = _serve_that_fails("--port", str(port), "--disaggregation-mode", "prefill",
+                                  "--disaggregation-bootstrap-port", str(port))
+    assert code == 2, err[-2000:]
+    assert "error: disaggregation_bootstrap_port: " in err and "Loading weights" not in err, err[-2000:]
+
+
+def test_serve_whose_port_another_socket_took_during_the_load_exits_2_without_serving():
+    """The same clash where the two hosts are spelt differently (localhost, 127.0.0.1), so that only
+    the listen() finds it: one line naming the port and exit 2 (it served nothing, and never ended)."""
+    port = free_port()
+    code, err = _serve_that_fails("--host", "localhost", "--port", str(port), "--disaggregation-mode", "prefill",
+                                  "--disaggregation-bootstrap-host", "127.0.0.1", "--disaggregation-bootstrap-port",
+                                  str(port))
+    assert code == 2, err[-2000:]
+    assert "error: port: cannot listen on localhost" in err, err[-2000:]
 
 
 @pytest.mark.parametrize("flags, field", [(["--port", "83736"], "port"), (["--port", "-1"], "port"),

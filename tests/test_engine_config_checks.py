@@ -27,6 +27,13 @@ from ketch.config import EngineConfig
     ({"kv_cache_memory": float("nan")}, "kv_cache_memory"),
     ({"kv_cache_memory": -1}, "kv_cache_memory"),
     ({"kv_cache_memory": "1GB"}, "kv_cache_memory"),
+    # a PD setting without the mode that uses it: it was ignored, and showed later as 400s
+    ({"disaggregation_transfer_backend": "nixl"}, "disaggregation_transfer_backend .* needs PD disaggregation"),
+    ({"disaggregation_bootstrap_port": 9000}, "disaggregation_bootstrap_port .* needs PD disaggregation"),
+    ({"disaggregation_bootstrap_host": "10.0.0.1"}, "disaggregation_bootstrap_host .* needs PD disaggregation"),
+    ({"disaggregation_timeout": 5.0}, "disaggregation_timeout .* needs PD disaggregation"),
+    ({"disaggregation_mode": "decode", "disaggregation_bootstrap_port": 9000},
+     "disaggregation_bootstrap_port .* a decode server has no bootstrap socket"),
 ])
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -37,6 +44,9 @@ def test_good_settings_pass():
     for device in ("auto", "cpu", "cuda", "cuda:1"):  # a name check: CUDA's presence is the build's
         EngineConfig(device=device, cuda_graph=False)
     EngineConfig(max_model_len=128, num_threads=1, kv_cache_memory=1 << 20, chunked_prefill_size=64)
+    EngineConfig(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=0,
+                 disaggregation_bootstrap_host="10.0.0.1", disaggregation_timeout=5.0)
+    EngineConfig(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", disaggregation_timeout=5.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")

@@ -54,6 +54,19 @@ def bound_socket(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
+def start_listening(sock: socket.socket, host: str, port: int, backlog: int) -> None:
+    """listen() on the socket bound before the model loaded. Bound but not listening, the port is
+    free for another SO_REUSEADDR socket to bind and listen on meanwhile (the prefill engine's own
+    bootstrap socket, given the same port; another server starting beside): then this listen()
+    fails, and uvloop's create_server ignores that, so the server announced itself and answered
+    nothing. Called before the announcement: a ValueError naming `port` (exit 2)."""
+    try:
+        sock.listen(backlog)
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror}): another socket took it while the "
+                         f"model loaded (--disaggregation-bootstrap-port the same port?)") from None
+
+
 def shared_metrics_dir(workdir: str) -> str:
     """The directory the API processes keep their metric values in (set before any of them starts)."""
     path = os.path.join(workdir, "metrics")

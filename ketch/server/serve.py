@@ -24,7 +24,7 @@ from typing import Callable
 from ketch.config import EngineConfig
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
 from ketch.instance_id import HEADER as INSTANCE_HEADER
-from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir
+from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir, start_listening
 from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
 from ketch.server.config import ServerConfig
@@ -93,8 +93,21 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
     return server
 
 
+_ANY_HOST = ("0.0.0.0", "::", "")
+
+
+def check_bootstrap_port(config: EngineConfig, sc: ServerConfig) -> None:
+    """A prefill server's bootstrap socket (the engine's) and its HTTP socket cannot share an address."""
+    host, port = config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port
+    overlap = host == sc.host or host in _ANY_HOST or sc.host in _ANY_HOST
+    if config.disaggregation_mode == "prefill" and port == sc.port != 0 and overlap:
+        raise ValueError(f"disaggregation_bootstrap_port: {port} is this server's HTTP port too (--port): "
+                         f"the bootstrap socket needs a port of its own")
+
+
 async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
     sc = server_config
+    check_bootstrap_port(config, sc)
     many = sc.api_server_count > 1
     workdir = tempfile.mkdtemp(prefix="ketch-") if many else None
     sock = bound_socket(sc.host, sc.port, shared=many)  # bound first: port 0 picks one port for all
@@ -115,6 +128,7 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         server = http_server(config, sc, client, tokenizer, metrics_dir)
+        start_listening(sock, sc.host, port, server.config.backlog)
         if workers is not None:
             workers.on_death = lambda reason: (setattr(server, "should_exit", True), setattr(workers, "failure", reason))
             server.on_shutdown = workers.signal_stop
