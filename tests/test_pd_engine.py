@@ -196,7 +196,7 @@ def test_a_prefill_pool_bounds_the_prompt_not_the_output(tiny_config_path):
         pre, dec = (collect(o) for o in run_pair(prefill, decode))
         assert dec[("w", 0)] == want[("w", 0)] and len(dec[("w", 0)]["ids"]) == capacity
         assert pre[("w", 0)]["ids"] == want[("w", 0)]["ids"][:1]
-        with pytest.raises(ValueError, match=r"^prompt: .*prefill server's KV cache capacity"):
+        with pytest.raises(ValueError, match=r"^prompt: .*exceeds the KV cache capacity of this prefill server"):
             prefill.add_request("x", prompt(capacity, 32), GREEDY, bootstrap=boot(prefill, 401))
         prefill.add_request("y", prompt(capacity - 1, 33), GREEDY, bootstrap=boot(prefill, 402))  # + 1 fits
         prefill.abort("y")

@@ -151,6 +151,12 @@ def test_a_small_prefill_pool_takes_a_long_output():
         pre, dec = pd_call(prefill, decode, boot, "/v1/completions", body)
         assert pre[0] == 200 and answer(*pre)[3] == 1, pre
         assert answer(*dec)[3] == capacity + 16
+        # a prompt the prefill pool cannot hold with its first token: a 400 naming it, coded as any such
+        too_long = {"prompt": "one two three " * capacity, "max_tokens": 1, "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": boot, "bootstrap_room": next(_rooms)}
+        status, err = post(prefill, "/v1/completions", too_long)
+        assert status == 400 and err["error"]["param"] == "prompt", err
+        assert err["error"]["code"] == "context_length_exceeded" and "prefill server" in err["error"]["message"], err
         for base in (prefill, decode):
             wait_for(lambda: pages_all_back(metrics(base)), f"pages back on {base}")
     finally:

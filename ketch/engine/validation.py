@@ -47,8 +47,8 @@ def validate_request(prompt_ids: list[int], params: SamplingParams, *, vocab_siz
             f"exceeds the context length ({max_model_len})"
         )
     if prefill_only and len(prompt_ids) + 1 > kv_capacity:
-        raise ValueError(f"{prompt_field}: the prompt + its first token = {len(prompt_ids) + 1} tokens exceeds this "
-                         f"prefill server's KV cache capacity ({kv_capacity} tokens)")
+        raise ValueError(f"{prompt_field}: the prompt + its first token = {len(prompt_ids) + 1} tokens exceeds the "
+                         f"KV cache capacity of this prefill server ({kv_capacity} tokens)")
     if not prefill_only and total > kv_capacity:
         raise ValueError(
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache capacity ({kv_capacity} tokens)"

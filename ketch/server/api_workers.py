@@ -64,7 +64,7 @@ def start_listening(sock: socket.socket, host: str, port: int, backlog: int) -> 
         sock.listen(backlog)
     except OSError as e:
         raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror}): another socket took it while the "
-                         f"model loaded (--disaggregation-bootstrap-port the same port?)") from None
+                         f"model loaded") from None
 
 
 def shared_metrics_dir(workdir: str) -> str:
