@@ -80,8 +80,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._aborted: list[EngineOutput] = []
         self._generated_tokens = 0
-        self._steps = 0
-        self._step_seconds = 0.0
+        self._steps, self._step_seconds = 0, 0.0
         self._decode_seconds = 0.0  # finished requests: first token -> last token, in the engine
         self._decode_intervals = 0  # ... over this many token intervals (each request's n - 1)
         self._tpot_counts = [0] * (len(TPOT_BUCKETS) + 1)  # per-request engine TPOT, non-cumulative
