@@ -139,7 +139,7 @@ def test_a_small_prefill_pool_takes_a_long_output():
     boot = free_port()
     started = [start_replica(free_port(), "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                              str(boot), "--disaggregation-timeout", "30", "--page-size", "16",
-                             "--kv-cache-memory", "4000000"),
+                             "--kv-cache-memory", "2000000"),
                start_replica(free_port(), "--disaggregation-mode", "decode", "--disaggregation-timeout", "30")]
     try:
         for r in started:
