@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ketch.disagg.io_loop import WILDCARD_HOSTS
 from ketch.disagg.layout import KVLayout
-
-_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 def new_engine(host: str) -> tuple[object, str]:
@@ -43,7 +42,7 @@ def new_engine(host: str) -> tuple[object, str]:
 
 def local_host(bind_host: str) -> str:
     """The address a peer reaches this engine at: the bootstrap host, unless that is a wildcard."""
-    if bind_host not in _WILDCARDS:
+    if bind_host not in WILDCARD_HOSTS:
         return bind_host
     try:
         return socket.gethostbyname(socket.gethostname())

@@ -22,6 +22,7 @@ import tempfile
 from typing import Callable
 
 from ketch.config import EngineConfig
+from ketch.disagg.io_loop import WILDCARD_HOSTS
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
 from ketch.instance_id import HEADER as INSTANCE_HEADER
 from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir, start_listening
@@ -93,13 +94,10 @@ def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, to
     return server
 
 
-_ANY_HOST = ("0.0.0.0", "::", "")
-
-
 def check_bootstrap_port(config: EngineConfig, sc: ServerConfig) -> None:
     """A prefill server's bootstrap socket (the engine's) and its HTTP socket cannot share an address."""
     host, port = config.disaggregation_bootstrap_host, config.disaggregation_bootstrap_port
-    overlap = host == sc.host or host in _ANY_HOST or sc.host in _ANY_HOST
+    overlap = host == sc.host or host in WILDCARD_HOSTS or sc.host in WILDCARD_HOSTS
     if config.disaggregation_mode == "prefill" and port == sc.port != 0 and overlap:
         raise ValueError(f"disaggregation_bootstrap_port: {port} is this server's HTTP port too (--port): "
                          f"the bootstrap socket needs a port of its own")
