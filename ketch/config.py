@@ -12,13 +12,13 @@ import torch
 from ketch.config_checks import (DISAGGREGATION_MODES, check_device, check_disaggregation, check_expert_parallel,
                                  check_hicache, check_kernels, check_sizes, check_speculative)
 from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
-                                 HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS)
+                                 HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS, WILDCARD_HOSTS)
 from ketch.hf_config import check_hf_fields, sliding_window
 
 # the flags' choices live with their checks (config_checks.py); importers read them from here
 __all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKENDS", "HICACHE_WRITE_POLICIES",
-           "SPECULATIVE_ALGORITHMS", "_STORAGE_URL_FORMS", "EngineConfig", "ModelConfig", "RopeScaling", "KVTensorSpec",
-           "KVSpec", "KV_CACHE_DTYPES", "CPU_ACTIVATIONS", "cpu_has_native_bf16"]
+           "SPECULATIVE_ALGORITHMS", "WILDCARD_HOSTS", "_STORAGE_URL_FORMS", "EngineConfig", "ModelConfig",
+           "RopeScaling", "KVTensorSpec", "KVSpec", "KV_CACHE_DTYPES", "CPU_ACTIVATIONS", "cpu_has_native_bf16"]
 
 LoadFormat = Literal["auto", "gguf", "hf", "dummy"]
 Quantization = Literal["auto", "none"]

@@ -12,6 +12,8 @@ HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGL
 HICACHE_IO_BACKENDS: tuple[str, ...] = ("direct", "kernel")  # SGLang's --hicache-io-backend names
 HICACHE_STORAGE_BACKENDS: tuple[str, ...] = ("file", "redis", "mooncake")  # L3 (ketch/cache/storage/)
 DISAGGREGATION_MODES: tuple[str, ...] = ("null", "prefill", "decode")  # null: colocated (SGLang's name)
+# hosts that bind every interface (a bracketed IPv6 one too): a socket there clashes with any host's
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # the URL scheme each backend takes, and the form its error message shows
 _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///absolute/dir"),
                                                   "redis": ("redis://", "redis://host:port[/db]"),

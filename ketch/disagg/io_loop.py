@@ -21,9 +21,6 @@ from ketch.disagg.state import TransferState
 
 log = logging.getLogger(__name__)
 
-# hosts that bind every interface (a bracketed IPv6 one too): a socket there clashes with any host's
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
-
 
 def tcp_endpoint(host: str, port: int | str | None = None) -> str:
     """A ZMQ tcp endpoint: an IPv6 address in brackets (`tcp://[::1]:5757`; a host given bracketed

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ketch.disagg.io_loop import WILDCARD_HOSTS
+from ketch.config import WILDCARD_HOSTS
 from ketch.disagg.layout import KVLayout
 
 

@@ -21,8 +21,7 @@ import sys
 import tempfile
 from typing import Callable
 
-from ketch.config import EngineConfig
-from ketch.disagg.io_loop import WILDCARD_HOSTS
+from ketch.config import WILDCARD_HOSTS, EngineConfig
 from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
 from ketch.instance_id import HEADER as INSTANCE_HEADER
 from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir, start_listening
