@@ -334,4 +334,5 @@ def test_a_prompt_the_prefill_worker_refused_leaves_its_tree(pd: PD, how: dict[s
     assert prefill_tree_chars(pd) == before
     answered = request(pd.base, "POST", "/v1/completions", {"model": "m", "prompt": prompt, "user": tag + "-ok"})
     assert answered[0] == 200
-    assert sum(prefill_tree_chars(pd).values()) >= sum(before.values()) + len(prompt)
+    # a tree shares prefixes: the text before may begin as the random tag does, never past it
+    assert sum(prefill_tree_chars(pd).values()) >= sum(before.values()) + len(prompt) - len(tag)
