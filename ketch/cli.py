@@ -7,6 +7,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ketch.bench.output_path import writable_path
 from ketch.gateway.args import add_gateway_args
 
 if TYPE_CHECKING:
@@ -30,15 +31,6 @@ def positive_ints(text: str) -> list[int]:
         return [positive_int(x) for x in text.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"comma-separated integers >= 1 (e.g. 1,32), got {text!r}") from None
-
-
-def writable_path(text: str) -> str:
-    """argparse type: a file path whose directory exists and is writable (checked before a run
-    whose results would otherwise be lost at its end)."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{folder!r} is not a writable directory")
-    return text
 
 
 # The engine's flags (ketch.cli_args) import ketch.config and with it torch (~1.3 s): they are

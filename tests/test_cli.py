@@ -93,13 +93,30 @@ def test_bad_flag_value_exits_2_naming_the_field():
 
 @pytest.mark.parametrize("flags, flag", [(["--repeat", "0"], "--repeat"), (["--batch-sizes", "0"], "--batch-sizes"),
                                          (["--batch-sizes", "1,x"], "--batch-sizes"), (["--input-len", "0"], "--input-len"),
-                                         (["--output-file", "/nonexistent-dir/x.json"], "--output-file")])
+                                         (["--output-file", "/nonexistent-dir/x.json"], "--output-file"),
+                                         (["--output-file", "."], "--output-file")])
 def test_bench_offline_refuses_bad_flags_before_running(flags, flag):
     """Refused by the parser, naming the flag (they were an IndexError after loading the model, a
     message naming another field, or a results file lost at the end of the whole run)."""
     r = ketch("bench", "offline", "--input-len", "8", "--output-len", "2", "--batch-sizes", "1", *flags)
     assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr[-2000:]
     assert "Loading weights" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["one-batch", "--output-len", "2"], ["one-batch", "--profile"],
+                                     ["serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]],
+                         ids=["one-batch", "one-batch-profile", "serve"])
+@pytest.mark.parametrize("where", ["missing-folder", "a-folder"])
+def test_every_bench_refuses_a_results_path_it_could_not_write(tmp_path, command, where):
+    """A results file (or trace) that cannot be written is refused when the flags are parsed,
+    naming the flag: it was a traceback after the whole run, its results lost (one-batch, serve;
+    and offline with a folder)."""
+    path = str(tmp_path / "no" / "x.json") if where == "missing-folder" else str(tmp_path)
+    flag = command[-1] if command[-1] == "--profile" else "--output-file"
+    args = command + [path] if flag == "--profile" else command + ["--output-file", path]
+    r = ketch("bench", *args)
+    assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Loading weights" not in r.stderr
 
 
 def test_bench_offline_writes_json(tmp_path):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ketch.bench.output_path import writable_path
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -87,4 +89,4 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
     o = p.add_argument_group("output")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    o.add_argument("--output-file", default=None, help="write config, metrics and per-request timings as JSON")
+    o.add_argument("--output-file", type=writable_path, default=None, help="write config, metrics and per-request timings as JSON")
