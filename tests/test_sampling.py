@@ -97,7 +97,7 @@ def test_what_json_and_numpy_send_is_taken() -> None:
 
     assert SamplingParams(logit_bias={"42": -100, np.int64(7): 1}).logit_bias == {42: -100.0, 7: 1.0}
     assert SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9)).temperature == 0.5
-    with pytest.raises(ValueError, match="^logit_bias token id -1 out of range"):
+    with pytest.raises(ValueError, match="^logit_bias token id -1 must be >= 0$"):
         SamplingParams(logit_bias={"-1": 1})
 
 
@@ -110,6 +110,15 @@ def test_validation_against_vocab(kwargs: dict, field: str) -> None:
     params.validate(vocab_size=11)
     with pytest.raises(ValueError, match=rf"^{field} "):
         params.validate(vocab_size=10)
+
+
+@pytest.mark.parametrize("field, value", [("stop", None), ("stop", "x"), ("stop_token_ids", None), ("stop_token_ids", 7)])
+def test_a_stop_field_set_after_construction_is_a_value_error_naming_it(field: str, value: object) -> None:
+    """__post_init__ makes both lists; one set later was a TypeError from len() inside the engine."""
+    params = SamplingParams()
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=rf"^{field} must be a list"):
+        params.validate(vocab_size=100)
 
 
 def test_params_normalization() -> None:

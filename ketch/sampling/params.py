@@ -122,6 +122,11 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
+        # lists after __post_init__; a field set later is checked here, not normalised
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list):
+                raise ValueError(f"{name} must be a list, got {type(getattr(self, name)).__name__} "
+                                 f"(set after construction: pass it to SamplingParams(...) instead)")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -194,5 +199,5 @@ def _check_encodable(name: str, text: str) -> None:
 def _check_token_id(name: str, token_id: object, vocab_size: int | None) -> None:
     _check_int(name, token_id)
     if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise ValueError(f"{name} token id {token_id} out of range {bound}")
+        bound = f"out of range [0, {vocab_size})" if vocab_size is not None else "must be >= 0"
+        raise ValueError(f"{name} token id {token_id} {bound}")
