@@ -70,3 +70,23 @@ def test_ep2_with_eplb_greedy_ids_equal_tp1(checkpoint):
     assert greedy_ids(path, 2, rebalances, ep_size=2, ep_num_redundant_experts=2, enable_eplb=True,
                       eplb_rebalance_num_iterations=3) == ref
     assert rebalances[0] >= 5  # ~20 forward steps: the experts really moved, several times
+
+
+def test_a_split_the_model_cannot_take_is_an_error_naming_it(tmp_path, capfd):
+    """4 heads over 3 ranks: refused before any rank starts (the latent KV is whole on each rank, so
+    the KV spec asked before the ranks start did not look at the heads, and every rank printed its
+    own traceback). 17 intermediate features of an expert over 2 ranks fail inside each rank's
+    build: rank 0 raises it (a worker that gets there before rank 0 ends it says it in one line)."""
+    import transformers
+
+    cls, extra = CHECKPOINTS["v3"]
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**BASE, "moe_intermediate_size": 17},
+                                                                             **extra)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^num_attention_heads: 4 does not split evenly over tensor parallel size 3") as e:
+        greedy_ids(str(tmp_path), 3)
+    frames = {entry.name for entry in e.traceback}
+    assert "kv_spec" in frames and "_load_model" not in frames, frames  # before the ranks, before any model
+    assert "ketch-rank" not in capfd.readouterr().err
+    with pytest.raises(ValueError, match="^moe_intermediate_size: 17 does not split evenly over tensor parallel size 2"):
+        greedy_ids(str(tmp_path), 2)
+    assert "Traceback" not in capfd.readouterr().err

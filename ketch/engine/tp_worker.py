@@ -26,7 +26,11 @@ def run_worker(config: EngineConfig, model_config: ModelConfig, max_model_len: i
                port: int, parent_pid: int) -> None:
     parallel = init_rank(config, rank, rank_store(config, port))
     # built in step with rank 0's runner: the pool size is agreed by a collective inside
-    runner = ModelRunner(rank_config(config, rank), model_config, max_model_len, source, parallel)
+    try:
+        runner = ModelRunner(rank_config(config, rank), model_config, max_model_len, source, parallel)
+    except ValueError as e:  # a setting (a split the model cannot take): rank 0 builds the same and says it
+        print(f"ketch: tensor-parallel rank {rank}: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         _loop(runner, parallel, parent_pid)
     except RuntimeError as e:  # rank 0 went away in the middle of a collective
