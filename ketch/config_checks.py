@@ -77,8 +77,9 @@ def check_expert_parallel(c: Any) -> None:
                          f"experts are split over the tensor-parallel ranks")
     for name in ("ep_num_redundant_experts", "enable_eplb"):
         if getattr(c, name) and c.ep_size == 1:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) needs expert parallelism: add --ep-size "
-                             f"{max(c.tensor_parallel_size, 2)}")
+            n = c.tensor_parallel_size  # EP splits the experts over the tensor-parallel ranks: 2 at least
+            add = f"--ep-size {n}" if n > 1 else "--tp 2 --ep-size 2"
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) needs expert parallelism: add {add}")
     if c.enable_dp_attention and c.ep_size == 1:
         raise ValueError(f"enable_dp_attention: needs expert parallelism over the ranks: add --tp N --ep-size N "
                          f"(N >= 2; got tensor_parallel_size {c.tensor_parallel_size}, ep_size 1)")

@@ -60,6 +60,17 @@ def test_ep_flags_reach_the_config():
     assert (c.ep_size, c.enable_eplb, c.ep_num_redundant_experts, c.eplb_rebalance_num_iterations) == (2, True, 2, 5)
 
 
+@pytest.mark.parametrize("tp, add", [("1", "--tp 2 --ep-size 2"), ("4", "--ep-size 4")])
+@pytest.mark.parametrize("flag", [["--enable-eplb"], ["--ep-num-redundant-experts", "4"]])
+def test_the_hint_for_eplb_without_ep_is_a_setting_that_passes(tp, add, flag):
+    """The message's flags, added on the command line, make a config that passes (it said
+    `--ep-size 2` on one rank: the next error was ep_size against tensor_parallel_size 1)."""
+    argv = ["generate", "x", "--tp", tp, *flag]
+    with pytest.raises(ValueError, match=f"needs expert parallelism: add {add}$"):
+        EngineConfig(**engine_kwargs(build_parser().parse_args(argv)))
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(argv + add.split()))).ep_size > 1
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(ep_size=0), "ep_size"), (dict(ep_size=2), "ep_size"), (dict(ep_size=2, tensor_parallel_size=4), "ep_size"),
     (dict(ep_num_redundant_experts=-1), "ep_num_redundant_experts"),
