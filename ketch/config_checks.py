@@ -19,6 +19,10 @@ _STORAGE_URL_FORMS: dict[str, tuple[str, str]] = {"file": ("file:///", "file:///
                                                   "redis": ("redis://", "redis://host:port[/db]"),
                                                   "mooncake": ("mooncake://", "mooncake://master-host:port[?...]")}
 SPECULATIVE_ALGORITHMS: tuple[str, ...] = ("ngram", "draft", "block")  # SGLang's --speculative-algorithm, lower case
+# `block`'s head computes all k positions' logits for every request each step, B x k x vocab floats
+# whatever the room left (k 50,000: 10 GB for one request of SmolLM2, the engine killed). Far past
+# any useful block: the 7th drafted token survives < 10 % of the time (PRIOR_ART.md).
+MAX_BLOCK_DRAFT_TOKENS = 64
 
 
 def check_sizes(c: Any) -> None:
@@ -203,6 +207,9 @@ def check_speculative(c: Any) -> None:
     if algo == "ngram" and c.speculative_draft_model_path is not None:
         raise ValueError("speculative_draft_model_path: 'ngram' uses no model (it names the draft model for "
                          "'draft', the draft head's safetensors for 'block')")
+    if algo == "block" and k > MAX_BLOCK_DRAFT_TOKENS:
+        raise ValueError(f"speculative_num_draft_tokens: 'block' proposes all k positions each step; at most "
+                         f"{MAX_BLOCK_DRAFT_TOKENS}, got {k}")
     if algo == "block" and c.speculative_draft_model_path and not c.speculative_draft_model_path.endswith(".safetensors"):
         raise ValueError("speculative_draft_model_path: for 'block' it is the draft head's weights, a .safetensors "
                          f"file, got {c.speculative_draft_model_path!r}")

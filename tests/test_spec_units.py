@@ -129,6 +129,8 @@ def test_cost_model_drops_blocks_a_prompt_chunk_interrupts() -> None:
     (dict(speculative_algorithm="eagle"), "speculative_algorithm"),
     (dict(speculative_num_draft_tokens=3), "speculative_num_draft_tokens (--speculative-num-draft-tokens) needs"),
     (dict(speculative_algorithm="ngram", speculative_num_draft_tokens=0), "speculative_num_draft_tokens"),
+    # B x k x vocab logits each step: 50,000 had the engine killed at its first request
+    (dict(speculative_algorithm="block", speculative_num_draft_tokens=65), "speculative_num_draft_tokens: 'block'"),
     (dict(speculative_algorithm="ngram", speculative_ngram_min_match_window_size=4,
           speculative_ngram_max_match_window_size=2), "speculative_ngram_max_match_window_size"),
     (dict(speculative_algorithm="draft"), "--speculative-draft-model-path"),
