@@ -16,7 +16,7 @@ from ketch.config import KVSpec, KVTensorSpec
 from ketch.layers.yarn import YarnScaling
 from ketch.models.deepseek_family import DEEPSEEK, LATENT, DeepseekConfig
 from ketch.models.registry import family_for, load_model_config
-from ketch.parallel import SINGLE
+from ketch.parallel import SINGLE, ExpertParallel, ParallelContext
 
 V2_LITE = Path(__file__).resolve().parent.parent / "configs" / "deepseek-v2-lite"
 
@@ -124,8 +124,13 @@ def test_the_latent_is_whole_on_every_rank_and_gqa_configs_are_refused():
     """Under tensor parallelism each rank's pool holds the whole latent (it serves all heads:
     tests/test_tp_deepseek.py runs TP=2); a config with grouped kv heads is not MLA."""
     cfg = load_model_config(str(V2_LITE))
-    two = type("Two", (), {"world_size": 2})()
-    assert DEEPSEEK.kv_spec(cfg, two) == DEEPSEEK.kv_spec(cfg, type("One", (), {"world_size": 1})())
+    assert DEEPSEEK.kv_spec(cfg, ParallelContext(0, 2)) == DEEPSEEK.kv_spec(cfg, ParallelContext(0, 1))
+    # its 16 heads over 3 ranks: refused (the engine asks before the ranks start), but not under
+    # DP attention, where every rank has all the heads
+    with pytest.raises(ValueError, match="^num_attention_heads: 16 does not split evenly over tensor parallel size 3"):
+        DEEPSEEK.kv_spec(cfg, ParallelContext(0, 3))
+    assert DEEPSEEK.kv_spec(cfg, ParallelContext(0, 3, ep=ExpertParallel(3, dp_attention=True))) == \
+        DEEPSEEK.kv_spec(cfg, SINGLE)
     d = json.loads((V2_LITE / "config.json").read_text())
     with pytest.raises(ValueError, match="num_key_value_heads"):
         DeepseekConfig.from_hf({**d, "num_key_value_heads": 4})

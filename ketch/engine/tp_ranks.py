@@ -94,7 +94,8 @@ class TensorParallelRanks:
         # a second TP engine in this process, or a split the model cannot take, fails here
         # (naming the field) before any rank starts
         check_no_group()
-        family_for(model_config.architecture).kv_spec(model_config, ParallelContext(0, config.tensor_parallel_size))
+        family_for(model_config.architecture).kv_spec(
+            model_config, ParallelContext(0, config.tensor_parallel_size, ep=expert_parallel(config)))
         if config.ep_size > 1 and not getattr(model_config, "num_experts", 0):
             raise ValueError(f"ep_size: {model_config.architecture} has no routed experts to split")
         self.device = rank_config(config, 0).torch_device

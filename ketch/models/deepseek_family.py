@@ -132,9 +132,10 @@ def _rope(d: dict[str, Any]) -> dict[str, Any]:
 
 def kv_spec(cfg: DeepseekConfig, parallel: ParallelContext) -> KVSpec:
     """One latent of [kv_lora_rank + qk_rope_head_dim] per layer and token, whole on every rank
-    under tensor parallelism (it serves all heads). The heads' split is checked here all the same:
-    the engine asks for the KV spec before it starts the ranks, so a bad split fails there."""
-    parallel.split(cfg.num_heads, "num_attention_heads")
+    under tensor parallelism (it serves all heads). The heads' split (none under DP attention) is
+    checked here all the same: the engine asks for the KV spec before it starts the ranks, so a
+    bad split fails there."""
+    parallel.for_attention().split(cfg.num_heads, "num_attention_heads")
     return KVSpec(cfg.num_layers, (KVTensorSpec(LATENT, (cfg.latent_dim,)),))
 
 
