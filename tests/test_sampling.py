@@ -115,8 +115,7 @@ def test_validation_against_vocab(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("field, value", [("stop", None), ("stop", "x"), ("stop_token_ids", None), ("stop_token_ids", 7)])
 def test_a_stop_field_set_after_construction_is_a_value_error_naming_it(field: str, value: object) -> None:
     """__post_init__ makes both lists; one set later was a TypeError from len() inside the engine."""
-    params = SamplingParams()
-    setattr(params, field, value)
+    setattr(params := SamplingParams(), field, value)
     with pytest.raises(ValueError, match=rf"^{field} must be a list"):
         params.validate(vocab_size=100)
 
