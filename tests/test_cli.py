@@ -103,6 +103,14 @@ def test_bench_offline_refuses_bad_flags_before_running(flags, flag):
     assert "Loading weights" not in r.stderr
 
 
+def test_bench_offline_refuses_a_shared_prefix_past_the_prompt_before_loading_the_model():
+    """Checked before the engine is built (it was refused only after the model had loaded): with
+    a model path that does not exist, the error is still the prefix's."""
+    r = ketch("bench", "offline", "--input-len", "8", "--shared-prefix-len", "8", "--model", "/nonexistent/model")
+    assert r.returncode == 2 and "shared_prefix_len" in r.stderr, r.stderr[-2000:]
+    assert "nonexistent" not in r.stderr
+
+
 @pytest.mark.parametrize("command", [["one-batch", "--output-len", "2"], ["one-batch", "--profile"],
                                      ["serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]],
                          ids=["one-batch", "one-batch-profile", "serve"])
@@ -117,6 +125,14 @@ def test_every_bench_refuses_a_results_path_it_could_not_write(tmp_path, command
     r = ketch("bench", *args)
     assert r.returncode == 2 and f"argument {flag}" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "Loading weights" not in r.stderr
+
+
+def test_bench_serve_names_its_tokenizer_flag_for_a_missing_path():
+    r = subprocess.run([sys.executable, "-m", "ketch.cli", "bench", "serve", "--tokenizer", "/nonexistent/tok",
+                        "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "tokenizer: path '/nonexistent/tok' does not exist" in r.stderr, r.stderr[-2000:]
+    assert "model" not in r.stderr
 
 
 def test_bench_offline_writes_json(tmp_path):

@@ -127,12 +127,12 @@ def run_offline(a: argparse.Namespace) -> list[dict]:
     windows = parse_windows(a.profile_windows) if a.profile else []
     if a.profile and not windows:
         raise ValueError("profile_windows: give at least one start:end window with --profile")
+    if not 0 <= a.shared_prefix_len < a.input_len:  # before the model loads (minutes for a large one)
+        raise ValueError(f"shared_prefix_len must be in [0, input_len), got {a.shared_prefix_len}")
     kw = engine_kwargs(a)
     # B requests are submitted at once; --max-num-seqs (default 256) caps how many run at a time
     engine = Engine(EngineConfig(**kw))
     rng = random.Random(a.seed)
-    if not 0 <= a.shared_prefix_len < a.input_len:
-        raise ValueError(f"shared_prefix_len must be in [0, input_len), got {a.shared_prefix_len}")
     shared = [rng.randrange(engine.vocab_size) for _ in range(a.shared_prefix_len)]
     measure(engine, 1, 16, 8, rng, "warmup")  # first-call allocations and kernel selection
     gc.freeze()  # as the engine process does after start-up (process.py): no full GC passes over it

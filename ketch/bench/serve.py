@@ -194,7 +194,7 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     base_url = a.base_url or f"http://{a.host}:{a.port}"
     api_key = a.api_key or os.environ.get("OPENAI_API_KEY")
     _extra_body(a.extra_request_body)  # fail on a bad flag before any work
-    tokenizer = Tokenizer.load(a.tokenizer)
+    tokenizer = Tokenizer.load(a.tokenizer, field="tokenizer")
     requests = build_requests(a, tokenizer)
     conv = None
     if a.dataset_name == "multiturn":

@@ -42,18 +42,19 @@ class Tokenizer:
         self._bytes: dict[int, bytes] = {}  # token_bytes, per id (logprobs ask for the same ids often)
 
     @classmethod
-    def load(cls, path: str | None = None) -> "Tokenizer":
-        """From a GGUF file (its embedded vocabulary) or an HF directory; None: the bundled model."""
+    def load(cls, path: str | None = None, field: str = "model") -> "Tokenizer":
+        """From a GGUF file (its embedded vocabulary) or an HF directory; None: the bundled model.
+        field: the setting `path` came from, named in the errors (`ketch bench serve --tokenizer`)."""
         path = resolve_model_path(path)
         if not os.path.exists(path):
-            raise ValueError(f"model: path {path!r} does not exist")
+            raise ValueError(f"{field}: path {path!r} does not exist")
         if os.path.isfile(path) and is_gguf_file(path):
             # Not AutoTokenizer: it also parses the whole file with gguf.GGUFReader just to pick
             # a class (~6 s for the 135M model). Converted once per file (tokenizer_cache.py).
             try:
                 hf = load_gguf_tokenizer(path)
             except Exception as e:  # a corrupt file surfaces as struct/Unicode/Key errors from the reader
-                raise ValueError(f"model: cannot build a tokenizer from {path!r}: {type(e).__name__}: {e}") from None
+                raise ValueError(f"{field}: cannot build a tokenizer from {path!r}: {type(e).__name__}: {e}") from None
             return cls(hf)
         if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
             from transformers import AutoTokenizer
