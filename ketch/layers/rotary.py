@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from ketch.config import RopeScaling
+from ketch.layers.rope_tables import RopeTables
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -29,19 +28,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(RopeTables):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
-        super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         # Full-width tables, sin signed for the rotate-half layout: out = x*cos + swap_halves(x)*sin
-        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)  # [positions, head_dim], fp32
-        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for this step's tokens, [tokens, 1, head_dim]; once per step, not per layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        super().__init__(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))  # [positions, head_dim], fp32
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+
+from ketch.layers.rope_tables import RopeTables
 
 
 def mscale(scale: float, m: float = 1.0) -> float:
@@ -71,21 +72,15 @@ class YarnScaling:
         return (1.0 / (self.factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
 
 
-class ScaledRotary(nn.Module):
+class ScaledRotary(RopeTables):
     """cos/sin tables of a `dim`-wide rotary part (rotate-half layout, like layers/rotary.py),
     multiplied by `factor`; plain RoPE when `yarn` is None."""
 
     def __init__(self, dim: int, max_positions: int, theta: float, yarn: YarnScaling | None) -> None:
-        super().__init__()
         if yarn is None:
             inv_freq, factor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
         else:
             inv_freq, factor = yarn.inverse_frequencies(dim, theta), yarn.rope_factor
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * factor, freqs.sin() * factor
-        self.register_buffer("cos", torch.cat((cos, cos), -1), persistent=False)  # [positions, dim], fp32
-        self.register_buffer("sin", torch.cat((-sin, sin), -1), persistent=False)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tokens, 1, dim] rows for this step's tokens, once per step."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        super().__init__(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))  # [positions, dim], fp32

@@ -97,7 +97,7 @@ class ModelRunner:
         self.attention_backend = config.resolved_attention_backend
         self.ops = layer_ops(config.resolved_layer_kernels, self.dtype)
         # sampled ids stay on the device; the next step reads them from here (overlap)
-        self.future = FutureTokens(config.max_num_seqs, self.device)
+        self.future = FutureTokens(config.max_num_seqs, model_config.vocab_size, self.device)
         # the last step's sampled rows' final hidden states (forward); a graph step's are copied out
         # of its static buffer only when a proposer drafts from them a step later (set by
         # build_engine from Speculation.needs_hidden; other TP ranks never need them)
