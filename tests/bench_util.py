@@ -25,7 +25,7 @@ def shared_tokenizer(request, monkeypatch):
     Autouse in every module that imports it."""
     if "tok" in request.fixturenames:
         shared = request.getfixturevalue("tok")
-        monkeypatch.setattr(Tokenizer, "load", classmethod(lambda cls, path=None: shared))
+        monkeypatch.setattr(Tokenizer, "load", classmethod(lambda cls, path=None, field="model": shared))
 
 
 def printed(out: str) -> dict[str, str]:
