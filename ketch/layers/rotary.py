@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from ketch.config import RopeScaling
 from ketch.layers.rope_tables import RopeTables
 
