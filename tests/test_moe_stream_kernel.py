@@ -205,8 +205,9 @@ def test_replays_in_a_cuda_graph_on_new_routing():
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_the_kernel_compiles_for_sm90_two_to_an_sm():
     """The compiler sees what the interpreter does not: at the Hopper tiles, bf16 and fp8, no
-    spills, nothing loaded or stored before the PDL wait, and registers and shared memory that
-    let PROGRAMS_PER_SM programs share an SM (the grid's residency rests on it)."""
+    spills, nothing loaded or stored before the PDL wait, the weights through cp.async (the K
+    steps pipelined: the sizes multiples of 16, as the models'), and registers and shared memory
+    that let PROGRAMS_PER_SM programs share an SM (the grid's residency rests on it)."""
     script = """
 from ketch.kernels import moe_stream as m
 from ketch.kernels.compile_check import _compile, _usage
@@ -218,13 +219,14 @@ for fp8 in (False, True):
     sig = {n: sig.get(n, "i32") for n in fn.arg_names}
     consts = dict(FP8=fp8, UPCAST=False, PRECISION="tf32", UP_N=m.UP_BLOCK_N, DOWN_N=m.DOWN_BLOCK_N,
                   BLOCK_K=m.BLOCK_K, LINE=m.LINE_INTS, SPIN=True, USE_PDL=True)
-    k = _compile(fn, sig, consts, 90, m.NUM_WARPS, m.NUM_STAGES)
+    k = _compile(fn, sig, consts, 90, m.NUM_WARPS, m.NUM_STAGES, aligned=("I", "H"))  # as the models' sizes
     u = _usage("moe_stream", k)
     regs = -(-u.registers * 32 // 256) * 256 * m.NUM_WARPS
     fit = min(m.REGISTERS_PER_SM // regs, m.SHARED_MEMORY_PER_SM // (k.metadata.shared + 1024))
     print(fp8, u.registers, u.spill_bytes, k.metadata.shared, fit, u.loads_before_wait, u.stores_before_wait)
     assert u.spill_bytes == 0 and u.loads_before_wait == 0 and u.stores_before_wait == 0, u
     assert fit >= m.PROGRAMS_PER_SM, (u.registers, k.metadata.shared)
+    assert "cp.async.cg.shared.global" in k.asm["ptx"]
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

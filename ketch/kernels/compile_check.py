@@ -50,13 +50,15 @@ class Usage:
     trigger_first: bool = False  # griddepcontrol.launch_dependents before the wait (EARLY_TRIGGER)
 
 
-def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int) -> Any:
+def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int,
+             aligned: tuple[str, ...] = ()) -> Any:
+    """`aligned`: more integer arguments the JIT would see as multiples of 16 (model sizes)."""
     if type(fn).__name__ != "JITFunction":
         raise ValueError("TRITON_INTERPRET: unset it; the interpreter's kernels cannot be compiled")
     sig = {n: "constexpr" if n in consts else sig[n] for n in fn.arg_names}
     # pointers are 16-byte aligned and strides / page sizes multiples of 16, as the JIT infers on a GPU
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or n.startswith("stride") or n in ("page_size", "row_words")}
+                 if sig[n].startswith("*") or n.startswith("stride") or n in ("page_size", "row_words", *aligned)}
     return triton.compile(ASTSource(fn, sig, consts, divisible), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
