@@ -208,7 +208,10 @@ def test_kernels_compile_for_sm90_without_spills():
     """The compiler sees what the interpreter does not (layouts, register pressure): the gated
     and the weighted GEMM at the Qwen3-30B-A3B shape's decode configs (aligned, and direct as a
     lone token takes them), the fp8 gated one (two
-    accumulators and the scales) and the prefill down GEMM (the widest tile); the one-CTA
+    accumulators and the scales) and the prefill down GEMM (the widest tile), each as the JIT
+    builds it for the models (N and K multiples of 16: the K steps pipelined through cp.async
+    stages in shared memory, which must fit; without that divisibility it would check a
+    different, unpipelined kernel of twice the registers); the one-CTA
     alignment kernel, the softmax top-k routing kernel at the models' expert counts and the
     combine (which loads nothing before the PDL wait: its rows are the down GEMM's output)."""
     script = """
@@ -225,9 +228,11 @@ for tokens, kind, which, direct in ((1, "16", "up down", True), (1, "16", "up do
         sig = {n: "*i32" for n in ("SortedIds", "ExpertIds", "NumPostPad")}
         sig.update(A="*bf16", C="*bf16", W="*fp8e4nv" if kind == "fp8" else "*bf16", Scale="*fp32", TopkWeights="*fp32")
         sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-        u = _usage("moe", _compile(fn, sig, consts, 90, g.num_warps, g.num_stages))
-        print(tokens, kind, gated, u.registers, u.spill_bytes, u.stores_before_wait)
+        k = _compile(fn, sig, consts, 90, g.num_warps, g.num_stages, aligned=("N", "K"))  # as the models' sizes
+        u = _usage("moe", k)
+        print(tokens, kind, gated, u.registers, u.spill_bytes, u.stores_before_wait, k.metadata.shared)
         assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+        assert "cp.async.cg.shared.global" in k.asm["ptx"] and k.metadata.shared <= 227 * 1024, k.metadata.shared
 from ketch.kernels.moe_align import _moe_align_kernel
 from ketch.kernels.moe_route import _softmax_topk_kernel
 sig = {"TopkIds": "*i64", "SortedIds": "*i32", "ExpertIds": "*i32", "NumPostPad": "*i32", "rows": "i32", "total": "i32"}

@@ -164,8 +164,10 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_the_kernel_compiles_for_sm90_without_spills():
-    """At the Qwen3-30B-A3B and DeepSeek-V2-Lite (+ 2 shared) decode configs: no spills, nothing
-    stored before the PDL wait (the logits are the router's output)."""
+    """At the Qwen3-30B-A3B and DeepSeek-V2-Lite (+ 2 shared) decode configs, as the JIT builds
+    them for the models (N, K multiples of 16: K steps pipelined through cp.async): no spills,
+    the stages fit in shared memory, nothing stored before the PDL wait (the logits are the
+    router's output)."""
     script = """
 import triton
 from ketch.kernels.compile_check import _compile, _usage
@@ -179,9 +181,11 @@ for experts, slots, top_k, append, inter in ((128, 128, 8, 0, 768), (64, 66, 6, 
     sig = dict(A="*bf16", W="*bf16", C="*bf16", Scale="*bf16", Logits="*fp32", Weights="*fp32", Ids="*i64",
                Counts="*i64", CountRows="*i64", scale="fp32")
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
-    u = _usage("route_up", _compile(fn, sig, consts, 90, cfg.up.num_warps, cfg.up.num_stages))
-    print(experts, u.registers, u.spill_bytes, u.stores_before_wait)
+    k = _compile(fn, sig, consts, 90, cfg.up.num_warps, cfg.up.num_stages, aligned=("N", "K"))  # the models' sizes
+    u = _usage("route_up", k)
+    print(experts, u.registers, u.spill_bytes, u.stores_before_wait, k.metadata.shared)
     assert u.spill_bytes == 0 and u.stores_before_wait == 0, u
+    assert "cp.async.cg.shared.global" in k.asm["ptx"] and k.metadata.shared <= 227 * 1024, k.metadata.shared
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

@@ -277,11 +277,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     if tokens <= moe_decode.DECODE_MAX_TOKENS:  # by shape (graph-safe): a GEMV per row, no alignment
         return moe_decode.fused_experts_decode(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                                                w2_scale=w2_scale)
-    from ketch.kernels import moe_stream  # it builds on moe_tile below
-
-    if moe_stream.fits(x, topk_ids):  # one token, one launch (off by default: KETCH_MOE_STREAM)
-        return moe_stream.fused_experts_stream(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
-                                               w2_scale=w2_scale, sum_picks=sum_picks)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13, w2 = (w if w.stride(-1) == 1 else w.contiguous() for w in (w13, w2))
     cfg = pick_config(tokens, num_experts, hidden, inter, top_k, "fp8" if w13_scale is not None else "16")
