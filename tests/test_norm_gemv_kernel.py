@@ -42,9 +42,12 @@ def inputs(k: int, n: int, dtype: torch.dtype, seed: int = 0, weight_dtype: torc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(64, 96), (70, 13), (2048, 40)])  # K not a power of two; N off the blocks
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_the_norm_and_the_product_of_the_two_launches(dtype, k, n, with_residual):
+@pytest.mark.parametrize("ahead", [2, 1])
+def test_the_norm_and_the_product_of_the_two_launches(dtype, k, n, with_residual, ahead, monkeypatch):
     """h and the new residual as add_rms_norm (rms_norm and x itself without a residual) gives
-    them, bit for bit in the interpreter; y as the product of that h (+ bias)."""
+    them, bit for bit in the interpreter; y as the product of that h (+ bias); with two weight
+    tiles requested ahead (the default) and with one (the earlier kernel, the A/B's base)."""
+    monkeypatch.setattr(ng, "TILES_AHEAD", ahead)
     x, residual, norm_w, w, bias = inputs(k, n, dtype, seed=k + n)
     h, res, y = ng.norm_gemv(x, residual if with_residual else None, norm_w, 1e-6, w, bias)
     if with_residual:
@@ -144,12 +147,14 @@ def test_the_op_takes_the_kernel_for_one_row_and_the_two_ops_otherwise(monkeypat
 @pytest.mark.skipif(sys.platform != "linux", reason="the triton wheel's ptxas")
 def test_the_kernel_compiles_for_sm90_without_spills():
     """Hidden sizes 2048 (Qwen3-30B-A3B, DeepSeek-V2-Lite), 4096 (Llama-3.1-8B), 7168
-    (DeepSeek-V3) at the wrapper's blocks, bf16 weights and an fp32 router weight: no spills;
-    before the PDL wait the weight slice and the norm weight only, nothing stored."""
+    (DeepSeek-V3) at the wrapper's blocks, bf16 weights and an fp32 router weight, built as for
+    the models (sizes multiples of 16): no spills; registers that let PROGRAMS_PER_SM programs
+    share an SM (the two weight tiles requested ahead must not halve that); before the PDL wait
+    the weight tiles and the norm weight only, nothing stored."""
     script = """
 from ketch.kernels._common import pow2
 from ketch.kernels.compile_check import _compile, _usage
-from ketch.kernels.norm_gemv import _TILE_BYTES, _norm_gemv_kernel as fn, pick_constants
+from ketch.kernels.norm_gemv import _TILE_BYTES, PROGRAMS_PER_SM, _norm_gemv_kernel as fn, pick_constants
 for k in (2048, 4096, 7168):
     for w, size in (("*bf16", 2), ("*fp32", 4)):
         bk = pow2(k)
@@ -157,11 +162,16 @@ for k in (2048, 4096, 7168):
         sig.update(W=w, Y="*fp32" if w == "*fp32" else "*bf16", N="i32", K="i32", eps="fp32", stride_wn="i32",
                    stride_xp="i32", n_blocks="i32")
         for picks in (1, 8, 9):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows), 9: DeepSeek-V3's
-            consts = dict(**pick_constants(picks, bk), HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=max(1, _TILE_BYTES // (bk * size)),
-                          BLOCK_K=bk, USE_PDL=True)
-            u = _usage("norm_gemv", _compile(fn, sig, consts, 90, 8 if bk >= 2048 else 4, 1))
+            bn = max(1, _TILE_BYTES // (bk * size))
+            consts = dict(**pick_constants(picks, bk), HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=bn,
+                          BLOCK_K=bk, TWO_AHEAD=bn * bk * size <= _TILE_BYTES, USE_PDL=True)
+            warps = 8 if bk >= 2048 else 4
+            # as the JIT builds it for the models: K and N multiples of 16 (wide loads)
+            u = _usage("norm_gemv", _compile(fn, sig, consts, 90, warps, 1, aligned=("N", "K")))
             print(k, w, picks, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
             assert u.spill_bytes == 0 and u.stores_before_wait == 0 and u.loads_before_wait > 0, u
+            # the grid's PROGRAMS_PER_SM programs of an SM fit in its registers at once
+            assert -(-u.registers // 8) * 8 * 32 * warps * PROGRAMS_PER_SM <= 65536, u
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)

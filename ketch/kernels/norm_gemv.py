@@ -19,8 +19,9 @@ later consumers (the residual add after the sublayer, a MoE's experts).
     grid: (min(cdiv(N, BLOCK_N), PROGRAMS_PER_SM x SMs),)  a program computes h once, then
     walks output blocks pid, pid + grid, ... of BLOCK_N features each, the whole K in one step
     (BLOCK_K = the next power of two of K, a 16 KB weight tile: K up to 8192).
-    Its first block's weight tile is requested before the PDL wait, each next one before the
-    current one's arithmetic. Capping the grid keeps the row's re-reads small: one program per
+    Its first two blocks' weight tiles are requested before the PDL wait, each later one two
+    blocks ahead of the one in use (one, where a single row is wider than the 16 KB tile: a
+    DeepSeek-V3 fp32 router row, whose three would cost the second program an SM holds). Capping the grid keeps the row's re-reads small: one program per
     output block read the 8-16 KB row once per 16 KB of weight (gate|up of Llama-3.1-8B: 14,336
     programs, 229 MB of row reads for 235 MB of weights), two per SM read it 264 times.
 
@@ -40,12 +41,17 @@ from ketch.kernels._common import interpreting, pdl_launch, pow2, sm_count
 from ketch.kernels.gemv import whole_row_warps
 
 MAX_K = 8192  # the whole row in one step per program
-# The weight tile a program holds, in bytes (two in registers: the current block's and the
-# next one's): BLOCK_N = _TILE_BYTES // (BLOCK_K * weight element size), at least 1. sm_90 at 8
+# The weight tile a program holds, in bytes (three in registers: the current block's and the
+# next two): BLOCK_N = _TILE_BYTES // (BLOCK_K * weight element size), at least 1. sm_90 at 8
 # warps (tests/test_norm_gemv_kernel.py): no spills at K 2048-8192, bf16 and an fp32 router weight.
 _TILE_BYTES = 16384
 # KETCH_NORM_GEMV=0: the norm and the product as two launches again (the H200 A/B's switch)
 ENABLED = os.environ.get("KETCH_NORM_GEMV", "1") != "0"
+# Weight tiles a program keeps requested beyond the one in use: 2, or 1 where one row is wider
+# than _TILE_BYTES (their registers would cost an SM its second program). Untimed on a GPU at
+# 2 (docs/performance.md, thirty-ninth session): 1 is the earlier kernel,
+# for the A/B (scripts/h200_ab.sh VARIANTS="ketch.kernels.norm_gemv.TILES_AHEAD=1").
+TILES_AHEAD = 2
 PROGRAMS_PER_SM = 2  # the grid's cap (module docstring); a guess for the H200 sweep to settle
 # The picks' rows loaded as one [pow2(picks), BLOCK_K] tile up to this many elements (8 picks of
 # K 2048: Qwen3-30B-A3B, DeepSeek-V2-Lite with its shared experts); beyond, a row at a time.
@@ -64,15 +70,23 @@ def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.co
 def _norm_gemv_kernel(
     X, Residual, NormW, W, Bias, Y, H, ResOut, N, K, eps, stride_wn, stride_xp, n_blocks,
     PICKS: tl.constexpr, PICKS_PAD: tl.constexpr, PICKS_AT_ONCE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO_AHEAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     offs_bn = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    # parameters, requested before the wait: the first output block's weight tile, the norm weight
+    # parameters, requested before the wait: the first two output blocks' weight tiles (past N:
+    # masked), the norm weight. Two, not one: after the wait the row's prologue (the picks' and
+    # the residual's L2 reads, the sum of squares) outlasts one 16 KB tile a program, and the
+    # loop below asks for its next tile only after that prologue.
     w = _weight_tile(W, pid, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)
+    if TWO_AHEAD:
+        w_ahead = _weight_tile(W, pid + step, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)
+    else:
+        w_ahead = w
     nw = tl.load(NormW + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     if USE_PDL:  # x and the residual are earlier kernels' outputs
         tl.extra.cuda.gdc_wait()
@@ -107,15 +121,20 @@ def _norm_gemv_kernel(
     if HAS_RESIDUAL or PICKS > 1:
         tl.store(ResOut + offs_k, s, mask=writer)
     hf = h.to(tl.float32)[None, :]
-    for block in range(pid, n_blocks, step):
-        w_next = _weight_tile(W, block + step, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)  # past N: masked
+    for block in range(pid, n_blocks, step):  # two tiles in flight beyond the one in use (or one)
+        ahead = 2 * step if TWO_AHEAD else step
+        w_next = _weight_tile(W, block + ahead, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N)  # past N: masked
         offs_n = block * BLOCK_N + offs_bn
         n_mask = offs_n < N
         y = tl.sum(w.to(tl.float32) * hf, axis=1)
         if HAS_BIAS:
             y += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_mask)
-        w = w_next
+        if TWO_AHEAD:
+            w = w_ahead
+            w_ahead = w_next
+        else:
+            w = w_next
     if USE_PDL:  # the weights are read
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -161,6 +180,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks,
         **pick_constants(picks, block_k),
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        TWO_AHEAD=TILES_AHEAD == 2 and block_n * block_k * weight.element_size() <= _TILE_BYTES,
         num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
     )
     return h, res_out, y
