@@ -20,10 +20,11 @@ later consumers (the residual add after the sublayer, a MoE's experts).
     walks output blocks pid, pid + grid, ... of BLOCK_N features each, the whole K in one step
     (BLOCK_K = the next power of two of K, a 16 KB weight tile: K up to 8192).
     Its first two blocks' weight tiles are requested before the PDL wait, each later one two
-    blocks ahead of the one in use (one, where a single row is wider than the 16 KB tile: a
-    DeepSeek-V3 fp32 router row, whose three would cost the second program an SM holds). Capping the grid keeps the row's re-reads small: one program per
-    output block read the 8-16 KB row once per 16 KB of weight (gate|up of Llama-3.1-8B: 14,336
-    programs, 229 MB of row reads for 235 MB of weights), two per SM read it 264 times.
+    blocks ahead of the one in use (one where a single row is wider than the 16 KB tile, as a
+    DeepSeek-V3 fp32 router row: three of those would cost an SM its second program).
+    Capping the grid keeps the row's re-reads small: one program per output block read the
+    8-16 KB row once per 16 KB of weight (gate|up of Llama-3.1-8B: 14,336 programs, 229 MB of
+    row reads for 235 MB of weights), two per SM read it 264 times.
 
 h and the residual are those of the rmsnorm kernel but for the order of the fp32 sum of squares
 (the same bits in the interpreter: tests/test_norm_gemv_kernel.py); y is gemv's up to summation
@@ -47,10 +48,10 @@ MAX_K = 8192  # the whole row in one step per program
 _TILE_BYTES = 16384
 # KETCH_NORM_GEMV=0: the norm and the product as two launches again (the H200 A/B's switch)
 ENABLED = os.environ.get("KETCH_NORM_GEMV", "1") != "0"
-# Weight tiles a program keeps requested beyond the one in use: 2, or 1 where one row is wider
-# than _TILE_BYTES (their registers would cost an SM its second program). Untimed on a GPU at
-# 2 (docs/performance.md, thirty-ninth session): 1 is the earlier kernel,
-# for the A/B (scripts/h200_ab.sh VARIANTS="ketch.kernels.norm_gemv.TILES_AHEAD=1").
+# Weight tiles a program keeps requested beyond the one in use, 1 or 2 (1 regardless where one
+# row is wider than _TILE_BYTES: their registers would cost an SM its second program). 2 is
+# untimed on a GPU (docs/performance.md, thirty-ninth session); 1 is the earlier kernel, the
+# A/B's base (scripts/h200_ab.sh VARIANTS="ketch.kernels.norm_gemv.TILES_AHEAD=1").
 TILES_AHEAD = 2
 PROGRAMS_PER_SM = 2  # the grid's cap (module docstring); a guess for the H200 sweep to settle
 # The picks' rows loaded as one [pow2(picks), BLOCK_K] tile up to this many elements (8 picks of
