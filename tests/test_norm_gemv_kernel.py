@@ -154,7 +154,7 @@ def test_the_kernel_compiles_for_sm90_without_spills():
     script = """
 from ketch.kernels._common import pow2
 from ketch.kernels.compile_check import _compile, _usage
-from ketch.kernels.norm_gemv import _TILE_BYTES, PROGRAMS_PER_SM, _norm_gemv_kernel as fn, pick_constants
+from ketch.kernels.norm_gemv import _TILE_BYTES, PROGRAMS_PER_SM, _norm_gemv_kernel as fn, pick_constants, two_ahead
 for k in (2048, 4096, 7168):
     for w, size in (("*bf16", 2), ("*fp32", 4)):
         bk = pow2(k)
@@ -164,7 +164,7 @@ for k in (2048, 4096, 7168):
         for picks in (1, 8, 9):  # a plain row; a one-token MoE step's picks (LayerOps.pick_rows), 9: DeepSeek-V3's
             bn = max(1, _TILE_BYTES // (bk * size))
             consts = dict(**pick_constants(picks, bk), HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=bn,
-                          BLOCK_K=bk, TWO_AHEAD=bn * bk * size <= _TILE_BYTES, USE_PDL=True)
+                          BLOCK_K=bk, TWO_AHEAD=two_ahead(bn, bk, size), USE_PDL=True)
             warps = 8 if bk >= 2048 else 4
             # as the JIT builds it for the models: K and N multiples of 16 (wide loads)
             u = _usage("norm_gemv", _compile(fn, sig, consts, 90, warps, 1, aligned=("N", "K")))

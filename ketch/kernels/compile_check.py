@@ -40,6 +40,9 @@ from ketch.kernels.rmsnorm import _rms_norm_kernel
 from ketch.kernels.rotary import _rotary_kernel
 
 
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one CTA may take on sm_90
+
+
 @dataclass(frozen=True)
 class Usage:
     name: str
@@ -48,6 +51,12 @@ class Usage:
     loads_before_wait: int  # PDL: global loads issued before griddepcontrol.wait (-1: no wait)
     stores_before_wait: int  # must be 0: a store before the wait races the previous kernel
     trigger_first: bool = False  # griddepcontrol.launch_dependents before the wait (EARLY_TRIGGER)
+    shared_bytes: int = 0  # static shared memory a CTA takes (cp.async stages)
+    async_copies: bool = False  # loads pipelined through cp.async into shared memory
+
+    def pipelined(self) -> bool:
+        """cp.async stages that fit one CTA's shared memory on sm_90 (227 KB)."""
+        return self.async_copies and self.shared_bytes <= SM90_SHARED_BYTES
 
 
 def _compile(fn: Any, sig: dict[str, str], consts: dict[str, Any], arch: int, num_warps: int, num_stages: int,
@@ -78,7 +87,8 @@ def _usage(name: str, kernel: Any) -> Usage:
     loads = -1 if at < 0 else len(re.findall(r"\bld\.global", head))
     stores = -1 if at < 0 else len(re.findall(r"\b(?:st|red|atom)\.global", head))
     trigger = ptx.find("griddepcontrol.launch_dependents")
-    return Usage(name, int(match.group(1)), int(match.group(2)), loads, stores, 0 <= trigger < at)
+    return Usage(name, int(match.group(1)), int(match.group(2)), loads, stores, 0 <= trigger < at,
+                 kernel.metadata.shared, "cp.async.cg.shared.global" in ptx)
 
 
 def compile_all(arch: int = 90, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,

@@ -60,6 +60,12 @@ MAX_PICK_TILE = 16384
 INTERPRET_PROGRAMS = 3  # the interpreter: few programs, so the tests' small products take several blocks each
 
 
+def two_ahead(block_n: int, block_k: int, element_size: int) -> bool:
+    """Whether a program keeps two tiles requested ahead (TILES_AHEAD, and tiles of at most
+    _TILE_BYTES: see TILES_AHEAD)."""
+    return TILES_AHEAD == 2 and block_n * block_k * element_size <= _TILE_BYTES
+
+
 @triton.jit
 def _weight_tile(W, block, N, stride_wn, offs_bn, offs_k, k_mask, BLOCK_N: tl.constexpr):
     offs_n = block * BLOCK_N + offs_bn
@@ -181,7 +187,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         y, h, res_out, n, k, eps, weight.stride(0), x.stride(1) if picks > 1 else 0, n_blocks,
         **pick_constants(picks, block_k),
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        TWO_AHEAD=TILES_AHEAD == 2 and block_n * block_k * weight.element_size() <= _TILE_BYTES,
+        TWO_AHEAD=two_ahead(block_n, block_k, weight.element_size()),
         num_warps=whole_row_warps(block_k), num_stages=1, **pdl_launch(),
     )
     return h, res_out, y
