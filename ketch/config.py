@@ -1,19 +1,19 @@
 """Frozen configuration dataclasses. Derived values are properties, never stored twice."""
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from ketch.config_checks import (DISAGGREGATION_MODES, check_device, check_disaggregation, check_expert_parallel,
-                                 check_hicache, check_kernels, check_sizes, check_speculative)
+                                 check_hicache, check_kernels, check_sizes, check_speculative, device_type)
 from ketch.config_checks import (_STORAGE_URL_FORMS, HICACHE_IO_BACKENDS, HICACHE_STORAGE_BACKENDS,
                                  HICACHE_WRITE_POLICIES, SPECULATIVE_ALGORITHMS, WILDCARD_HOSTS)
+from ketch.cpu_bf16 import cpu_has_native_bf16
 from ketch.hf_config import check_hf_fields, sliding_window
+
+if TYPE_CHECKING:  # torch is imported where a value needs it: `ketch serve` builds and checks this
+    import torch   # config before it launches the engine process, which torch's import would delay
 
 # the flags' choices live with their checks (config_checks.py); importers read them from here
 __all__ = ["DISAGGREGATION_MODES", "HICACHE_IO_BACKENDS", "HICACHE_STORAGE_BACKENDS", "HICACHE_WRITE_POLICIES",
@@ -112,7 +112,7 @@ class ModelConfig:
 
 # How a KV tensor's element type is chosen: "kv" follows EngineConfig.kv_torch_dtype (the model
 # dtype, or fp8 e4m3 pages), "model" is always the model dtype, a torch.dtype is fixed.
-KVDtypeRule = Literal["kv", "model"] | torch.dtype
+KVDtypeRule = Union[Literal["kv", "model"], "torch.dtype"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,8 @@ class KVTensorSpec:
     dtype: KVDtypeRule = "kv"
 
     def __post_init__(self) -> None:
+        import torch
+
         if not self.name:
             raise ValueError("KVTensorSpec.name must not be empty")
         if not self.shape or any(not isinstance(n, int) or n < 1 for n in self.shape):
@@ -133,8 +135,8 @@ class KVTensorSpec:
                              f"got {self.dtype!r}")
 
     def torch_dtype(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
+        if self.dtype not in ("kv", "model"):
+            return self.dtype  # a torch.dtype (__post_init__)
         return kv_dtype if self.dtype == "kv" else model_dtype
 
     def bytes_per_token(self, kv_dtype: torch.dtype, model_dtype: torch.dtype) -> int:
@@ -303,52 +305,59 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.cuda_graph and self.torch_device.type != "cuda":
+        if self.cuda_graph and self.device_type != "cuda":
             raise ValueError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto|{'|'.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cpu_activations not in CPU_ACTIVATIONS:
             raise ValueError(f"cpu_activations must be {'|'.join(CPU_ACTIVATIONS)}, got {self.cpu_activations!r}")
-        if self.cpu_activations != "int16" and (self.torch_device.type != "cpu" or self.quantization == "none"
+        if self.cpu_activations != "int16" and (self.device_type != "cpu" or self.quantization == "none"
                                                  or self.dtype == "float32"):  # fp32 dequantizes: no 4-bit product
             raise ValueError(f"cpu_activations={self.cpu_activations!r} is a setting of the CPU's 4-bit product: it "
                              f"needs device cpu, quantization auto and a dtype other than float32 (got "
                              f"{self.device!r}, {self.quantization!r}, {self.dtype!r})")
         for name in ("attention_backend", "layer_kernels"):
-            check_kernels(name, getattr(self, name), self.torch_device.type)
+            check_kernels(name, getattr(self, name), self.device)
 
     @property
     def use_cuda_graph(self) -> bool:
-        return self.torch_device.type == "cuda" if self.cuda_graph is None else self.cuda_graph
+        return self.device_type == "cuda" if self.cuda_graph is None else self.cuda_graph
 
     @property
     def use_overlap_schedule(self) -> bool:
-        return self.torch_device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
+        return self.device_type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     @property
     def resolved_attention_backend(self) -> str:
-        return _resolve_kernels(self.attention_backend, self.torch_device)
+        return _resolve_kernels(self.attention_backend, self.device_type)
 
     @property
     def resolved_layer_kernels(self) -> str:
         """auto: Triton on CUDA, ketch's C ops on the CPU (torch's where they do not apply), torch's
         under `cpu_compile` (its graph fuses them itself; eager steps then round as it does)."""
-        if self.layer_kernels == "auto" and self.torch_device.type == "cpu":
+        if self.layer_kernels == "auto" and self.device_type == "cpu":
             return "torch" if self.cpu_compile else "native"
-        return _resolve_kernels(self.layer_kernels, self.torch_device)
+        return _resolve_kernels(self.layer_kernels, self.device_type)
+
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda" ("auto": whether torch finds CUDA)."""
+        return device_type(self.device)
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        import torch
+
+        return torch.device(self.device_type if self.device == "auto" else self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """"auto": bf16 on CUDA and on CPUs with native bf16, else fp32; the engine then makes it
         bf16 for a 4-bit GGUF model on any CPU ketch's C kernels run on (runner/cpu_dtype.py)."""
+        import torch
+
         if self.dtype == "auto":
-            native_bf16 = self.torch_device.type == "cuda" or cpu_has_native_bf16()
+            native_bf16 = self.device_type == "cuda" or cpu_has_native_bf16()
             return torch.bfloat16 if native_bf16 else torch.float32
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
@@ -358,7 +367,9 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """Element type of the KV pool's pages ("auto": the model's torch_dtype)."""
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+        import torch
+
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     @property
     def prefill_chunk(self) -> int:
@@ -367,32 +378,11 @@ class EngineConfig:
         return min(chunk, self.max_num_batched_tokens)
 
 
-# kv_cache_dtype values besides "auto", and the pool dtype each selects
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn}
+# kv_cache_dtype values besides "auto", and the torch name of the pool dtype each selects
+KV_CACHE_DTYPES: dict[str, str] = {"fp8_e4m3": "float8_e4m3fn"}
 
 
-def _resolve_kernels(choice: str, device: torch.device) -> str:
+def _resolve_kernels(choice: str, device_type: str) -> str:
     if choice != "auto":
         return choice
-    return "triton" if device.type == "cuda" else "torch"
-
-
-# oneDNN's instruction-set caps below AVX512_CORE_BF16: a process told to act as such a machine
-_ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run natively, so bf16 is the fast CPU default. Not when
-    the variables that emulate a smaller machine cap the instruction set below them
-    (`ONEDNN_MAX_CPU_ISA=AVX2`, `ATEN_CPU_CAPABILITY=avx2`): an emulated run then chooses as that
-    machine would (ketch/native/build.py reads the same variables)."""
-    if (os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_WITHOUT_BF16
-            or os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default")):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "triton" if device_type == "cuda" else "torch"

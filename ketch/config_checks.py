@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
 from typing import Any
 
 HICACHE_WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_back")  # SGLang's names
@@ -42,7 +43,7 @@ def check_sizes(c: Any) -> None:
         raise ValueError(f"kv_cache_memory must be > 0 bytes, got {kv!r}")
 
 
-def check_kernels(name: str, value: str, device_type: str) -> None:
+def check_kernels(name: str, value: str, device: str) -> None:
     """attention_backend / layer_kernels: one of the names, and Triton only where it can run. On a
     CPU (no interpreter) Triton finds no driver only when a kernel launches, i.e. at the first
     request, which then kills the engine."""
@@ -50,23 +51,28 @@ def check_kernels(name: str, value: str, device_type: str) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be {'|'.join(allowed)}, got {value!r}")
     # kernels/_common.interpreting()'s test, read here: importing it would load triton with the config
-    if value == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError(f"{name}: 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device_type!r}")
+    if value == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and device_type(device) != "cuda":
+        raise ValueError(f"{name}: 'triton' needs a CUDA device (or TRITON_INTERPRET=1), got {device_type(device)!r}")
+
+
+_DEVICE_NAME = re.compile(r"(cpu|cuda)(:[0-9]+)?")
 
 
 def check_device(device: Any) -> None:
     """auto | cpu | cuda[:N] (whether CUDA is there is the engine build's check: a config may be
-    made and checked on a machine without it)."""
-    if device == "auto":
-        return
-    import torch  # the one check here that needs it
-
-    try:
-        kind = torch.device(device).type if isinstance(device, str) else None
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
+    made and checked on a machine without it). Read without torch: `ketch serve` checks its config
+    before it launches the engine process, and torch's import (~1.5 s) would hold that launch back."""
+    if device != "auto" and not (isinstance(device, str) and _DEVICE_NAME.fullmatch(device)):
         raise ValueError(f"device must be auto|cpu|cuda[:N], got {device!r}")
+
+
+def device_type(device: str) -> str:
+    """"cpu" or "cuda" for a checked device name; "auto" asks torch whether CUDA is there."""
+    if device != "auto":
+        return device.split(":")[0]
+    import torch  # only "auto" needs it (see check_device)
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_expert_parallel(c: Any) -> None:

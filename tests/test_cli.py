@@ -250,14 +250,15 @@ def test_serve_with_a_tokenizer_that_cannot_load_exits_2_and_ends_its_engine(tmp
 
 def test_ketch_gateway_never_imports_torch():
     """The gateway is a proxy: parsing its flags and building its app load no torch (~1.3 s and
-    ~300 MB a process), while `ketch serve`'s flags do (they hold the engine's config)."""
+    ~300 MB a process); nor does the whole parser, `ketch serve`'s flags included (their config
+    is the engine's, which imports torch in its own process: tests/test_serve_startup.py)."""
     probe = ("import sys; from ketch import cli; "
              "cli._gateway_parser().parse_args(['gateway', '--worker-urls', 'http://127.0.0.1:9']); "
              "import ketch.gateway.serve, ketch.gateway.app; light = 'torch' not in sys.modules; "
              "cli.build_parser(); print(light, 'torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["True", "True"]  # none for the gateway; the full parser does import it
+    assert r.stdout.split() == ["True", "False"]  # none for the gateway, none for the full parser
 
 
 def test_serve_whose_engine_cannot_import_exits_1_saying_why(tmp_path):

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from ketch.config import EngineConfig, cpu_has_native_bf16
+from ketch.config import EngineConfig
+from ketch.cpu_bf16 import cpu_has_native_bf16
 from ketch.engine.engine import Engine
 from ketch import SamplingParams
 from ketch.llm import LLM

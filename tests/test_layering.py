@@ -25,8 +25,8 @@ from pathlib import Path
 KETCH = Path(__file__).resolve().parent.parent / "ketch"
 
 # What any package from sampling/scheduler upwards may import: formats, text, small helpers.
-LEAVES = frozenset({"config", "forward_batch", "hf_config", "host_copy", "host_memory", "kv_dtype", "text", "user_cache",
-                    "weights"})
+LEAVES = frozenset({"config", "cpu_bf16", "forward_batch", "hf_config", "host_copy", "host_memory", "kv_dtype", "text",
+                    "user_cache", "weights"})
 # What the packages at the bottom may import: no file format, no text.
 LOW_LEAVES = frozenset({"config", "forward_batch", "host_copy", "host_memory", "kv_dtype", "user_cache"})
 
@@ -60,8 +60,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "parallel": LOW_LEAVES,  # ParallelContext: handed to models and their layers, imports neither
     "kernels": LOW_LEAVES,  # no layers/ or cache/ module: references live in tests or above
     # the leaves themselves
-    "config": frozenset({"config_checks", "hf_config"}),  # EngineConfig's checks; config.json's fields
+    "config": frozenset({"config_checks", "cpu_bf16", "hf_config"}),  # its checks; config.json's fields; CPU dtype
     "config_checks": frozenset(),
+    "cpu_bf16": frozenset(),  # whether the CPU runs bf16 natively
     "forward_batch": frozenset(),  # one step as plain data: engine builds it, runner and backends read it
     "host_copy": frozenset(),
     "hf_config": frozenset(),  # a config.json's fields checked, the sliding window derived

@@ -29,7 +29,8 @@ import torch
 from ketch.attention.base import AttentionBackend
 from ketch.attention.idle import IDLE_ATTENTION
 from ketch.cache.kv_pool import KVPool
-from ketch.config import EngineConfig, cpu_has_native_bf16
+from ketch.config import EngineConfig
+from ketch.cpu_bf16 import cpu_has_native_bf16
 from ketch.forward_batch import ForwardBatch
 from ketch.host_copy import to_device
 from ketch.host_memory import available_memory_bytes

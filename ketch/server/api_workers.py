@@ -159,11 +159,12 @@ def run_api_worker(config: EngineConfig, sc: ServerConfig, origin: int, workdir:
 async def _serve_worker(config: EngineConfig, sc: ServerConfig, origin: int, workdir: str, engine_pid: int,
                         parent_pid: int, port: int, conn: Connection) -> int:
     from ketch.server.client import EngineClient, EngineStartError
-    from ketch.server.serve import _load_tokenizer, http_server
+    from ketch.server.http_server import http_server
+    from ketch.server.serve import load_tokenizer
 
     try:
         sock = bound_socket(sc.host, port, shared=True)
-        tokenizer = _load_tokenizer(config)
+        tokenizer = load_tokenizer(config)
         client = EngineClient(config, tokenizer.eos_token_ids if tokenizer else (), sc.watchdog_timeout,
                               origin=origin, workdir=workdir)
         await client.attach(engine_pid, parent_pid, READY_TIMEOUT_S)

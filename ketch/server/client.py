@@ -76,7 +76,7 @@ class EngineClient:
         self._pull = self._async.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._proc = None
-        self._eos_out: Connection | None = None  # launched: where the EOS ids go (start sends them)
+        self._eos_out: Connection | None = None  # launched: where the EOS ids go (hand_eos sends them)
         self._engine_pid: int | None = None  # attached: the engine we did not start
         self._parent_pid: int | None = None  # attached: the API process that started it
         self._router: asyncio.Task | None = None
@@ -89,13 +89,13 @@ class EngineClient:
     # ---------------------------------------------------------------- lifecycle
     def launch(self, api_servers: int = 1) -> None:
         """Start the engine process (for `api_servers` API processes); it imports its modules until
-        `start` hands it the EOS ids: the caller loads the tokenizer in between."""
+        `hand_eos` hands it the EOS ids: the caller loads the tokenizer in between."""
         self._link()
         addrs = [self.addresses(self.workdir, k) for k in range(api_servers)]
         self._proc, self._eos_out = start_engine_process(self.config, [a[0] for a in addrs], [a[1] for a in addrs])
 
-    async def start(self, eos_token_ids: tuple[int, ...], timeout: float = 600.0) -> m.EngineReady:
-        """Hand the launched engine its EOS ids and wait until it is ready."""
+    def hand_eos(self, eos_token_ids: tuple[int, ...]) -> None:
+        """Hand the launched engine its EOS ids: it builds the engine from here (`start` waits for it)."""
         self.eos_token_ids = eos_token_ids
         try:
             self._eos_out.send(tuple(eos_token_ids))
@@ -105,6 +105,9 @@ class EngineClient:
             raise EngineStartError(f"the engine process exited during startup (code {self._proc.exitcode})") from None
         finally:
             self._eos_out.close()
+
+    async def start(self, timeout: float = 600.0) -> m.EngineReady:
+        """Wait until the engine that `hand_eos` set building is ready."""
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, lambda: exited.done() or exited.set_result(None))

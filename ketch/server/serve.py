@@ -15,49 +15,24 @@ uvicorn's own deadline comes a little later, so those answers are written before
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import sys
 import tempfile
-from typing import Callable
 
 from ketch.config import WILDCARD_HOSTS, EngineConfig
-from ketch.http_shutdown import ANSWER_GRACE_S, GracefulServer
-from ketch.instance_id import HEADER as INSTANCE_HEADER
+from ketch.http_shutdown import ANSWER_GRACE_S
 from ketch.server.api_workers import ApiWorkerError, ApiWorkers, bound_socket, shared_metrics_dir, start_listening
-from ketch.server.app import build_app
 from ketch.server.client import EngineClient, EngineStartError
 from ketch.server.config import ServerConfig
-from ketch.server.errors import server_shutdown
-from ketch.server.front_door import FrontDoor
-from ketch.server.http_protocol import GuardedHttpProtocol
-from ketch.server.metrics import ServerMetrics
-from ketch.server.state import Admission, ServerState
-from ketch.text.chat_template import ChatTemplate
 from ketch.text.tokenizer import Tokenizer, TokenizerUnavailable
-from ketch.weights.source import ModelSource, default_model_path
+from ketch.weights.source import ModelSource
+
+# Nothing imported above may import torch, fastapi or transformers: this process launches the
+# engine process first and hands it the tokenizer's EOS ids as soon as it can, and a second spent
+# on imports before either is a second of start-up (tests/test_serve_startup.py holds it to that).
 
 
-class _Server(GracefulServer):
-    """Requests still running at our deadline end with `server_shutdown`; new ones are turned
-    away from the signal on (`state.shutting_down`)."""
-
-    state: ServerState | None = None
-    on_shutdown: Callable[[], None] | None = None  # the other API processes stop alongside (api_workers)
-
-    async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
-        if self.state is not None:
-            self.state.shutting_down = True
-        if self.on_shutdown is not None:
-            self.on_shutdown()
-        await super().shutdown(sockets)
-
-    def at_deadline(self) -> None:
-        if self.state is not None:
-            self.state.client.broadcast(server_shutdown())
-
-
-def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     source = ModelSource.resolve(config.model, config.load_format, config.tokenizer).tokenizer
     if source is None:
         return None
@@ -67,30 +42,6 @@ def _load_tokenizer(config: EngineConfig) -> Tokenizer | None:
         if config.tokenizer is not None:
             raise ValueError(f"tokenizer: no tokenizer found in {config.tokenizer!r}") from None
         return None
-
-
-def http_server(config: EngineConfig, sc: ServerConfig, client: EngineClient, tokenizer: Tokenizer | None,
-                metrics_dir: str | None = None) -> _Server:
-    """The uvicorn server of one API process (each of `api_server_count` builds its own)."""
-    share = sc.api_server_count  # the queue and connection limits are split between the API processes
-    template_src = sc.chat_template or (tokenizer.chat_template if tokenizer else None)
-    template = ChatTemplate(template_src) if template_src else None
-    name = sc.served_model_name or os.path.basename((config.model or default_model_path()).rstrip("/"))
-    limit = None if sc.max_queued_requests is None else -(-(config.max_num_seqs + sc.max_queued_requests) // share)
-    state = ServerState(client, tokenizer, template, name, sc.api_key, Admission(limit),
-                        tool_call_parser=sc.tool_call_parser, reasoning_parser=sc.reasoning_parser,
-                        max_n=sc.max_n, max_request_samples=sc.max_request_samples,
-                        request_timeout=sc.request_timeout, metrics=ServerMetrics(metrics_dir))
-    which = ((b"x-ketch-api-process", str(client.origin).encode()),) if share > 1 else ()
-    assert client.ready is not None  # started or attached: the engine's EngineReady came
-    which += ((INSTANCE_HEADER, client.ready.instance_id.encode()),)  # which server answered: instance_id.py
-    app = FrontDoor(build_app(state, sc.max_request_bytes, sc.body_timeout), state, which)
-    connections = None if sc.max_connections is None else -(-sc.max_connections // share)
-    protocol = GuardedHttpProtocol.with_limits(sc.header_timeout, connections, sc.max_header_bytes)
-    server = _Server(app, sc.shutdown_timeout, host=sc.host, port=sc.port, http=protocol, log_level="warning")
-    server.state = state
-    client.on_death = lambda: setattr(server, "should_exit", True)
-    return server
 
 
 def check_bootstrap_port(config: EngineConfig, sc: ServerConfig) -> None:
@@ -113,11 +64,15 @@ async def serve(config: EngineConfig, server_config: ServerConfig) -> int:
     client = EngineClient(config, (), sc.watchdog_timeout, workdir=workdir)
     workers: ApiWorkers | None = None
     try:
-        # the engine process first: its imports (~2 s) run while this process loads the tokenizer
+        # the engine process first: it imports torch and its modules while this process loads the
+        # tokenizer, then builds (weights, KV pool) while this one imports the web stack
         client.launch(api_servers=sc.api_server_count)
-        tokenizer = _load_tokenizer(config)
+        tokenizer = load_tokenizer(config)
         try:
-            ready = await client.start(tokenizer.eos_token_ids if tokenizer else ())
+            client.hand_eos(tokenizer.eos_token_ids if tokenizer else ())
+            from ketch.server.http_server import http_server
+
+            ready = await client.start()
             if many:
                 workers = ApiWorkers.start(config, sc, workdir, client.engine_pid, port)
                 await workers.wait_ready()

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from tqdm.auto import tqdm
-
-from ketch.weights.dummy_loader import DummyWeights
-from ketch.weights.gguf_loader import GGUFWeights, hf_config_from_gguf
-from ketch.weights.hf_loader import SafetensorsWeights, read_hf_config
 from ketch.weights.source import ModelSource, default_model_path, detect_format, is_gguf_file, resolve_model_path
+
+if TYPE_CHECKING:
+    import torch
+
+# The loaders (and torch under them) are imported by the functions that use them: the API process
+# imports this package for `source` alone (where the model and its tokenizer are), and must not
+# pay torch's import (~1.5 s) before it hands the engine process the tokenizer's EOS ids.
 
 __all__ = [
     "ModelSource",
@@ -47,6 +48,9 @@ def _source(path: str | ModelSource | None, load_format: str) -> ModelSource:
 
 def read_config(path: str | ModelSource | None, load_format: str = "auto") -> tuple[str, dict[str, Any]]:
     """(where it came from, config.json's dict) of a GGUF file, an HF directory or a config.json."""
+    from ketch.weights.gguf_loader import hf_config_from_gguf
+    from ketch.weights.hf_loader import read_hf_config
+
     path = _source(path, load_format).path
     if not os.path.isdir(path) and is_gguf_file(path):
         return path, hf_config_from_gguf(path)
@@ -68,6 +72,12 @@ def iter_weights(
     The path is checked and the file header parsed here, so bad input fails at the call, not at
     the first `next()`. `seed` only matters for dummy weights.
     """
+    import torch
+
+    from ketch.weights.dummy_loader import DummyWeights
+    from ketch.weights.gguf_loader import GGUFWeights
+    from ketch.weights.hf_loader import SafetensorsWeights
+
     model = _source(path, load_format)
     path, fmt = model.path, model.format
     source: _WeightSource
@@ -81,6 +91,8 @@ def iter_weights(
 
 
 def _checked(source: _WeightSource, shapes: Shapes, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from tqdm.auto import tqdm
+
     for name, tensor in tqdm(source, total=len(source), desc="Loading weights", unit="tensor"):
         expected = shapes.get(name)
         if expected is not None and tuple(tensor.shape) != expected:

@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ketch.sampling.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:  # annotations only: the API process imports this contract without torch (config.py)
+    import torch
 
 
 class GrammarMatcher(ABC):
