@@ -309,6 +309,11 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert all(m is not None and m.group(2) == "0" for m in wait.values()), proc.stdout
     loads = {name: int(m.group(1)) for name, m in wait.items() if m is not None}
     assert loads["gemv_m1"] > 0 and loads["gemv_dot"] > 0 and loads["gemv_whole"] > 0, proc.stdout
+    # built as the GPU's JIT builds it (a model's N and K are multiples of 16): the whole-row gemv's
+    # first W tile (WHOLE_K_TILE bytes of Llama's 4096-wide rows) comes in 16-byte loads, a share a thread
+    from ketch.kernels.gemv import WHOLE_K_TILE, whole_row_warps
+
+    assert loads["gemv_whole"] == WHOLE_K_TILE // (16 * 32 * whole_row_warps(4096)), proc.stdout
     assert loads["add_rms_norm"] > 0, proc.stdout
     assert loads["qk_rms_norm"] > 0 and loads["qk_norm_rope"] > 0 and loads["qk_norm_rope_store"] > 0, proc.stdout
     assert all(loads[n] == 0 for n in ("store_kv", "decode_split", "decode_split_skip", "decode_split_direct",

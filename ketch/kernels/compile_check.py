@@ -216,9 +216,11 @@ def _build(cases: list[tuple[str, Any, dict[str, Any], int, int]], fixed: dict[s
         if "EARLY_TRIGGER" in fn.arg_names:
             consts = {**consts, "EARLY_TRIGGER": pdl and early}
         sig = {n: fixed.get(n, "i32" if n.startswith("stride") or n == "page_size" else p) for n in fn.arg_names}
+        aligned: tuple[str, ...] = ()
         if fn is _gemv_kernel:  # its M, N, K are sizes (elsewhere K is the key pointer)
             sig.update(M="i32", N="i32", K="i32")
-        out.append(_usage(name, _compile(fn, sig, consts, arch, warps, stages)))
+            aligned = ("N", "K")  # a model's widths: multiples of 16, which the JIT specializes on (M: the batch)
+        out.append(_usage(name, _compile(fn, sig, consts, arch, warps, stages, aligned)))
     return out
 
 
