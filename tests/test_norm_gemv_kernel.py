@@ -154,6 +154,7 @@ def test_the_kernel_compiles_for_sm90_without_spills():
     script = """
 from ketch.kernels._common import pow2
 from ketch.kernels.compile_check import _compile, _usage
+from ketch.kernels.gemv import whole_row_warps
 from ketch.kernels.norm_gemv import _TILE_BYTES, PROGRAMS_PER_SM, _norm_gemv_kernel as fn, pick_constants, two_ahead
 for k in (2048, 4096, 7168):
     for w, size in (("*bf16", 2), ("*fp32", 4)):
@@ -165,7 +166,7 @@ for k in (2048, 4096, 7168):
             bn = max(1, _TILE_BYTES // (bk * size))
             consts = dict(**pick_constants(picks, bk), HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_N=bn,
                           BLOCK_K=bk, TWO_AHEAD=two_ahead(bn, bk, size), USE_PDL=True)
-            warps = 8 if bk >= 2048 else 4
+            warps = whole_row_warps(bk)  # as the wrapper launches it
             # as the JIT builds it for the models: K and N multiples of 16 (wide loads)
             u = _usage("norm_gemv", _compile(fn, sig, consts, 90, warps, 1, aligned=("N", "K")))
             print(k, w, picks, u.registers, u.spill_bytes, u.loads_before_wait, u.stores_before_wait)
